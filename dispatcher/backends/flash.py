@@ -1,0 +1,147 @@
+"""FlashAttention 2/3/4 and AMD's CK build: pip packages and Hub kernels, dense and varlen.
+
+All take (B, S, H, D) and return the log-sum-exp as (B, H, S); we hand back (B, S, H) like every
+other BSHD backend. Varlen packs keys by the indices of the key-padding mask (correct for left
+padding and gaps) and passes Lk as max_seqlen, an upper bound, so no host sync is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..registry import add, kernels_requirement
+from ..requirements import CudaCapability, OnDevice, Package, RocmArch
+from ..spec import BF16, HALF, BackendSpec, HeadDims, HubKernel
+
+CUDA = frozenset({"cuda"})
+ON_CUDA = OnDevice(CUDA)
+SM80 = CudaCapability(minimum=(8, 0))
+HOPPER_AMPERE = CudaCapability(exact=((8, 0), (8, 6), (8, 7), (8, 9), (9, 0)))
+HOPPER_BLACKWELL = CudaCapability(exact=((9, 0), (10, 0), (10, 3)))
+FA2 = Package("flash-attn", "2.6.3", module="flash_attn.flash_attn_interface",
+              pip="pip install 'flash-attn>=2.6.3' --no-build-isolation")
+FA3 = Package("flash-attn-3", module="flash_attn_interface",
+              pip="build FlashAttention-3 from source (the hopper/ folder of flash-attention: python setup.py install)")
+
+FLASH_2_HUB = HubKernel("kernels-community/flash-attn2", "flash_attn_func", version=3)
+FLASH_2_VARLEN_HUB = HubKernel("kernels-community/flash-attn2", "flash_attn_varlen_func", version=3)
+FLASH_3_HUB = HubKernel("kernels-community/flash-attn3", "flash_attn_func", version=1)
+FLASH_3_VARLEN_HUB = HubKernel("kernels-community/flash-attn3", "flash_attn_varlen_func", version=1)
+FLASH_4_HUB = HubKernel("kernels-community/flash-attn4", "flash_attn_func", version=0, min_kernels="0.12.3")
+AITER_FA2_HUB = HubKernel("kernels-community/aiter-flash-attn-ck", "flash_attn_func", version=1)
+
+
+def _out_and_lse(result, return_lse: bool):
+    """Kernels return a tensor, (out, lse) or (out, lse, probs) depending on version: normalise."""
+    out, lse = (result[0], result[1] if len(result) > 1 else None) if isinstance(result, (tuple, list)) else (result, None)
+    if not return_lse:
+        return out
+    if lse is None:
+        raise RuntimeError("the kernel returned no log-sum-exp")
+    return out, lse.transpose(1, 2).float()
+
+
+def _fa2_pip():
+    from flash_attn.flash_attn_interface import flash_attn_func
+    return flash_attn_func
+
+
+def _fa2_varlen_pip():
+    from flash_attn.flash_attn_interface import flash_attn_varlen_func
+    return flash_attn_varlen_func
+
+
+def _fa3_pip():
+    from flash_attn_interface import flash_attn_func
+    return flash_attn_func
+
+
+def _fa3_varlen_pip():
+    from flash_attn_interface import flash_attn_varlen_func
+    return flash_attn_varlen_func
+
+
+def dense(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, kernel=None, style="fa2"):
+    kernel = kernel or {"fa2": _fa2_pip, "fa3": _fa3_pip}[style]()
+    kwargs = {"softmax_scale": scale, "causal": is_causal}
+    if style in ("fa2", "aiter"):
+        kwargs["dropout_p"] = dropout_p
+    if return_lse:
+        kwargs["return_lse" if style == "aiter" else "return_attn_probs"] = True
+    return _out_and_lse(kernel(q, k, v, **kwargs), return_lse)
+
+
+def varlen(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, kernel=None, style="fa2"):
+    kernel = kernel or {"fa2": _fa2_varlen_pip, "fa3": _fa3_varlen_pip}[style]()
+    b, lq, h, d = q.shape
+    lk, hk = k.shape[1], k.shape[2]
+    arange = torch.arange(0, (b + 1) * lq, lq, dtype=torch.int32, device=q.device)
+    if attn_mask is None:
+        keys, values, cu_k = k.reshape(b * lk, hk, d), v.reshape(b * lk, hk, v.shape[-1]), \
+            torch.arange(0, (b + 1) * lk, lk, dtype=torch.int32, device=q.device)
+    else:
+        keep = attn_mask.expand(b, lk)
+        index = keep.reshape(-1).nonzero().squeeze(-1)
+        keys, values = k.reshape(b * lk, hk, d).index_select(0, index), v.reshape(b * lk, hk, -1).index_select(0, index)
+        cu_k = torch.nn.functional.pad(keep.sum(-1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    kwargs = {"softmax_scale": scale, "causal": is_causal}
+    if style == "fa2":
+        kwargs["dropout_p"] = dropout_p
+    if return_lse:
+        kwargs["return_attn_probs"] = True
+    result = kernel(q.reshape(b * lq, h, d), keys, values, arange, cu_k, lq, lk, **kwargs)
+    out, lse = (result[0], result[1]) if isinstance(result, (tuple, list)) else (result, None)
+    out = out.reshape(b, lq, h, -1)
+    if not return_lse:
+        return out
+    if lse is None:
+        raise RuntimeError("the kernel returned no log-sum-exp")
+    return out, lse.reshape(h, b, lq).permute(1, 2, 0).float() if lse.shape[0] == h else lse.reshape(b, h, lq).transpose(1, 2).float()
+
+
+def _style(fn, **fixed):
+    def run(q, k, v, **kwargs):
+        return fn(q, k, v, **kwargs, **fixed)
+    run.__name__ = f"{fn.__name__}_{fixed.get('style', '')}"
+    return run
+
+
+COMMON = dict(layout="BSHD", devices=CUDA, dtypes=HALF, head_dims=HeadDims(8, 256, 8), gqa=True,
+              causal_alignment="bottom_right", lse=True, fallback=("_native_flash", "native"))
+KEY_PADDING = frozenset({"key_padding"})
+
+add(BackendSpec(name="flash", family="flash2", description="FlashAttention-2 (pip flash-attn)",
+                fn=_style(dense, style="fa2"), dropout=True, capability=SM80, preference=70,
+                requires=(FA2, ON_CUDA, SM80), **COMMON))
+add(BackendSpec(name="flash_hub", family="flash2", description="FlashAttention-2 from the Hub (kernels-community)",
+                fn=_style(dense, style="fa2"), dropout=True, capability=SM80, preference=69, hub=FLASH_2_HUB,
+                requires=(kernels_requirement(FLASH_2_HUB), ON_CUDA, SM80), **COMMON))
+add(BackendSpec(name="flash_varlen", family="flash2", description="FlashAttention-2 varlen: bool key-padding masks",
+                fn=_style(varlen, style="fa2"), dropout=True, capability=SM80, preference=65, masks=KEY_PADDING,
+                mask_format="key_padding", requires=(FA2, ON_CUDA, SM80), **COMMON))
+add(BackendSpec(name="flash_varlen_hub", family="flash2", description="FlashAttention-2 varlen from the Hub",
+                fn=_style(varlen, style="fa2"), dropout=True, capability=SM80, preference=64, masks=KEY_PADDING,
+                mask_format="key_padding", hub=FLASH_2_VARLEN_HUB,
+                requires=(kernels_requirement(FLASH_2_VARLEN_HUB), ON_CUDA, SM80), **COMMON))
+add(BackendSpec(name="_flash_3", family="flash3", description="FlashAttention-3 (Hopper; built from source)",
+                fn=_style(dense, style="fa3"), capability=HOPPER_AMPERE, preference=90, requires=(FA3, ON_CUDA),
+                backward=True, **COMMON))
+add(BackendSpec(name="_flash_varlen_3", family="flash3", description="FlashAttention-3 varlen (Hopper)",
+                fn=_style(varlen, style="fa3"), capability=HOPPER_AMPERE, preference=85, masks=KEY_PADDING,
+                mask_format="key_padding", requires=(FA3, ON_CUDA), **COMMON))
+add(BackendSpec(name="_flash_3_hub", family="flash3", description="FlashAttention-3 from the Hub (sm_80, sm_90)",
+                fn=_style(dense, style="fa3"), capability=HOPPER_AMPERE, preference=89, hub=FLASH_3_HUB,
+                requires=(kernels_requirement(FLASH_3_HUB), ON_CUDA, HOPPER_AMPERE), **COMMON))
+add(BackendSpec(name="_flash_3_varlen_hub", family="flash3", description="FlashAttention-3 varlen from the Hub",
+                fn=_style(varlen, style="fa3"), capability=HOPPER_AMPERE, preference=84, masks=KEY_PADDING,
+                mask_format="key_padding", hub=FLASH_3_VARLEN_HUB,
+                requires=(kernels_requirement(FLASH_3_VARLEN_HUB), ON_CUDA, HOPPER_AMPERE), **COMMON))
+add(BackendSpec(name="flash_4_hub", family="flash4", description="FlashAttention-4 (CuTe DSL) from the Hub, sm_90/sm_100",
+                fn=_style(dense, style="fa4"), capability=HOPPER_BLACKWELL, preference=95, hub=FLASH_4_HUB,
+                backward=False, requires=(kernels_requirement(FLASH_4_HUB), ON_CUDA, HOPPER_BLACKWELL),
+                **{**COMMON, "head_dims": HeadDims(8, 128, 8)}))
+add(BackendSpec(name="aiter_fa2_hub", family="aiter", description="AMD AITER CK FlashAttention-2 from the Hub (bf16)",
+                fn=_style(dense, style="aiter"), devices=frozenset({"rocm"}), dtypes=BF16, dropout=True,
+                rocm=RocmArch(("gfx942", "gfx950")), preference=70, hub=AITER_FA2_HUB,
+                requires=(kernels_requirement(AITER_FA2_HUB), OnDevice(frozenset({"rocm"})), RocmArch(("gfx942", "gfx950"))),
+                **{k: v for k, v in COMMON.items() if k not in ("devices", "dtypes")}))

@@ -1,0 +1,76 @@
+"""FlexAttention: masks become score/block masks, causal becomes a BlockMask (never dropped)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..registry import add
+from ..requirements import TorchVersion
+from ..spec import FLOATS, BackendSpec, HeadDims
+
+
+def _index(bias: torch.Tensor):
+    """An indexer into a broadcastable 4-D tensor that maps size-1 axes to 0."""
+    zero = torch.zeros((), dtype=torch.int64, device=bias.device)
+    pick = [(lambda i: i) if size > 1 else (lambda i: zero) for size in bias.shape]
+
+    def at(b, h, q, kv):
+        return bias[pick[0](b), pick[1](h), pick[2](q), pick[3](kv)]
+    return at
+
+
+def score_mod_for(mask: torch.Tensor):
+    at = _index(mask)
+    if mask.dtype == torch.bool:
+        def keep_or_drop(score, b, h, q, kv):
+            return torch.where(at(b, h, q, kv), score, -float("inf"))
+        return keep_or_drop
+
+    def add_bias(score, b, h, q, kv):
+        return score + at(b, h, q, kv).to(score.dtype)
+    return add_bias
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@functools.lru_cache(maxsize=64)
+def causal_block_mask(len_q: int, len_kv: int, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+    return create_block_mask(_causal, None, None, len_q, len_kv, device=device)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attention_backend(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    block_mask, score_mod = None, None
+    if type(attn_mask).__name__ == "BlockMask":
+        block_mask = attn_mask
+    elif attn_mask is not None:
+        score_mod = score_mod_for(attn_mask)
+    if is_causal:
+        block_mask = causal_block_mask(q.shape[-2], k.shape[-2], str(q.device))
+    # Flex is only fast compiled; eager on the CPU (compiling there costs tens of seconds per shape).
+    run = flex_attention if (q.device.type == "cpu" or torch.compiler.is_compiling()) else _compiled_flex()
+    result = run(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                 return_lse=return_lse)
+    if return_lse:
+        out, lse = result
+        return out, lse.float()
+    return result
+
+
+add(BackendSpec(
+    name="flex", family="flex", description="torch FlexAttention (compiled on GPUs): bool/additive/BlockMask masks",
+    fn=flex_attention_backend, layout="BHSD", devices=frozenset({"cpu", "cuda", "rocm", "xpu"}), dtypes=FLOATS,
+    head_dims=HeadDims(8), masks=frozenset({"bool", "key_padding", "additive", "blockmask"}), mask_format="native",
+    gqa=True, lse=True, preference=30, requires=(TorchVersion("2.5"),)))

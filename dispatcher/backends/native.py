@@ -1,0 +1,192 @@
+"""PyTorch's own kernels: SDPA (any backend or one pinned), its math reference, Ascend NPU and XLA."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..inputs import AttentionInputs
+from ..registry import add
+from ..requirements import CudaCapability, OnDevice, Package, TorchVersion
+from ..spec import FLOATS, HALF, BackendSpec, HeadDims
+
+ANY_DEVICE = frozenset({"cpu", "cuda", "rocm", "mps", "xpu", "npu"})
+ALL_MASKS = frozenset({"bool", "key_padding", "additive"})
+SM80 = CudaCapability(minimum=(8, 0))
+
+
+def _gqa_expand(q, k, v, enable_gqa):
+    """Repeat key/value heads for kernels that take equal head counts (BHSD)."""
+    groups = q.shape[1] // k.shape[1]
+    if enable_gqa and groups > 1:
+        return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return k, v
+
+
+def _sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, pinned=None):
+    kwargs = {"attn_mask": attn_mask, "dropout_p": dropout_p, "is_causal": is_causal, "scale": scale}
+    if enable_gqa:
+        kwargs["enable_gqa"] = True
+    if pinned is None:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with sdpa_kernel(pinned):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def sdpa_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                 enable_gqa=enable_gqa, return_lse=False)
+
+
+def math_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    if not return_lse:
+        return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     enable_gqa=enable_gqa, return_lse=False, pinned=SDPBackend.MATH)
+    # The reference with its log-sum-exp, computed in float32 (float64 stays float64).
+    k, v = _gqa_expand(q, k, v, enable_gqa)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    if is_causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return torch.matmul(probs, v.to(acc)).to(q.dtype), lse.to(acc)
+
+
+def flash_sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    if not return_lse:
+        return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     enable_gqa=enable_gqa, return_lse=False, pinned=SDPBackend.FLASH_ATTENTION)
+    k, v = _gqa_expand(q, k, v, enable_gqa)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[:2]
+    return out, lse.float()
+
+
+def efficient_sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    k, v = _gqa_expand(q, k, v, enable_gqa)
+    if not return_lse:
+        return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     enable_gqa=False, return_lse=False, pinned=SDPBackend.EFFICIENT_ATTENTION)
+    bias = None if attn_mask is None else _as_bias(attn_mask, q)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, dropout_p, is_causal, scale=scale)[:2]
+    return out, lse[..., : q.shape[-2]].float()
+
+
+def cudnn_sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    k, v = _gqa_expand(q, k, v, enable_gqa)
+    if not return_lse:
+        return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     enable_gqa=False, return_lse=False, pinned=SDPBackend.CUDNN_ATTENTION)
+    bias = None if attn_mask is None else _as_bias(attn_mask, q)
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, bias, True, dropout_p, is_causal, False, scale=scale)[:2]
+    return out, (lse.squeeze(-1) if lse.dim() == 4 else lse).float()
+
+
+def _as_bias(mask, q):
+    bias = mask if mask.dtype != torch.bool else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        ~mask, float("-inf"))
+    return bias.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], bias.shape[-1])
+
+
+def _cuda_flash_limits(inputs: AttentionInputs) -> list[str]:
+    """SDPA's CUDA flash kernel is narrower than its CPU one: no masks, half precision, Ampere or newer."""
+    if inputs.device_kind not in ("cuda", "rocm"):
+        return []
+    reasons = []
+    if inputs.mask_kind != "none":
+        reasons.append("attn_mask is not supported by SDPA's flash kernel on GPUs (it would raise)")
+    if inputs.dtype not in HALF:
+        reasons.append(f"dtype {str(inputs.dtype).replace('torch.', '')} is not supported by SDPA's flash kernel "
+                       "on GPUs (supported: bfloat16, float16)")
+    if inputs.head_dim > 256 or inputs.head_dim % 8:
+        reasons.append(f"head dim {inputs.head_dim} is not supported by SDPA's flash kernel on GPUs "
+                       "(supported: up to 256, multiple of 8)")
+    if inputs.device_kind == "cuda":
+        problem = SM80.check(_capability(inputs))
+        if problem:
+            reasons.append(problem)
+    return reasons
+
+
+def _capability(inputs):
+    from ..machine import capability_of
+    return capability_of(inputs.device)
+
+
+def _not_dropout_with_lse(inputs: AttentionInputs) -> list[str]:
+    return ["dropout_p > 0 with return_lse=True is not supported"] if inputs.dropout and inputs.return_lse else []
+
+
+def npu_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    import torch_npu
+
+    heads, head_dim = q.shape[2], q.shape[3]
+    if is_causal:  # the NPU kernel has no causal flag: pass the mask it means, instead of dropping it
+        keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+        attn_mask = keep[None, None]
+    drop = None if attn_mask is None else ~attn_mask.expand(q.shape[0], 1, q.shape[1], k.shape[1])
+    return torch_npu.npu_fusion_attention(
+        q, k, v, heads, input_layout="BSND", atten_mask=drop,
+        scale=scale if scale is not None else 1.0 / math.sqrt(head_dim),
+        keep_prob=1.0 - dropout_p, pre_tockens=65536, next_tockens=65536)[0]
+
+
+def xla_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    from torch_xla.experimental.custom_kernel import flash_attention
+
+    return flash_attention(q, k, v, causal=is_causal, sm_scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+
+
+add(BackendSpec(
+    name="native", family="sdpa", description="torch SDPA: PyTorch picks its best kernel (cuDNN/flash/efficient/math)",
+    fn=sdpa_attention, layout="BHSD", devices=ANY_DEVICE, dtypes=FLOATS, head_dims=HeadDims(), masks=ALL_MASKS,
+    mask_format="native", gqa=True, dropout=True, preference=50, error_bound=1e-2, fallback=("_native_math",),
+    requires=(TorchVersion("2.5"),)))
+add(BackendSpec(
+    name="_native_math", family="sdpa", description="torch SDPA math kernel: the exact reference, slow",
+    fn=math_attention, layout="BHSD", devices=ANY_DEVICE, dtypes=FLOATS, head_dims=HeadDims(), masks=ALL_MASKS,
+    mask_format="native", gqa=True, dropout=True, lse=True, preference=0, error_bound=1e-2, fallback=(),
+    requires=(TorchVersion("2.5"),)))
+add(BackendSpec(
+    name="_native_flash", family="sdpa", description="torch SDPA flash kernel (CPU flash kernel on CPUs)",
+    fn=flash_sdpa, layout="BHSD", devices=frozenset({"cpu", "cuda", "rocm"}), dtypes=FLOATS, head_dims=HeadDims(),
+    masks=ALL_MASKS, mask_format="native", gqa=True, dropout=True, lse=True, preference=40,
+    extra_reasons=lambda i: _cuda_flash_limits(i) + _not_dropout_with_lse(i) +
+    (["dropout_p > 0 is not supported by SDPA's flash kernel on the CPU"] if i.dropout and i.device_kind == "cpu" else []),
+    requires=(TorchVersion("2.5"),)))
+add(BackendSpec(
+    name="_native_efficient", family="sdpa", description="torch SDPA memory-efficient kernel (GPUs)",
+    fn=efficient_sdpa, layout="BHSD", devices=frozenset({"cuda", "rocm"}),
+    dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), head_dims=HeadDims(1, 512), masks=ALL_MASKS,
+    mask_format="native", gqa=True, dropout=True, lse=True, preference=20, extra_reasons=_not_dropout_with_lse,
+    requires=(TorchVersion("2.5"), OnDevice(frozenset({"cuda", "rocm"})))))
+add(BackendSpec(
+    name="_native_cudnn", family="sdpa", description="torch SDPA cuDNN kernel (NVIDIA, sm_80+)",
+    fn=cudnn_sdpa, layout="BHSD", devices=frozenset({"cuda"}), dtypes=HALF, head_dims=HeadDims(8, 256, 8),
+    masks=ALL_MASKS, mask_format="native", gqa=True, dropout=True, lse=True, capability=SM80, preference=60,
+    extra_reasons=_not_dropout_with_lse,
+    requires=(TorchVersion("2.5"), OnDevice(frozenset({"cuda"})), SM80)))
+add(BackendSpec(
+    name="_native_npu", family="npu", description="Ascend NPU fused attention (torch_npu.npu_fusion_attention)",
+    fn=npu_attention, layout="BSHD", devices=frozenset({"npu"}), dtypes=HALF, head_dims=HeadDims(1, 512),
+    masks=frozenset({"bool", "key_padding"}), mask_format="bool", dropout=True, backward=False,
+    requires=(Package("torch-npu", module="torch_npu", pip="pip install torch-npu"),)))
+add(BackendSpec(
+    name="_native_xla", family="xla", description="XLA flash attention (torch_xla Pallas kernel)",
+    fn=xla_attention, layout="BHSD", devices=frozenset({"xla"}), dtypes=FLOATS - {torch.float64},
+    head_dims=HeadDims(), backward=False,
+    requires=(Package("torch-xla", "2.2", module="torch_xla.experimental.custom_kernel"),)))

@@ -1,0 +1,105 @@
+"""SageAttention: INT8 QK with FP16/FP8 PV, from pip (`sageattention`) or the Hub.
+
+Quantised, so its error against exact attention is larger (about 1e-2): `error_bound` says so,
+and `auto` validates it against SDPA before trusting it.
+"""
+
+from __future__ import annotations
+
+from ..inputs import AttentionInputs
+from ..registry import add, kernels_requirement
+from ..requirements import CudaCapability, OnDevice, Package, RocmArch
+from ..spec import HALF, BackendSpec, HeadDims, HubKernel
+from ..versions import at_least
+
+SAGE = Package("sageattention", "1.0.6", module="sageattention", pip="pip install 'sageattention>=2.1.1'")
+SAGE2 = Package("sageattention", "2.1.1", module="sageattention",
+                pip="pip install 'sageattention>=2.1.1' (or build SageAttention 2 from source)")
+ON_CUDA = OnDevice(frozenset({"cuda"}))
+SM80, SM89, SM90 = (CudaCapability(minimum=c) for c in ((8, 0), (8, 9), (9, 0)))
+SM90_ONLY = CudaCapability(exact=((9, 0),))
+SAGE_HUB_CAPS = CudaCapability(exact=((8, 0), (8, 6), (8, 9), (9, 0), (10, 0)))
+BLACKWELL = CudaCapability(exact=((10, 0), (12, 0)))
+
+# The SageAttention org is not a trusted kernel publisher: these need DIFFUSERS_TRUST_REMOTE_KERNELS=true.
+SAGE_HUB = HubKernel("thu-ml/sage-attention", "sageattn", version=1)
+SAGE_BLACKWELL_HUB = HubKernel("thu-ml/sage-attention-blackwell", "sageattn", version=1)
+AITER_SAGE_HUB = HubKernel("kernels-community/aiter-sage-attention", "sageattn", version=1)
+
+
+def _v1_head_dims(inputs: AttentionInputs) -> list[str]:
+    """sageattention 1.x (Triton) takes only head dims 64, 96 and 128."""
+    from ..machine import current_machine
+    version = current_machine().package_version("sageattention")
+    if version and not at_least(version, "2") and inputs.head_dim not in (64, 96, 128):
+        return [f"head dim {inputs.head_dim} is not supported by sageattention {version} (supported: 64, 96, 128; "
+                "sageattention>=2.1.1 takes more)"]
+    return []
+
+
+def _pip_function(name: str):
+    import sageattention
+    return getattr(sageattention, name)
+
+
+def sage_call(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, kernel=None, function="sageattn"):
+    kernel = kernel or _pip_function(function)
+    kwargs = {"tensor_layout": "NHD", "is_causal": is_causal}
+    if scale is not None:
+        kwargs["sm_scale"] = scale
+    if return_lse:
+        kwargs["return_lse"] = True
+    result = kernel(q, k, v, **kwargs)
+    if not return_lse:
+        return result[0] if isinstance(result, (tuple, list)) else result
+    out, lse = result[0], result[1]
+    return out, lse.transpose(1, 2).float()  # (B, H, S) -> (B, S, H)
+
+
+def sage_varlen_call(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    from .flash import varlen
+    return varlen(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                  return_lse=False, kernel=_sage_varlen_adapter, style="sage")
+
+
+def _sage_varlen_adapter(q, k, v, cu_q, cu_k, max_q, max_k, *, softmax_scale, causal):
+    kwargs = {"is_causal": causal}
+    if softmax_scale is not None:
+        kwargs["sm_scale"] = softmax_scale
+    return _pip_function("sageattn_varlen")(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+def _named(function: str):
+    def run(q, k, v, **kwargs):
+        return sage_call(q, k, v, function=function, **kwargs)
+    run.__name__ = function
+    return run
+
+
+COMMON = dict(layout="BSHD", devices=frozenset({"cuda"}), dtypes=HALF, head_dims=HeadDims(64, 128, 32), gqa=True,
+              backward=False, error_bound=5e-2, fallback=("_native_flash", "native"))
+
+add(BackendSpec(name="sage", family="sage", description="SageAttention (pip sageattention; picks its kernel per GPU)",
+                fn=_named("sageattn"), capability=SM80, preference=80, extra_reasons=_v1_head_dims, lse=False,
+                requires=(SAGE, ON_CUDA, SM80), **COMMON))
+add(BackendSpec(name="sage_varlen", family="sage", description="SageAttention varlen: bool key-padding masks",
+                fn=sage_varlen_call, capability=SM80, preference=60, masks=frozenset({"key_padding"}),
+                mask_format="key_padding", requires=(SAGE2, ON_CUDA, SM80), **COMMON))
+for name, function, capability, preference in (
+        ("_sage_qk_int8_pv_fp8_cuda", "sageattn_qk_int8_pv_fp8_cuda", SM89, 78),
+        ("_sage_qk_int8_pv_fp8_cuda_sm90", "sageattn_qk_int8_pv_fp8_cuda_sm90", SM90, 79),
+        ("_sage_qk_int8_pv_fp16_cuda", "sageattn_qk_int8_pv_fp16_cuda", SM80, 76),
+        ("_sage_qk_int8_pv_fp16_triton", "sageattn_qk_int8_pv_fp16_triton", SM80, 75)):
+    add(BackendSpec(name=name, family="sage", description=f"SageAttention kernel {function}", fn=_named(function),
+                    capability=capability, preference=preference, lse=True,
+                    requires=(SAGE2, ON_CUDA, capability), **COMMON))
+add(BackendSpec(name="sage_hub", family="sage", description="SageAttention 2 from the Hub (SageAttention org; opt-in)",
+                fn=sage_call, capability=SAGE_HUB_CAPS, preference=79, hub=SAGE_HUB, lse=True,
+                requires=(kernels_requirement(SAGE_HUB), ON_CUDA, SAGE_HUB_CAPS), **COMMON))
+add(BackendSpec(name="sage_blackwell_hub", family="sage", description="SageAttention 3 for Blackwell from the Hub (opt-in)",
+                fn=sage_call, capability=BLACKWELL, preference=85, hub=SAGE_BLACKWELL_HUB,
+                requires=(kernels_requirement(SAGE_BLACKWELL_HUB), ON_CUDA, BLACKWELL), **COMMON))
+add(BackendSpec(name="aiter_sage_hub", family="sage", description="AMD AITER SageAttention from the Hub (RDNA4 gfx1201)",
+                fn=sage_call, devices=frozenset({"rocm"}), rocm=RocmArch(("gfx1201",)), preference=75, hub=AITER_SAGE_HUB,
+                requires=(kernels_requirement(AITER_SAGE_HUB), OnDevice(frozenset({"rocm"})), RocmArch(("gfx1201",))),
+                **{k: v for k, v in COMMON.items() if k != "devices"}))

@@ -1,0 +1,97 @@
+"""Checks on attention inputs and outputs, each failure naming the tensor, the expected and the actual value.
+
+Structural checks (device, dtype, shape, mask, mask-and-causal) read only metadata; the dispatcher
+runs them whenever it decides a new call signature, so a bad call fails with a clear message before
+any kernel sees it. Value checks (NaN/Inf) read the data and cost a device sync: they run on every
+call only while checks are on (DIFFUSERS_ATTN_CHECKS=yes, `set_checks`, or `attention_checks`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .inputs import AttentionInputs
+from .masks import broadcast_problem
+
+logger = logging.getLogger("attention_dispatch")
+
+
+class AttentionInputError(ValueError):
+    """The inputs of an attention call are inconsistent; no backend can run them."""
+
+
+def _fail(message: str):
+    raise AttentionInputError(message)
+
+
+def check_structure(inputs: AttentionInputs) -> None:
+    i = inputs
+    for name, device in (("key", i.key_device), ("value", i.value_device)):
+        if device != i.device:
+            _fail(f"{name} is on {device} but query is on {i.device}: move query, key and value to one device")
+    for name, dtype in (("key", i.key_dtype), ("value", i.value_dtype)):
+        if dtype != i.dtype:
+            _fail(f"{name} has dtype {dtype} but query has {i.dtype}: cast query, key and value to one dtype")
+    if not i.dtype.is_floating_point:
+        _fail(f"query has dtype {i.dtype}; attention needs floating point inputs (float16, bfloat16, float32)")
+    if i.head_dim <= 0 or i.head_dim_v <= 0:
+        _fail(f"head dim must be positive; got query head dim {i.head_dim}, value head dim {i.head_dim_v}")
+    if i.len_q <= 0 or i.len_kv <= 0:
+        _fail(f"sequence lengths must be positive; got query length {i.len_q} and key length {i.len_kv}")
+    if i.batch <= 0 or i.heads_q <= 0 or i.heads_kv <= 0:
+        _fail(f"batch and head counts must be positive; got B={i.batch}, query heads {i.heads_q}, "
+              f"key/value heads {i.heads_kv}")
+    if i.heads_kv != i.heads_q:
+        if i.heads_q % i.heads_kv:
+            _fail(f"query has {i.heads_q} heads, not a multiple of the {i.heads_kv} key/value heads")
+        if not i.enable_gqa:
+            _fail(f"key/value have {i.heads_kv} heads but query has {i.heads_q}: pass enable_gqa=True for "
+                  "grouped-query attention")
+    if i.mask_kind == "integer":
+        _fail("attn_mask has an integer dtype; pass a bool mask (True = attend) or an additive float mask "
+              "(0 = keep, -inf = drop)")
+    if i.mask_shape is not None and i.mask_kind != "blockmask":
+        problem = broadcast_problem(i.mask_shape, i.batch, i.heads_q, i.len_q, i.len_kv)
+        if problem:
+            _fail(problem)
+    if i.is_causal and i.mask_kind != "none":
+        _fail("is_causal=True and attn_mask were both given: fold the causal mask into attn_mask, or drop attn_mask")
+
+
+def check_shapes(query, key, value, layout: str) -> None:
+    if key.dim() != 4 or value.dim() != 4 or query.dim() != 4:
+        _fail(f"query, key and value must be 4-D in layout {layout}; got shapes {tuple(query.shape)}, "
+              f"{tuple(key.shape)}, {tuple(value.shape)}")
+    batch_axis, seq_axis, head_axis = 0, (1 if layout == "BSHD" else 2), (2 if layout == "BSHD" else 1)
+    if key.shape[batch_axis] != query.shape[batch_axis] or value.shape[batch_axis] != query.shape[batch_axis]:
+        _fail(f"batch sizes differ: query {query.shape[0]}, key {key.shape[0]}, value {value.shape[0]}")
+    if key.shape[-1] != query.shape[-1]:
+        _fail(f"key head dim is {key.shape[-1]} but query head dim is {query.shape[-1]}: they must match")
+    if key.shape[seq_axis] != value.shape[seq_axis]:
+        _fail(f"key has sequence length {key.shape[seq_axis]} but value has {value.shape[seq_axis]}: they must match")
+    if key.shape[head_axis] != value.shape[head_axis]:
+        _fail(f"key has {key.shape[head_axis]} heads but value has {value.shape[head_axis]}: they must match")
+
+
+def _non_finite(t: torch.Tensor, allow_inf: bool = False) -> str | None:
+    if not t.is_floating_point():
+        return None
+    nans = int(torch.isnan(t).sum())
+    infs = 0 if allow_inf else int(torch.isinf(t).sum())
+    if nans or infs:
+        return f"{nans} NaN and {infs} Inf values (expected all finite) in a tensor of shape {tuple(t.shape)}"
+    return None
+
+
+def check_values(named: dict[str, torch.Tensor], mode: str, backend: str) -> None:
+    for name, tensor in named.items():
+        if tensor is None or not isinstance(tensor, torch.Tensor):
+            continue
+        problem = _non_finite(tensor, allow_inf=(name == "attn_mask"))
+        if problem:
+            message = f"{name} of attention backend '{backend}' has {problem}"
+            if mode == "raise":
+                _fail(message)
+            logger.warning(message)

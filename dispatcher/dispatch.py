@@ -1,0 +1,182 @@
+"""`dispatch_attention_fn`: pick the backend for a call, convert layout and mask, run it, fall back.
+
+The decision for a call signature (backend asked for, policy, shapes, dtypes, flags, trust scope)
+is made once and cached; a repeat call costs one dict lookup before the kernel runs. Layout
+changes are views (a transpose of strides), never copies, unless the kernel needs contiguity.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from . import checks, masks, registry, state, trust
+from .hub import KernelLoadError
+from .inputs import describe_call
+from .report import current_recorder
+
+logger = logging.getLogger("attention_dispatch")
+
+# The exact end of every chain: SDPA, then its math kernel (which runs anything SDPA accepts).
+FINAL_FALLBACKS = ("native", "_native_math")
+
+
+class BackendNotSupportedError(RuntimeError):
+    """No backend that was allowed to try could run the call; lists each one's reasons."""
+
+    def __init__(self, requested: str, description: str, skipped: list[tuple[str, list[str]]], policy: str):
+        self.requested, self.skipped, self.policy = requested, skipped, policy
+        lines = [f"attention backend '{requested}' cannot run these inputs ({policy} policy): {description}"]
+        for name, reasons in skipped:
+            lines.append(f"  '{name}' is not supported because:")
+            lines.extend(f"      {r}" for r in reasons)
+        if policy == "strict":
+            lines.append("  Use policy='fallback' to run the next backend in its chain instead.")
+        super().__init__("\n".join(lines))
+
+
+@dataclass
+class Decision:
+    requested: str
+    candidates: list  # [(name, spec, runner)], best first
+    skipped: list = field(default_factory=list)  # [(name, [reasons])]
+
+    def reasons_for(self, served: str) -> tuple[str, ...]:
+        """Why each backend before `served` in the chain was skipped."""
+        order = fallback_order(self.requested)
+        limit = order.index(served) if served in order else len(order)
+        return tuple(f"{name}: {r}" for name, reasons in self.skipped
+                     if name in order and order.index(name) < limit for r in reasons)
+
+
+_decisions: dict[tuple, Decision] = {}
+_decisions_lock = threading.Lock()
+_logged: set[tuple] = set()
+
+
+def forget_decisions() -> None:
+    with _decisions_lock:
+        _decisions.clear()
+        _logged.clear()
+
+
+def fallback_order(requested: str) -> list[str]:
+    order, queue = [], [requested]
+    while queue:
+        name = queue.pop(0)
+        if name in order or name not in registry.names():
+            continue
+        order.append(name)
+        queue.extend(registry.get(name).fallback)
+    order.extend(n for n in FINAL_FALLBACKS if n not in order)
+    return order
+
+
+def _decide(requested: str, policy: str, inputs) -> Decision:
+    checks.check_structure(inputs)
+    decision = Decision(requested, [])
+    for name in (fallback_order(requested) if policy == "fallback" else [requested]):
+        spec = registry.get(name)
+        # A backend that cannot run here at all is explained by that alone; per-call reasons come after.
+        reasons = registry.availability_reasons(name) or spec.not_supported_reasons(inputs)
+        if not reasons:
+            try:
+                decision.candidates.append((name, spec, registry.prepare(name)))
+                continue
+            except KernelLoadError as exc:
+                reasons = [str(exc)]
+        decision.skipped.append((name, reasons))
+    if not decision.candidates:
+        raise BackendNotSupportedError(requested, inputs.describe(), decision.skipped, policy)
+    return decision
+
+
+def _decision_for(requested: str, policy: str, inputs) -> Decision:
+    key = (requested, policy, inputs, trust.scope_key())
+    decision = _decisions.get(key)
+    if decision is None:
+        decision = _decide(requested, policy, inputs)
+        with _decisions_lock:
+            _decisions[key] = decision
+    return decision
+
+
+def _log_once(requested: str, served: str, reasons: tuple[str, ...]) -> None:
+    key = (requested, served, reasons)
+    if key in _logged:
+        return
+    _logged.add(key)
+    logger.warning("attention backend '%s' fell back to '%s': %s", requested, served, "; ".join(reasons))
+
+
+def _run(spec, runner, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, layout, extra):
+    if layout != spec.layout:
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    result = runner(query, key, value, attn_mask=masks.convert(attn_mask, spec.mask_format, query.dtype),
+                    dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                    return_lse=return_lse, **extra)
+    out, lse = result if return_lse else (result, None)
+    if layout != spec.layout:
+        out = out.transpose(1, 2)
+        lse = lse.transpose(1, 2) if lse is not None else None
+    return (out, lse) if return_lse else out
+
+
+def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
+                          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                          enable_gqa: bool = False, attention_kwargs: dict | None = None, *, backend: str | None = None,
+                          layout: str = "BSHD", policy: str | None = None, return_lse: bool = False,
+                          call_site: str = "attention"):
+    """Scaled dot-product attention through the selected backend.
+
+    query (B, Sq, H, D), key/value (B, Sk, Hk, D) in the default layout 'BSHD' (diffusers'), or
+    (B, H, S, D) with layout='BHSD'. attn_mask: bool (True = attend) or additive float, broadcastable
+    to (B, H, Sq, Sk) by ComfyUI's rank rule (2-D = (Sq, Sk), 3-D = (B, Sq, Sk)), or a BlockMask.
+    Returns the output in the input layout, and with return_lse=True also the log-sum-exp,
+    (B, Sq, H) for BSHD or (B, H, Sq) for BHSD, float32.
+    """
+    requested = backend if backend is not None else state.active_backend()
+    if requested not in registry.names():
+        raise registry.UnknownBackendError(registry.unknown_message(requested))
+    policy = state.validate_policy(policy) if policy is not None else state.active_policy()
+    checks.check_shapes(query, key, value, layout)
+    inputs = describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, layout)
+    decision = _decision_for(requested, policy, inputs)
+    mode = state.active_checks()
+    if mode != "off":
+        checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, requested)
+    extra = attention_kwargs or {}
+    recorder = current_recorder()
+    for index, (name, spec, runner) in enumerate(decision.candidates):
+        try:
+            out = _run(spec, runner, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                       return_lse, layout, extra)
+        except Exception as exc:
+            if policy == "strict" or index == len(decision.candidates) - 1 or isinstance(exc, checks.AttentionInputError):
+                raise
+            _demote(decision, name, f"raised {type(exc).__name__}: {str(exc).strip()[:300]}")
+            if recorder is not None:
+                recorder.record_error(call_site, name, f"{type(exc).__name__}: {str(exc).strip()[:300]}")
+            return dispatch_attention_fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                         attention_kwargs, backend=backend, layout=layout, policy=policy,
+                                         return_lse=return_lse, call_site=call_site)
+        if mode != "off":
+            checks.check_values({"output": out[0] if return_lse else out}, mode, name)
+        reasons = decision.reasons_for(name) if name != requested else ()
+        if reasons:
+            _log_once(requested, name, reasons)
+        if recorder is not None:
+            recorder.record(call_site, requested, name, reasons)
+        return out
+    raise AssertionError("unreachable: a decision always has a candidate")
+
+
+def _demote(decision: Decision, name: str, reason: str) -> None:
+    """A backend that failed at run time is skipped for this signature from now on, with the reason."""
+    with _decisions_lock:
+        decision.candidates = [c for c in decision.candidates if c[0] != name]
+        decision.skipped.append((name, [reason]))
+    logger.warning("attention backend '%s' failed (%s); falling back for these inputs", name, reason)

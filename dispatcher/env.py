@@ -1,0 +1,26 @@
+"""Environment variables the dispatcher reads, parsed one way everywhere.
+
+They are read when a decision is made (activating a backend, loading a kernel), never at import,
+so a ComfyUI started with one value can be changed by tests or by a user's shell without reloading.
+"""
+
+from __future__ import annotations
+
+import os
+
+TRUE_VALUES = frozenset({"1", "ON", "YES", "TRUE"})
+
+ATTN_BACKEND = "DIFFUSERS_ATTN_BACKEND"
+ATTN_CHECKS = "DIFFUSERS_ATTN_CHECKS"
+DISABLE_REMOTE_CODE = "DIFFUSERS_DISABLE_REMOTE_CODE"
+TRUST_REMOTE_KERNELS = "DIFFUSERS_TRUST_REMOTE_KERNELS"
+KERNEL_LOCK = "ATTN_DISPATCH_KERNEL_LOCK"
+
+
+def flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in TRUE_VALUES
+
+
+def value(name: str, default: str | None = None) -> str | None:
+    raw = os.environ.get(name)
+    return raw.strip() if raw and raw.strip() else default

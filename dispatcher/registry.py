@@ -1,0 +1,181 @@
+"""The one registry of backends: built-in specs, user-registered ones, and what this machine can run."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import hub
+from .machine import Machine, current_machine
+from .requirements import Package
+from .spec import FLOATS, BackendSpec, HeadDims, HubKernel
+
+_specs: dict[str, BackendSpec] = {}
+_lock = threading.RLock()
+_availability: dict[tuple[str, int], tuple[str, ...]] = {}
+
+BUILTIN_NAMES = (
+    "native", "flex", "_native_cudnn", "_native_efficient", "_native_flash", "_native_math", "_native_npu",
+    "_native_xla", "flash", "flash_hub", "flash_varlen", "flash_varlen_hub", "aiter_fa2_hub", "aiter_sage_hub",
+    "flash_4_hub", "_flash_3", "_flash_varlen_3", "_flash_3_hub", "_flash_3_varlen_hub", "sage", "sage_hub",
+    "sage_blackwell_hub", "sage_varlen", "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90",
+    "_sage_qk_int8_pv_fp16_cuda", "_sage_qk_int8_pv_fp16_triton", "xformers",
+)
+
+
+class UnknownBackendError(ValueError):
+    pass
+
+
+class BackendUnavailableError(RuntimeError):
+    def __init__(self, name: str, reasons: list[str]):
+        self.name, self.reasons = name, list(reasons)
+        super().__init__(f"attention backend '{name}' cannot run on this machine: " + "; ".join(reasons))
+
+
+def add(spec: BackendSpec, *, replace: bool = False) -> BackendSpec:
+    with _lock:
+        if spec.name in _specs and not replace:
+            raise ValueError(f"an attention backend named '{spec.name}' is already registered; "
+                             "pass replace=True to override it")
+        _specs[spec.name] = spec
+        _availability.clear()
+        from . import dispatch  # the decision cache depends on the registry
+        dispatch.forget_decisions()
+    return spec
+
+
+def remove(name: str) -> None:
+    with _lock:
+        spec = _specs.get(name)
+        if spec is None or not spec.custom:
+            raise ValueError(f"only custom backends can be removed; '{name}' is {'built in' if spec else 'not registered'}")
+        del _specs[name]
+        _availability.clear()
+        from . import dispatch
+        dispatch.forget_decisions()
+
+
+def names() -> list[str]:
+    """Built-in backends in their canonical order, then custom ones in registration order."""
+    builtin = [n for n in BUILTIN_NAMES if n in _specs]
+    return builtin + [n for n in _specs if n not in BUILTIN_NAMES]
+
+
+def get(name: str) -> BackendSpec:
+    spec = _specs.get(name)
+    if spec is None:
+        raise UnknownBackendError(unknown_message(name))
+    return spec
+
+
+def unknown_message(name) -> str:
+    valid = names()
+    close = difflib.get_close_matches(str(name), valid, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return f"unknown attention backend {name!r}.{hint} Valid backends: {', '.join(valid)}"
+
+
+def availability_reasons(name: str, machine: Machine | None = None) -> list[str]:
+    """Why backend `name` cannot run on this machine at all (empty when it can)."""
+    spec = get(name)
+    machine = machine or current_machine()
+    key = (name, id(machine))
+    with _lock:
+        cached = _availability.get(key)
+        if cached is None:
+            found = []
+            for req in spec.requires:
+                if found and type(req).__name__ == "Probe":
+                    continue  # a real call is only worth making once everything else is there
+                reason = req.reason(machine)
+                if reason:
+                    found.append(reason)
+            cached = tuple(found)
+            _availability[key] = cached
+    reasons = list(cached)
+    if spec.hub is not None:
+        from .trust import decide
+        decision = decide(spec.hub.repo_id)
+        if not decision.allowed:
+            reasons.append(decision.reason)
+    return reasons
+
+
+def forget_availability() -> None:
+    with _lock:
+        _availability.clear()
+
+
+def prepare(name: str) -> Callable[..., Any]:
+    """The callable that runs backend `name`, with its Hub kernel loaded (trust-checked)."""
+    spec = get(name)
+    if spec.hub is None:
+        return spec.fn
+    kernel_fn, _ = hub.load(spec.hub)
+    return functools.partial(spec.fn, kernel=kernel_fn)
+
+
+@dataclass
+class BackendStatus:
+    name: str
+    available: bool
+    reasons: list[str]
+    constraints: dict[str, Any]
+    loaded: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "available": self.available, "reasons": self.reasons,
+                "loaded": self.loaded, **self.constraints}
+
+
+def list_backends(machine: Machine | None = None) -> list[BackendStatus]:
+    """Every registered backend with availability and the reasons for each unavailable one."""
+    loaded = hub.loaded_kernels()
+    statuses = []
+    for name in names():
+        spec = _specs[name]
+        reasons = availability_reasons(name, machine)
+        mine = [k.as_dict() for k in loaded if spec.hub and k.repo_id == spec.hub.repo_id]
+        statuses.append(BackendStatus(name, not reasons, reasons, spec.constraints(), mine))
+    return statuses
+
+
+def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD", devices=("cpu", "cuda"),
+                     dtypes=FLOATS, head_dims: HeadDims = HeadDims(), masks=("none",), mask_format: str = "additive",
+                     causal: bool = False, scale: bool = True, gqa: bool = False, dropout: bool = False,
+                     lse: bool = False, backward: bool = True, requires=(), fallback=("native",),
+                     error_bound: float = 2e-2, description: str = "", hub_kernel: HubKernel | None = None,
+                     replace: bool = False) -> BackendSpec:
+    """Register your own attention function under `name` (like transformers' AttentionInterface.register).
+
+    `fn(query, key, value, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)` receives
+    tensors in `layout` and a mask already converted to `mask_format` ('additive', 'bool', 'native' =
+    as given, or a name added with `masks.register_mask_format`). Declare what it supports: the
+    dispatcher never hands it inputs it did not declare, and says why when it falls back.
+    """
+    if not name or not isinstance(name, str):
+        raise ValueError("a custom attention backend needs a non-empty string name")
+    if name in BUILTIN_NAMES:
+        raise ValueError(f"'{name}' is a built-in backend name; choose another name for a custom backend")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable; got {type(fn).__name__}")
+    from .masks import mask_formats
+    if mask_format not in mask_formats():
+        raise ValueError(f"unknown mask_format {mask_format!r}; valid formats: {', '.join(mask_formats())}")
+    spec = BackendSpec(
+        name=name, family="custom", description=description or f"custom backend {name}", fn=fn, layout=layout,
+        devices=frozenset(devices), dtypes=frozenset(dtypes), head_dims=head_dims, requires=tuple(requires),
+        masks=frozenset(masks) | {"none"}, mask_format=mask_format, causal=causal, scale=scale, gqa=gqa,
+        dropout=dropout, lse=lse, backward=backward, fallback=tuple(fallback), error_bound=error_bound,
+        hub=hub_kernel, custom=True,
+    )
+    return add(spec, replace=replace)
+
+
+def kernels_requirement(hub_kernel: HubKernel) -> Package:
+    return Package("kernels", hub_kernel.min_kernels)
+

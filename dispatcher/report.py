@@ -1,0 +1,86 @@
+"""What actually ran: per call site, which backend served how many calls, which fell back and why."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections import Counter
+
+
+class Recorder:
+    """Thread-safe counters of served calls and fallbacks; one per model (or per run) in ComfyUI."""
+
+    def __init__(self, label: str = ""):
+        self.label = label
+        self._lock = threading.Lock()
+        self._calls: Counter = Counter()  # (site, requested, served) -> calls
+        self._reasons: dict[tuple[str, str, str], list[str]] = {}
+        self._errors: dict[tuple[str, str], str] = {}
+
+    def __deepcopy__(self, memo):  # ComfyUI deep-copies model options; a recorder is shared, not copied
+        return self
+
+    def record(self, site: str, requested: str, served: str, reasons: tuple[str, ...] = ()) -> None:
+        key = (site, requested, served)
+        with self._lock:
+            self._calls[key] += 1
+            if reasons and key not in self._reasons:
+                self._reasons[key] = list(reasons)
+
+    def record_error(self, site: str, backend: str, error: str) -> None:
+        with self._lock:
+            self._errors[(site, backend)] = error
+
+    def clear(self) -> None:
+        with self._lock:
+            self._calls.clear()
+            self._reasons.clear()
+            self._errors.clear()
+
+    @property
+    def total_calls(self) -> int:
+        with self._lock:
+            return sum(self._calls.values())
+
+    def served_by(self, backend: str) -> int:
+        with self._lock:
+            return sum(n for (_, _, served), n in self._calls.items() if served == backend)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            rows = [{"site": site, "requested": requested, "served": served, "calls": calls,
+                     "fell_back": requested != served, "reasons": self._reasons.get((site, requested, served), [])}
+                    for (site, requested, served), calls in sorted(self._calls.items())]
+            errors = [{"site": site, "backend": backend, "error": error} for (site, backend), error in self._errors.items()]
+        return {"label": self.label, "calls": sum(r["calls"] for r in rows), "rows": rows, "errors": errors}
+
+    def summary(self) -> str:
+        snap = self.snapshot()
+        if not snap["rows"]:
+            return f"{self.label or 'attention'}: no attention calls recorded"
+        lines = [f"{self.label or 'attention'}: {snap['calls']} attention calls"]
+        for row in snap["rows"]:
+            line = f"  {row['site']}: {row['served']} served {row['calls']} calls"
+            if row["fell_back"]:
+                line += f" (asked for {row['requested']}: {'; '.join(row['reasons']) or 'fell back'})"
+            lines.append(line)
+        for err in snap["errors"]:
+            lines.append(f"  {err['site']}: {err['backend']} failed: {err['error']}")
+        return "\n".join(lines)
+
+
+_recorder: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("attn_dispatch_recorder", default=None)
+
+
+def current_recorder() -> Recorder | None:
+    return _recorder.get()
+
+
+@contextlib.contextmanager
+def recording(recorder: Recorder):
+    token = _recorder.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _recorder.reset(token)

@@ -1,0 +1,193 @@
+"""What a backend needs from the machine, as data, each able to say why it is not met.
+
+A requirement answers `reason(machine) -> str | None`; None means satisfied. Messages name the
+problem and the fix (the pip command, the env var, the GPU needed).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from . import env
+from .machine import Machine
+from .versions import at_least
+
+_import_errors: dict[str, str | None] = {}
+_import_lock = threading.Lock()
+
+
+def import_error(module: str) -> str | None:
+    """The error importing `module` raises on this machine (cached), or None if it imports."""
+    with _import_lock:
+        if module not in _import_errors:
+            try:
+                importlib.import_module(module)
+                _import_errors[module] = None
+            except Exception as exc:  # ImportError, OSError (ABI), RuntimeError (CUDA init)
+                _import_errors[module] = f"{type(exc).__name__}: {exc}"
+        return _import_errors[module]
+
+
+def forget_imports() -> None:
+    with _import_lock:
+        _import_errors.clear()
+
+
+@dataclass(frozen=True)
+class Package:
+    dist: str
+    min_version: str | None = None
+    module: str | None = None  # the import that must work, e.g. "flash_attn.flash_attn_interface"
+    pip: str | None = None  # the install command when it differs from `pip install dist>=min`
+
+    @property
+    def install_hint(self) -> str:
+        if self.pip:
+            return self.pip
+        spec = f"{self.dist}>={self.min_version}" if self.min_version else self.dist
+        return f"pip install '{spec}'"
+
+    def describe(self) -> str:
+        return f"{self.dist}>={self.min_version}" if self.min_version else self.dist
+
+    def reason(self, machine: Machine) -> str | None:
+        version = machine.package_version(self.dist)
+        if version is None:
+            return f"{self.dist} is not installed: {self.install_hint}"
+        if self.min_version and not at_least(version, self.min_version):
+            return f"{self.dist} {version} is older than the required {self.min_version}: {self.install_hint} --upgrade"
+        if self.module and not machine.simulated:
+            error = import_error(self.module)
+            if error:
+                return f"{self.dist} {version} is installed but `import {self.module}` fails ({error}); reinstall it for this torch"
+        return None
+
+
+@dataclass(frozen=True)
+class TorchVersion:
+    min_version: str
+
+    def describe(self) -> str:
+        return f"torch>={self.min_version}"
+
+    def reason(self, machine: Machine) -> str | None:
+        if at_least(machine.torch_version, self.min_version):
+            return None
+        return f"torch {machine.torch_version} is older than the required {self.min_version}"
+
+
+_DEVICE_NAMES = {"cuda": "an NVIDIA CUDA GPU", "rocm": "an AMD ROCm GPU", "npu": "an Ascend NPU (torch_npu)",
+                 "xla": "an XLA device (torch_xla)", "mps": "Apple MPS", "xpu": "an Intel XPU", "cpu": "a CPU"}
+
+
+@dataclass(frozen=True)
+class OnDevice:
+    kinds: frozenset[str]
+
+    def describe(self) -> str:
+        return "device in " + "/".join(sorted(self.kinds))
+
+    def reason(self, machine: Machine) -> str | None:
+        # The CPU is always present, and xla/npu devices exist only through their packages.
+        if machine.device_type in self.kinds or "cpu" in self.kinds or self.kinds & {"xla", "npu"}:
+            return None
+        wanted = " or ".join(_DEVICE_NAMES.get(k, k) for k in sorted(self.kinds))
+        return f"needs {wanted}; this machine has {_DEVICE_NAMES.get(machine.device_type, machine.device_type)}"
+
+
+@dataclass(frozen=True)
+class CudaCapability:
+    minimum: tuple[int, int] | None = None
+    maximum: tuple[int, int] | None = None  # inclusive
+    exact: tuple[tuple[int, int], ...] | None = None  # kernels built for specific archs only (e.g. "9.0a")
+
+    def describe(self) -> str:
+        if self.exact:
+            return "sm in " + ", ".join(f"{a}.{b}" for a, b in self.exact)
+        low = f">= {self.minimum[0]}.{self.minimum[1]}" if self.minimum else ""
+        high = f"<= {self.maximum[0]}.{self.maximum[1]}" if self.maximum else ""
+        return "compute capability " + " and ".join(p for p in (low, high) if p)
+
+    def check(self, capability: tuple[int, int] | None) -> str | None:
+        if capability is None:
+            return "needs an NVIDIA CUDA GPU"
+        have = f"sm_{capability[0]}{capability[1]}"
+        if self.exact and tuple(capability) not in self.exact:
+            return f"built for {', '.join(f'sm_{a}{b}' for a, b in self.exact)} only; this GPU is {have}"
+        if self.minimum and tuple(capability) < self.minimum:
+            return f"needs compute capability >= {self.minimum[0]}.{self.minimum[1]}; this GPU is {have} (too old)"
+        if self.maximum and tuple(capability) > self.maximum:
+            return f"needs compute capability <= {self.maximum[0]}.{self.maximum[1]}; this GPU is {have} (too new)"
+        return None
+
+    def reason(self, machine: Machine) -> str | None:
+        if machine.device_type != "cuda":
+            return None  # OnDevice reports the missing GPU once
+        return self.check(machine.cuda_capability)
+
+
+@dataclass(frozen=True)
+class RocmArch:
+    archs: tuple[str, ...]
+
+    def describe(self) -> str:
+        return "ROCm arch in " + ", ".join(self.archs)
+
+    def reason(self, machine: Machine) -> str | None:
+        if machine.device_type != "rocm":
+            return None
+        if machine.rocm_arch in self.archs:
+            return None
+        return f"built for {', '.join(self.archs)} only; this GPU is {machine.rocm_arch or 'an unknown ROCm arch'}"
+
+
+@dataclass(frozen=True)
+class EnvOptIn:
+    var: str
+
+    def describe(self) -> str:
+        return f"{self.var}=1"
+
+    def reason(self, machine: Machine) -> str | None:
+        return None if env.flag(self.var) else f"experimental: set {self.var}=1 to enable it"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A real tiny call on the real device: catches packages that import but cannot run
+    (xformers built for another torch imports fine and then fails every call)."""
+
+    name: str
+    run: Callable[[], None]
+
+    def describe(self) -> str:
+        return f"a working {self.name} call"
+
+    def reason(self, machine: Machine) -> str | None:
+        if machine.simulated:
+            return None
+        return _probe_result(self)
+
+
+_probe_results: dict[str, str | None] = {}
+
+
+def _probe_result(probe: Probe) -> str | None:
+    with _import_lock:
+        if probe.name not in _probe_results:
+            try:
+                probe.run()
+                _probe_results[probe.name] = None
+            except Exception as exc:
+                first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                _probe_results[probe.name] = (f"imports but a tiny {probe.name} call fails "
+                                              f"({type(exc).__name__}: {first_line[:300]}); reinstall it for this torch/GPU")
+        return _probe_results[probe.name]
+
+
+def forget_probes() -> None:
+    with _import_lock:
+        _probe_results.clear()

@@ -1,0 +1,161 @@
+"""The declarative description of one backend: what it needs and which inputs it can run.
+
+Everything a user or the dispatcher needs to decide "can X run this call here?" is data on
+`BackendSpec`; `not_supported_reasons` turns it into every reason at once, the way xformers'
+operators do, so an error lists all problems instead of the first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .inputs import AttentionInputs
+from .machine import capability_of
+from .requirements import CudaCapability, RocmArch
+
+FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+HALF = frozenset({torch.float16, torch.bfloat16})
+BF16 = frozenset({torch.bfloat16})
+
+MASK_KINDS = ("none", "bool", "key_padding", "additive", "blockmask")
+MASK_NAMES = {"bool": "a bool mask", "key_padding": "a bool key-padding mask", "additive": "an additive float mask",
+              "blockmask": "a FlexAttention BlockMask", "integer": "an integer mask"}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class HeadDims:
+    minimum: int = 1
+    maximum: int | None = None
+    multiple_of: int = 1
+    allowed: tuple[int, ...] | None = None
+
+    def describe(self) -> str:
+        if self.allowed:
+            return ", ".join(map(str, self.allowed))
+        text = f"{self.minimum}..{self.maximum}" if self.maximum else f">= {self.minimum}"
+        return text + (f", multiple of {self.multiple_of}" if self.multiple_of > 1 else "")
+
+    def reason(self, name: str, dim: int) -> str | None:
+        ok = (dim in self.allowed) if self.allowed else (
+            dim >= self.minimum and (self.maximum is None or dim <= self.maximum) and dim % self.multiple_of == 0)
+        return None if ok else f"{name} {dim} is not supported (supported: {self.describe()})"
+
+
+@dataclass(frozen=True)
+class HubKernel:
+    """A compiled kernel on the Hugging Face Hub, loaded through the `kernels` library."""
+
+    repo_id: str
+    function: str
+    version: int | None = None
+    revision: str | None = None
+    min_kernels: str = "0.12"
+
+    @property
+    def publisher(self) -> str:
+        return self.repo_id.split("/", 1)[0]
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    family: str
+    description: str
+    fn: Callable[..., Any] = field(compare=False, repr=False)
+    layout: str = "BSHD"  # the layout the kernel takes and returns
+    devices: frozenset[str] = frozenset({"cuda"})
+    dtypes: frozenset[torch.dtype] = HALF
+    head_dims: HeadDims = HeadDims(8, 256, 8)
+    requires: tuple = ()
+    masks: frozenset[str] = frozenset({"none"})
+    causal: bool = True
+    causal_alignment: str = "top_left"  # SDPA's; flash kernels align bottom-right when Lq != Lk
+    scale: bool = True
+    gqa: bool = False
+    dropout: bool = False
+    lse: bool = False
+    backward: bool = True
+    different_value_dim: bool = False
+    capability: CudaCapability | None = None
+    rocm: RocmArch | None = None
+    hub: HubKernel | None = None
+    fallback: tuple[str, ...] = ("native",)
+    # A kernel whose result may differ from exact attention by more than bf16 rounding (int8 Sage).
+    error_bound: float = 2e-2
+    preference: int = 0  # the order of `auto` before measurement: higher first
+    extra_reasons: Callable[[AttentionInputs], list[str]] | None = field(default=None, compare=False, repr=False)
+    custom: bool = False
+    mask_format: str = "additive"  # what the kernel is handed: additive | bool | blockmask | key_padding
+
+    def not_supported_reasons(self, inputs: AttentionInputs) -> list[str]:
+        reasons: list[str] = []
+        kind = inputs.device_kind
+        if kind not in self.devices:
+            reasons.append(f"device {inputs.device.type} is not supported (supported: {', '.join(sorted(self.devices))})")
+        elif kind == "cuda" and self.capability is not None:
+            problem = self.capability.check(capability_of(inputs.device))
+            if problem:
+                reasons.append(problem)
+        if inputs.dtype not in self.dtypes:
+            supported = ", ".join(sorted(_dtype_name(d) for d in self.dtypes))
+            reasons.append(f"dtype {_dtype_name(inputs.dtype)} is not supported (supported: {supported})")
+        for label, dim in (("head dim", inputs.head_dim),) + ((("value head dim", inputs.head_dim_v),)
+                                                               if inputs.head_dim_v != inputs.head_dim else ()):
+            problem = self.head_dims.reason(label, dim)
+            if problem:
+                reasons.append(problem)
+        if inputs.head_dim_v != inputs.head_dim and not self.different_value_dim:
+            reasons.append(f"value head dim {inputs.head_dim_v} differs from query head dim {inputs.head_dim}")
+        if inputs.mask_kind != "none" and inputs.mask_kind not in self.masks:
+            accepted = [MASK_NAMES[m] for m in MASK_KINDS if m in self.masks and m != "none"]
+            hint = f" (it accepts {' or '.join(accepted)})" if accepted else " (it takes no mask and would drop it)"
+            reasons.append(f"attn_mask is {MASK_NAMES.get(inputs.mask_kind, inputs.mask_kind)}{hint}")
+        if inputs.is_causal:
+            if not self.causal:
+                reasons.append("is_causal=True is not supported")
+            elif inputs.len_q != inputs.len_kv and self.causal_alignment != "top_left":
+                reasons.append(f"causal with Lq={inputs.len_q} != Lk={inputs.len_kv} would align the diagonal "
+                               f"{self.causal_alignment.replace('_', '-')} instead of SDPA's top-left")
+        if inputs.is_gqa and not self.gqa:
+            reasons.append(f"grouped-query attention ({inputs.heads_q} query heads, {inputs.heads_kv} key/value heads) "
+                           "is not supported")
+        if inputs.dropout and not self.dropout:
+            reasons.append("dropout_p > 0 is not supported")
+        if inputs.custom_scale and not self.scale:
+            reasons.append("a custom scale is not supported")
+        if inputs.return_lse and not self.lse:
+            reasons.append("return_lse=True is not supported")
+        if inputs.requires_grad and not self.backward:
+            reasons.append("has no backward pass (inputs require grad)")
+        if self.extra_reasons is not None:
+            reasons.extend(self.extra_reasons(inputs))
+        return reasons
+
+    def constraints(self) -> dict[str, Any]:
+        """The spec as plain data, for listings, the doctor, JSON and the web extension."""
+        return {
+            "family": self.family,
+            "description": self.description,
+            "layout": self.layout,
+            "devices": sorted(self.devices),
+            "dtypes": sorted(_dtype_name(d) for d in self.dtypes),
+            "head_dims": self.head_dims.describe(),
+            "requires": [r.describe() for r in self.requires],
+            "capability": self.capability.describe() if self.capability else None,
+            "rocm_archs": list(self.rocm.archs) if self.rocm else None,
+            "supports": {"mask": sorted(m for m in self.masks if m != "none"), "causal": self.causal,
+                         "scale": self.scale, "gqa": self.gqa, "dropout": self.dropout, "lse": self.lse,
+                         "backward": self.backward},
+            "hub": None if self.hub is None else {"repo_id": self.hub.repo_id, "version": self.hub.version,
+                                                  "revision": self.hub.revision, "function": self.hub.function},
+            "fallback": list(self.fallback),
+            "error_bound": self.error_bound,
+            "custom": self.custom,
+        }

@@ -1,0 +1,62 @@
+"""Who may run remote kernel code in this process.
+
+The rules, checked by us before the `kernels` library is ever called (so they also hold with
+kernels<0.14, which executes whatever it downloads):
+- `DIFFUSERS_DISABLE_REMOTE_CODE=true` forbids every Hub kernel, whatever else says yes;
+- publishers in `TRUSTED_PUBLISHERS` load without opt-in;
+- any other publisher loads only with `DIFFUSERS_TRUST_REMOTE_KERNELS=true`, or inside a
+  `trusted_publishers(...)` scope (the Trust Remote Kernels node scopes one to its models).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Iterable
+
+from . import env
+
+TRUSTED_PUBLISHERS = frozenset({"kernels-community"})
+
+_scoped_publishers: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "attn_dispatch_trusted_publishers", default=frozenset())
+
+
+@dataclass(frozen=True)
+class TrustDecision:
+    allowed: bool
+    reason: str
+    opt_in: bool = False  # True when the publisher is untrusted and a user opted in: pass trust_remote_code
+
+
+def decide(repo_id: str) -> TrustDecision:
+    publisher = repo_id.split("/", 1)[0]
+    if env.flag(env.DISABLE_REMOTE_CODE):
+        return TrustDecision(False, f"{env.DISABLE_REMOTE_CODE}=true forbids remote kernel code, so '{repo_id}' is not "
+                                    f"loaded; unset {env.DISABLE_REMOTE_CODE} to allow Hub kernels")
+    if publisher in TRUSTED_PUBLISHERS:
+        return TrustDecision(True, f"'{publisher}' is a trusted kernel publisher")
+    if env.flag(env.TRUST_REMOTE_KERNELS):
+        return TrustDecision(True, f"{env.TRUST_REMOTE_KERNELS}=true trusts '{publisher}'", opt_in=True)
+    if publisher in _scoped_publishers.get():
+        return TrustDecision(True, f"a Trust Remote Kernels scope allows '{publisher}'", opt_in=True)
+    return TrustDecision(False, f"'{repo_id}' is not published by a trusted kernel publisher, so loading it downloads and "
+                                f"runs remote code; set {env.TRUST_REMOTE_KERNELS}=true or allow '{publisher}' in a "
+                                "Trust Remote Kernels node to load it")
+
+
+def scope_key() -> tuple:
+    """What trust decisions currently depend on (part of cached dispatch decisions)."""
+    return (_scoped_publishers.get(), env.flag(env.DISABLE_REMOTE_CODE), env.flag(env.TRUST_REMOTE_KERNELS))
+
+
+@contextlib.contextmanager
+def trusted_publishers(publishers: Iterable[str]):
+    """Trust these publishers for the calls made inside the block (and only those)."""
+    names = frozenset(p.strip() for p in publishers if p and p.strip())
+    token = _scoped_publishers.set(_scoped_publishers.get() | names)
+    try:
+        yield names
+    finally:
+        _scoped_publishers.reset(token)
