@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -138,6 +139,9 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     Returns the output in the input layout, and with return_lse=True also the log-sum-exp,
     (B, Sq, H) for BSHD or (B, H, Sq) for BHSD, float32.
     """
+    if torch.compiler.is_compiling():
+        return _dispatch_traced(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                attention_kwargs, backend, layout, policy, return_lse, call_site)
     requested = backend if backend is not None else state.active_backend()
     if requested not in registry.names():
         raise registry.UnknownBackendError(registry.unknown_message(requested))
@@ -180,3 +184,64 @@ def _demote(decision: Decision, name: str, reason: str) -> None:
         decision.candidates = [c for c in decision.candidates if c[0] != name]
         decision.skipped.append((name, [reason]))
     logger.warning("attention backend '%s' failed (%s); falling back for these inputs", name, reason)
+
+
+# torch.compile: dynamo cannot trace contextvars, locks or logging, which the eager path above uses.
+# A traced call makes its whole decision in `_traced_plan`, which dynamo runs once per trace and bakes
+# into the graph as a constant, so a compiled call has no graph break. What that means:
+# - the backend, policy, checks, trust scope and recorder active when the graph is traced are the ones
+#   the compiled graph keeps (arguments such as backend= and policy= are guarded by dynamo as usual);
+# - a Recorder counts a compiled call once per trace, not once per run;
+# - a backend that raises at run time is not demoted (no fallback inside a graph); bad inputs and
+#   unsupported calls are sent to the eager path, which raises the real error (one graph break).
+_traced_runners: dict[str, Any] = {}
+
+
+def _traced_plan(backend, policy, inputs, call_site):
+    """Runs eagerly at trace time: (served backend, checks mode), or None when the eager path must raise."""
+    if "<eager>" not in _traced_runners:
+        _traced_runners["<eager>"] = torch.compiler.disable(dispatch_attention_fn)
+    try:
+        requested = backend if backend is not None else state.active_backend()
+        if requested not in registry.names():
+            return None
+        policy = state.validate_policy(policy) if policy is not None else state.active_policy()
+        decision = _decision_for(requested, policy, inputs)
+    except Exception:
+        return None
+    name, spec, runner = decision.candidates[0]
+    _traced_runners[name] = (spec, runner)
+    reasons = decision.reasons_for(name) if name != requested else ()
+    if reasons:
+        _log_once(requested, name, reasons)
+    recorder = current_recorder()
+    if recorder is not None:
+        recorder.record(call_site, requested, name, reasons)
+    return name, state.active_checks()
+
+
+# What torch.compiler.assume_constant_result sets, without importing torch._dynamo (1+ s) with the package.
+_traced_plan._dynamo_marked_constant = True
+
+
+def _dispatch_traced(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
+                     backend, layout, policy, return_lse, call_site):
+    inputs = None
+    if query.dim() == key.dim() == value.dim() == 4 and layout in ("BSHD", "BHSD"):
+        checks.check_shapes(query, key, value, layout)
+        inputs = describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                               layout)
+    plan = None if inputs is None else _traced_plan(backend, policy, inputs, call_site)
+    if plan is None:
+        return _traced_runners["<eager>"](query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                          attention_kwargs, backend=backend, layout=layout, policy=policy,
+                                          return_lse=return_lse, call_site=call_site)
+    name, mode = plan
+    spec, runner = _traced_runners[name]
+    if mode != "off":
+        checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, name)
+    out = _run(spec, runner, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+               layout, attention_kwargs or {})
+    if mode != "off":
+        checks.check_values({"output": out[0] if return_lse else out}, mode, name)
+    return out

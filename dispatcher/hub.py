@@ -9,6 +9,8 @@ the revision that was fetched, so an offline ComfyUI loads exactly what was inst
 from __future__ import annotations
 
 import json
+import logging
+import re
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +22,11 @@ from .spec import HubKernel
 from .versions import at_least
 
 DEFAULT_LOCK = Path(__file__).resolve().parent.parent / "kernels.lock.json"
+
+logger = logging.getLogger("attention_dispatch")
+
+# <cache>/kernels--org--name/snapshots/<commit>/build/<variant>: where an HF-cache load came from.
+_SNAPSHOT = re.compile(r"[\\/]snapshots[\\/]([0-9a-f]{40})[\\/]build[\\/]")
 
 
 class KernelLoadError(RuntimeError):
@@ -34,13 +41,16 @@ class LoadedKernel:
     path: str | None
     function: str
     trust: str
-    from_lock: bool = False
+    from_lock: bool = False  # the revision was pinned by the lock file
+    # Where the code came from: "hub" (downloaded by `kernels`), "cache" (the offline HF cache) or
+    # "local" (a LOCAL_KERNELS override, which ignores version and revision: revision is then None).
+    source: str = "hub"
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # a kernel's import may itself ask what is loaded
 _loaded: dict[tuple, tuple[Callable, LoadedKernel]] = {}
 
 
@@ -49,16 +59,45 @@ def lock_path() -> Path:
 
 
 def read_lock(path: Path | None = None) -> dict[str, dict]:
-    """repo_id -> entry ({"repo_id", "version", "revision", "variant", ...}) from the lock file, if any."""
-    path = path or lock_path()
-    if not path.is_file():
+    """repo_id -> entry ({"repo_id", "version", "revision", "variant", ...}) from the lock file, if any.
+
+    No file means nothing is pinned; a file that cannot be read or parsed raises KernelLoadError.
+    """
+    path = Path(path) if path is not None else lock_path()
+    if not path.exists():
         return {}
     try:
         data = json.loads(path.read_text())
-        return {entry["repo_id"]: entry for entry in data.get("kernels", [])}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise KernelLoadError(f"the kernel lock file {path} is unreadable ({exc}); rerun `python install.py` "
-                              "or delete the file") from exc
+    except (OSError, ValueError) as exc:  # IsADirectoryError, PermissionError, JSONDecodeError, UnicodeDecodeError
+        raise _unreadable(path, f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("kernels", []), list):
+        raise _unreadable(path, 'expected {"kernels": [{"repo_id", "version", "revision", "variant"}, ...]}')
+    entries = {}
+    for index, entry in enumerate(data.get("kernels", [])):
+        if not isinstance(entry, dict) or not isinstance(entry.get("repo_id"), str) or not entry["repo_id"]:
+            raise _unreadable(path, f"entry {index} has no repo_id")
+        revision, version = entry.get("revision"), entry.get("version")
+        if revision is not None and not (isinstance(revision, str) and revision.strip()):
+            raise _unreadable(path, f"entry {index} ({entry['repo_id']}) has an invalid revision {revision!r}")
+        if version is not None and _version_number(version) is None:
+            raise _unreadable(path, f"entry {index} ({entry['repo_id']}) has an invalid version {version!r}")
+        entries[entry["repo_id"]] = entry
+    return entries
+
+
+def _unreadable(path: Path, why: str) -> KernelLoadError:
+    return KernelLoadError(f"the kernel lock file {path} is unreadable ({why}); rerun `python install.py` "
+                           f"or delete the file (or point {env.KERNEL_LOCK} at a valid one)")
+
+
+def _version_number(version) -> int | None:
+    if isinstance(version, bool):
+        return None
+    if isinstance(version, int):
+        return version
+    if isinstance(version, str) and version.strip().lstrip("v").isdigit():
+        return int(version.strip().lstrip("v"))
+    return None
 
 
 def _resolve(module, dotted: str):
@@ -85,10 +124,16 @@ def load(hub: HubKernel) -> tuple[Callable, LoadedKernel]:
     if kernels_version is None:
         raise KernelLoadError(f"loading '{hub.repo_id}' needs the kernels library: pip install 'kernels>={hub.min_kernels}'")
     if not at_least(kernels_version, hub.min_kernels):
-        raise KernelLoadError(f"kernels {kernels_version} is older than the required {hub.min_kernels}: "
-                              f"pip install --upgrade 'kernels>={hub.min_kernels}'")
+        raise KernelLoadError(f"kernels {kernels_version} is older than the required {hub.min_kernels} to load "
+                              f"'{hub.repo_id}': pip install --upgrade 'kernels>={hub.min_kernels}'")
     locked = read_lock().get(hub.repo_id)
-    revision = locked.get("revision") if locked and locked.get("version") == hub.version else hub.revision
+    if locked and locked.get("revision") and _version_number(locked.get("version")) != hub.version:
+        logger.warning("the kernel lock file %s pins '%s' version %s, but version %s is wanted; not using the pin "
+                       "(rerun `python install.py`)", lock_path(), hub.repo_id, locked.get("version"), hub.version)
+        locked = None
+    if locked and not locked.get("revision"):
+        locked = None
+    revision = locked["revision"].strip() if locked else hub.revision
     key = (hub.repo_id, hub.version if revision is None else None, revision, hub.function)
     with _lock:
         if key in _loaded:
@@ -96,32 +141,55 @@ def load(hub: HubKernel) -> tuple[Callable, LoadedKernel]:
         try:
             import kernels
         except Exception as exc:
-            raise KernelLoadError(f"the kernels library fails to import ({type(exc).__name__}: {exc})") from exc
+            raise KernelLoadError(f"the kernels library fails to import ({type(exc).__name__}: {exc}); "
+                                  f"reinstall it: pip install --upgrade 'kernels>={hub.min_kernels}'") from exc
         kwargs = {"revision": revision} if revision else {"version": hub.version}
         if decision.opt_in and at_least(kernels_version, "0.14"):
             kwargs["trust_remote_code"] = True
+        if locked:
+            where = f"revision {revision} pinned by {lock_path()}"
+        else:
+            where = f"revision {revision}" if revision else f"version {hub.version}"
         try:
             module = kernels.get_kernel(hub.repo_id, **kwargs)
         except Exception as exc:
-            where = f"revision {revision} from {lock_path()}" if revision and locked else f"version {hub.version}"
-            raise KernelLoadError(f"could not load '{hub.repo_id}' ({where}): {type(exc).__name__}: {exc}") from exc
+            hint = (f"; the pinned revision is not available: rerun `python install.py`, or delete {lock_path()}"
+                    if locked else "")
+            raise KernelLoadError(f"could not load '{hub.repo_id}' ({where}): {type(exc).__name__}: "
+                                  f"{str(exc).strip()}{hint}") from exc
         fn = _resolve(module, hub.function)
-        record = LoadedKernel(repo_id=hub.repo_id, version=hub.version, revision=revision or _revision_of(module),
-                              path=_module_path(module), function=hub.function, trust=decision.reason,
-                              from_lock=bool(revision and locked))
+        if not callable(fn):
+            raise KernelLoadError(f"'{hub.function}' of kernel '{hub.repo_id}' is not callable "
+                                  f"(it is {type(fn).__name__})")
+        path = _module_path(module)
+        resolved, source = _origin_of(module, path)
+        if source == "local" and revision:
+            logger.warning("'%s' is overridden by LOCAL_KERNELS (%s), which ignores the requested %s", hub.repo_id,
+                           path, where)
+        record = LoadedKernel(repo_id=hub.repo_id, version=hub.version,
+                              revision=resolved or (revision if source != "local" else None),
+                              path=path, function=hub.function, trust=decision.reason,
+                              from_lock=bool(locked), source=source)
         _loaded[key] = (fn, record)
         return fn, record
 
 
-def _revision_of(module) -> str | None:
+def _origin_of(module, path: str | None) -> tuple[str | None, str]:
+    """(the commit that was loaded, where from: "hub" | "cache" | "local").
+
+    The snapshot directory names the commit for every HF-cache load (a requested "v1" or "main" is a
+    ref, not a commit); offline loads (HubCacheResolver) carry no repo_info at all.
+    """
+    match = _SNAPSHOT.search((path or "") + "/")
+    commit = match.group(1) if match else None
     try:
         import kernels
         for loaded in kernels.get_loaded_kernels():
             if loaded.module is module and loaded.repo_info is not None:
-                return loaded.repo_info.revision
+                return commit or loaded.repo_info.revision, "hub"
     except Exception:
         pass
-    return None
+    return (commit, "cache") if commit else (None, "local")
 
 
 def loaded_kernels() -> list[LoadedKernel]:

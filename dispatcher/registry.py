@@ -15,7 +15,8 @@ from .spec import FLOATS, BackendSpec, HeadDims, HubKernel
 
 _specs: dict[str, BackendSpec] = {}
 _lock = threading.RLock()
-_availability: dict[tuple[str, int], tuple[str, ...]] = {}
+# (name, id(machine)) -> (machine, reasons): the machine is kept so its id cannot be reused by another one.
+_availability: dict[tuple[str, int], tuple[Machine, tuple[str, ...]]] = {}
 
 BUILTIN_NAMES = (
     "native", "flex", "_native_cudnn", "_native_efficient", "_native_flash", "_native_math", "_native_npu",
@@ -85,7 +86,8 @@ def availability_reasons(name: str, machine: Machine | None = None) -> list[str]
     machine = machine or current_machine()
     key = (name, id(machine))
     with _lock:
-        cached = _availability.get(key)
+        entry = _availability.get(key)
+        cached = entry[1] if entry is not None and entry[0] is machine else None
         if cached is None:
             found = []
             for req in spec.requires:
@@ -95,7 +97,7 @@ def availability_reasons(name: str, machine: Machine | None = None) -> list[str]
                 if reason:
                     found.append(reason)
             cached = tuple(found)
-            _availability[key] = cached
+            _availability[key] = (machine, cached)
     reasons = list(cached)
     if spec.hub is not None:
         from .trust import decide
@@ -168,7 +170,9 @@ def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD",
         raise ValueError(f"unknown mask_format {mask_format!r}; valid formats: {', '.join(mask_formats())}")
     spec = BackendSpec(
         name=name, family="custom", description=description or f"custom backend {name}", fn=fn, layout=layout,
-        devices=frozenset(devices), dtypes=frozenset(dtypes), head_dims=head_dims, requires=tuple(requires),
+        devices=frozenset(devices), dtypes=frozenset(dtypes), head_dims=head_dims,
+        # A Hub kernel needs the kernels library, like the built-in hub backends: say so in availability.
+        requires=tuple(requires) + ((kernels_requirement(hub_kernel),) if hub_kernel is not None else ()),
         masks=frozenset(masks) | {"none"}, mask_format=mask_format, causal=causal, scale=scale, gqa=gqa,
         dropout=dropout, lse=lse, backward=backward, fallback=tuple(fallback), error_bound=error_bound,
         hub=hub_kernel, custom=True,

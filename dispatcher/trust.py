@@ -30,11 +30,20 @@ class TrustDecision:
     opt_in: bool = False  # True when the publisher is untrusted and a user opted in: pass trust_remote_code
 
 
+def _untrusted_hint(repo_id: str, publisher: str) -> str:
+    return (f"set {env.TRUST_REMOTE_KERNELS}=true or allow '{publisher}' in a Trust Remote Kernels node "
+            f"(dispatcher.trusted_publishers(['{publisher}'])) to load it")
+
+
 def decide(repo_id: str) -> TrustDecision:
     publisher = repo_id.split("/", 1)[0]
     if env.flag(env.DISABLE_REMOTE_CODE):
-        return TrustDecision(False, f"{env.DISABLE_REMOTE_CODE}=true forbids remote kernel code, so '{repo_id}' is not "
-                                    f"loaded; unset {env.DISABLE_REMOTE_CODE} to allow Hub kernels")
+        reason = (f"{env.DISABLE_REMOTE_CODE}=true forbids remote kernel code, so '{repo_id}' is not loaded; "
+                  f"unset {env.DISABLE_REMOTE_CODE} to allow Hub kernels")
+        if publisher not in TRUSTED_PUBLISHERS and not env.flag(env.TRUST_REMOTE_KERNELS) \
+                and publisher not in _scoped_publishers.get():
+            reason += f", and since '{publisher}' is not a trusted kernel publisher, also " + _untrusted_hint(repo_id, publisher)
+        return TrustDecision(False, reason)
     if publisher in TRUSTED_PUBLISHERS:
         return TrustDecision(True, f"'{publisher}' is a trusted kernel publisher")
     if env.flag(env.TRUST_REMOTE_KERNELS):
@@ -42,8 +51,7 @@ def decide(repo_id: str) -> TrustDecision:
     if publisher in _scoped_publishers.get():
         return TrustDecision(True, f"a Trust Remote Kernels scope allows '{publisher}'", opt_in=True)
     return TrustDecision(False, f"'{repo_id}' is not published by a trusted kernel publisher, so loading it downloads and "
-                                f"runs remote code; set {env.TRUST_REMOTE_KERNELS}=true or allow '{publisher}' in a "
-                                "Trust Remote Kernels node to load it")
+                                "runs remote code; " + _untrusted_hint(repo_id, publisher))
 
 
 def scope_key() -> tuple:
@@ -53,8 +61,13 @@ def scope_key() -> tuple:
 
 @contextlib.contextmanager
 def trusted_publishers(publishers: Iterable[str]):
-    """Trust these publishers for the calls made inside the block (and only those)."""
-    names = frozenset(p.strip() for p in publishers if p and p.strip())
+    """Trust these publishers for the calls made inside the block (and only those).
+
+    A single string is one publisher or a comma-separated list ("orgA, orgB"), never its letters.
+    """
+    if isinstance(publishers, str):
+        publishers = publishers.split(",")
+    names = frozenset(p.strip() for p in publishers if isinstance(p, str) and p.strip())
     token = _scoped_publishers.set(_scoped_publishers.get() | names)
     try:
         yield names

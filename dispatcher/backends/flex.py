@@ -33,6 +33,12 @@ def score_mod_for(mask: torch.Tensor):
     return add_bias
 
 
+try:
+    from torch.nn.attention.flex_attention import AuxRequest as _AuxRequest
+except ImportError:
+    _AuxRequest = None
+
+
 def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
@@ -46,7 +52,9 @@ def causal_block_mask(len_q: int, len_kv: int, device: str):
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False)
+    # Automatic dynamic shapes: a new sequence length marks the axis dynamic instead of recompiling until
+    # dynamo's recompile limit, past which it silently runs the unfused eager kernel.
+    return torch.compile(flex_attention)
 
 
 def flex_attention_backend(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
@@ -61,12 +69,15 @@ def flex_attention_backend(q, k, v, *, attn_mask, dropout_p, is_causal, scale, e
         block_mask = causal_block_mask(q.shape[-2], k.shape[-2], str(q.device))
     # Flex is only fast compiled; eager on the CPU (compiling there costs tens of seconds per shape).
     run = flex_attention if (q.device.type == "cpu" or torch.compiler.is_compiling()) else _compiled_flex()
-    result = run(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
-                 return_lse=return_lse)
-    if return_lse:
-        out, lse = result
-        return out, lse.float()
-    return result
+    if not return_lse:
+        return run(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    if _AuxRequest is not None:  # torch >= 2.9 deprecates return_lse for return_aux
+        out, aux = run(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                       return_aux=_AuxRequest(lse=True))
+        return out, aux.lse.float()
+    out, lse = run(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                   return_lse=True)
+    return out, lse.float()
 
 
 add(BackendSpec(

@@ -67,8 +67,10 @@ def flash_sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, r
                      enable_gqa=enable_gqa, return_lse=False, pinned=SDPBackend.FLASH_ATTENTION)
     k, v = _gqa_expand(q, k, v, enable_gqa)
     if q.device.type == "cpu":
+        # The CPU op takes only an additive mask in the query's dtype (a bool one raises).
+        bias = None if attn_mask is None else _as_bias(attn_mask, q)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+            q, k, v, dropout_p, is_causal, attn_mask=bias, scale=scale)
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[:2]
     return out, lse.float()

@@ -1,0 +1,66 @@
+"""Shared fixtures: a clean dispatcher state for every test, and the `gpu` marker."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `dispatcher` imports from the repo root without installing the pack
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import dispatcher  # noqa: E402
+from dispatcher import dispatch, registry, state  # noqa: E402
+
+# Env vars the dispatcher reads; a developer's shell must not change what the suite sees.
+_DISPATCHER_ENV = ("DIFFUSERS_ATTN_BACKEND", "DIFFUSERS_ATTN_CHECKS", "DIFFUSERS_DISABLE_REMOTE_CODE",
+                   "DIFFUSERS_TRUST_REMOTE_KERNELS")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (tests under tests/gpu/); skipped without one")
+    config.addinivalue_line("markers", "slow: slow but run by default (torch.compile on the CPU)")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_dir = ROOT / "tests" / "gpu"
+    for item in items:
+        if Path(str(item.fspath)).resolve().is_relative_to(gpu_dir):
+            item.add_marker(pytest.mark.gpu)
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def reset_dispatcher() -> None:
+    state.reset_default_backend()
+    dispatch.forget_decisions()
+    registry.forget_availability()
+    dispatcher.set_checks(None)
+    dispatcher.set_fallback_policy("fallback")
+
+
+def _remove_custom_backends(keep: set[str]) -> None:
+    for name in registry.names():
+        if name not in keep and registry.get(name).custom:
+            dispatcher.unregister_backend(name)
+
+
+@pytest.fixture(autouse=True)
+def clean_dispatcher(monkeypatch):
+    """Every test starts from defaults, with no dispatcher env var set, and leaves no custom backend behind."""
+    for var in _DISPATCHER_ENV:
+        monkeypatch.delenv(var, raising=False)
+    before = set(registry.names())
+    reset_dispatcher()
+    yield
+    _remove_custom_backends(before)
+    reset_dispatcher()
