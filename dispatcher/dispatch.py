@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 from . import checks, masks, registry, state, trust
 from .hub import KernelLoadError
-from .inputs import describe_call
+from .inputs import AttentionInputs, describe_call
 from .report import current_recorder
 
 logger = logging.getLogger("attention_dispatch")
@@ -195,9 +195,10 @@ def _demote(decision: Decision, name: str, reason: str) -> None:
 # - a backend that raises at run time is not demoted (no fallback inside a graph); bad inputs and
 #   unsupported calls are sent to the eager path, which raises the real error (one graph break).
 _traced_runners: dict[str, Any] = {}
+_FIELDS = tuple(f.name for f in fields(AttentionInputs))
 
 
-def _traced_plan(backend, policy, inputs, call_site):
+def _traced_plan(backend, policy, signature, call_site):
     """Runs eagerly at trace time: (served backend, checks mode), or None when the eager path must raise."""
     if "<eager>" not in _traced_runners:
         _traced_runners["<eager>"] = torch.compiler.disable(dispatch_attention_fn)
@@ -206,7 +207,7 @@ def _traced_plan(backend, policy, inputs, call_site):
         if requested not in registry.names():
             return None
         policy = state.validate_policy(policy) if policy is not None else state.active_policy()
-        decision = _decision_for(requested, policy, inputs)
+        decision = _decision_for(requested, policy, AttentionInputs(*signature))
     except Exception:
         return None
     name, spec, runner = decision.candidates[0]
@@ -231,7 +232,9 @@ def _dispatch_traced(query, key, value, attn_mask, dropout_p, is_causal, scale, 
         checks.check_shapes(query, key, value, layout)
         inputs = describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                                layout)
-    plan = None if inputs is None else _traced_plan(backend, policy, inputs, call_site)
+    # Plain constants (dynamo hands an assume_constant_result function no real dataclass instance).
+    plan = None if inputs is None else _traced_plan(backend, policy, tuple(getattr(inputs, f) for f in _FIELDS),
+                                                    call_site)
     if plan is None:
         return _traced_runners["<eager>"](query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                           attention_kwargs, backend=backend, layout=layout, policy=policy,

@@ -1,0 +1,142 @@
+"""A real ComfyUI with this pack installed, started once per session on 127.0.0.1 (CPU).
+
+Needs COMFYUI_PATH (a ComfyUI checkout); COMFYUI_PYTHON is its interpreter (default: this one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from . import helper_pack
+
+ROOT = Path(__file__).resolve().parents[2]
+COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
+COMFYUI_PYTHON = os.environ.get("COMFYUI_PYTHON") or sys.executable
+
+pytestmark = pytest.mark.integration
+
+
+def pytest_collection_modifyitems(config, items):
+    if COMFYUI_PATH:
+        return
+    skip = pytest.mark.skip(reason="COMFYUI_PATH is not set: these tests start a real ComfyUI from that checkout")
+    for item in items:
+        if "integration" in str(item.fspath):
+            item.add_marker(skip)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _copy_pack(dest: Path) -> None:
+    # Only what a user's clone needs at run time (no .venv, tests, .git).
+    dest.mkdir(parents=True)
+    shutil.copy2(ROOT / "__init__.py", dest / "__init__.py")
+    for folder in ("dispatcher", "nodes", "web"):
+        shutil.copytree(ROOT / folder, dest / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    if (ROOT / "pyproject.toml").exists():
+        shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
+
+
+class Comfy:
+    def __init__(self, url: str, base: Path, log: Path):
+        self.url, self.base, self.log = url, base, log
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=60) as r:
+            return json.loads(r.read())
+
+    def post_prompt(self, prompt: dict) -> tuple[int, dict]:
+        body = json.dumps({"prompt": prompt, "client_id": "attention-dispatch-tests"}).encode()
+        req = urllib.request.Request(self.url + "/prompt", data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def run(self, prompt: dict, timeout: float = 180) -> dict:
+        """Queue a prompt and wait for its history entry; fails with ComfyUI's messages on error."""
+        status, body = self.post_prompt(prompt)
+        assert status == 200, f"/prompt answered {status}: {body}"
+        pid = body["prompt_id"]
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            hist = self.get(f"/history/{pid}")
+            if pid in hist and hist[pid].get("status", {}).get("completed") is not None:
+                entry = hist[pid]
+                if entry["status"].get("status_str") != "success":
+                    raise AssertionError(f"prompt failed: {json.dumps(entry['status'])[:4000]}\n{self.tail()}")
+                entry["prompt_id"] = pid
+                return entry
+            time.sleep(0.2)
+        raise AssertionError(f"prompt {pid} did not finish in {timeout}s\n{self.tail()}")
+
+    def reports(self, prompt_id: str) -> list[dict]:
+        return [r for r in self.get("/attention_dispatch/report")["reports"] if r.get("prompt_id") == prompt_id]
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+
+@pytest.fixture(scope="session")
+def comfy():
+    if not COMFYUI_PATH:
+        pytest.skip("COMFYUI_PATH is not set")
+    base = Path(tempfile.mkdtemp(prefix="attn-dispatch-comfy-"))
+    try:
+        custom = base / "custom_nodes"
+        _copy_pack(custom / "attention_dispatch")
+        (custom / "attn_dispatch_test_helpers").mkdir(parents=True)
+        (custom / "attn_dispatch_test_helpers" / "__init__.py").write_text(helper_pack.SOURCE)
+        models = base / "models" / "diffusion_models"
+        models.mkdir(parents=True)
+        script = base / "make_models.py"
+        script.write_text(helper_pack.MAKE_MODELS)
+        made = subprocess.run([COMFYUI_PYTHON, str(script), str(models)], cwd=COMFYUI_PATH, capture_output=True,
+                              text=True, timeout=300)
+        assert made.returncode == 0, f"making tiny models failed:\n{made.stdout[-2000:]}\n{made.stderr[-4000:]}"
+        port = _free_port()
+        log = base / "comfyui.log"
+        with open(log, "wb") as log_file:
+            proc = subprocess.Popen([COMFYUI_PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+                                     "--disable-auto-launch", "--base-directory", str(base)],
+                                    cwd=COMFYUI_PATH, stdout=log_file, stderr=subprocess.STDOUT)
+        server = Comfy(f"http://127.0.0.1:{port}", base, log)
+        try:
+            deadline = time.time() + 120
+            while True:
+                if proc.poll() is not None:
+                    raise AssertionError(f"ComfyUI exited with {proc.returncode}\n{server.tail()}")
+                try:
+                    server.get("/object_info/SetAttentionBackend")
+                    break
+                except (urllib.error.URLError, ConnectionError, OSError):
+                    if time.time() > deadline:
+                        raise AssertionError(f"ComfyUI did not start in 120 s\n{server.tail()}")
+                    time.sleep(0.5)
+            yield server
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
