@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from .inputs import AttentionInputs
+from .inputs import LAYOUTS, AttentionInputs
 from .masks import broadcast_problem
 
 logger = logging.getLogger("attention_dispatch")
@@ -61,6 +61,8 @@ def check_structure(inputs: AttentionInputs) -> None:
 
 
 def check_shapes(query, key, value, layout: str) -> None:
+    if layout not in LAYOUTS:
+        _fail(f"unknown layout {layout!r}; valid layouts: {', '.join(LAYOUTS)} (BSHD = (B, S, H, D), BHSD = (B, H, S, D))")
     if key.dim() != 4 or value.dim() != 4 or query.dim() != 4:
         _fail(f"query, key and value must be 4-D in layout {layout}; got shapes {tuple(query.shape)}, "
               f"{tuple(key.shape)}, {tuple(value.shape)}")

@@ -25,8 +25,9 @@ class Recorder:
         key = (site, requested, served)
         with self._lock:
             self._calls[key] += 1
-            if reasons and key not in self._reasons:
-                self._reasons[key] = list(reasons)
+            if reasons:  # every distinct reason, not just the first signature's (shapes can differ per call)
+                known = self._reasons.setdefault(key, [])
+                known.extend(r for r in reasons if r not in known)
 
     def record_error(self, site: str, backend: str, error: str) -> None:
         with self._lock:
@@ -50,7 +51,10 @@ class Recorder:
     def snapshot(self) -> dict:
         with self._lock:
             rows = [{"site": site, "requested": requested, "served": served, "calls": calls,
-                     "fell_back": requested != served, "reasons": self._reasons.get((site, requested, served), [])}
+                     # "auto" names no backend: serving its choice is no fallback, unless reasons say otherwise
+                     "fell_back": requested != served and (requested != "auto" or bool(self._reasons.get(
+                         (site, requested, served)))),
+                     "reasons": self._reasons.get((site, requested, served), [])}
                     for (site, requested, served), calls in sorted(self._calls.items())]
             errors = [{"site": site, "backend": backend, "error": error} for (site, backend), error in self._errors.items()]
         return {"label": self.label, "calls": sum(r["calls"] for r in rows), "rows": rows, "errors": errors}

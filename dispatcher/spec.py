@@ -113,7 +113,9 @@ class BackendSpec:
                 reasons.append(problem)
         if inputs.head_dim_v != inputs.head_dim and not self.different_value_dim:
             reasons.append(f"value head dim {inputs.head_dim_v} differs from query head dim {inputs.head_dim}")
-        if inputs.mask_kind != "none" and inputs.mask_kind not in self.masks:
+        # A key-padding mask is a bool mask: a backend that takes bool masks takes it too.
+        if inputs.mask_kind != "none" and inputs.mask_kind not in self.masks and not (
+                inputs.mask_kind == "key_padding" and "bool" in self.masks):
             accepted = [MASK_NAMES[m] for m in MASK_KINDS if m in self.masks and m != "none"]
             hint = f" (it accepts {' or '.join(accepted)})" if accepted else " (it takes no mask and would drop it)"
             reasons.append(f"attn_mask is {MASK_NAMES.get(inputs.mask_kind, inputs.mask_kind)}{hint}")
@@ -138,6 +140,12 @@ class BackendSpec:
             reasons.extend(self.extra_reasons(inputs))
         return reasons
 
+    @property
+    def context_parallel_modes(self) -> tuple[str, ...]:
+        """Context-parallel modes this backend can be the local kernel of (dispatcher.parallel): Ulysses
+        runs any backend; ring and Ulysses+ring merge partial outputs by their LSE, so need lse=True."""
+        return ("ulysses", "ring", "ulysses_ring") if self.lse else ("ulysses",)
+
     def constraints(self) -> dict[str, Any]:
         """The spec as plain data, for listings, the doctor, JSON and the web extension."""
         return {
@@ -156,6 +164,7 @@ class BackendSpec:
             "hub": None if self.hub is None else {"repo_id": self.hub.repo_id, "version": self.hub.version,
                                                   "revision": self.hub.revision, "function": self.hub.function},
             "fallback": list(self.fallback),
+            "context_parallel": list(self.context_parallel_modes),
             "error_bound": self.error_bound,
             "custom": self.custom,
         }

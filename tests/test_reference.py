@@ -32,6 +32,7 @@ MASK_SHAPES = ("Lq,Lk", "B,1,Lk", "1,1,Lk", "B,Lq,Lk", "B,1,1,Lk", "B,1,Lq,Lk", 
 
 # DISPATCHER_TEST_EXAMPLES=300 searches harder (the default keeps the suite fast on 2 cores).
 SCALE = float(os.environ.get("DISPATCHER_TEST_EXAMPLES", "30")) / 30
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile", "ignore:return_lse is deprecated")
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
