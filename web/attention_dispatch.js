@@ -1,23 +1,527 @@
-// Shows the attention report of each sampling run in the browser console and as a toast.
+// Attention Dispatch in the ComfyUI frontend (LiteGraph canvas, frontend 1.27):
+//  - the backend dropdown of Set Attention Backend / Set CLIP Attention Backend marks what cannot run
+//    here (✗, the reason beside it, reason + install command on hover); the VALUE stays the real name;
+//  - choosing such a backend draws the reason on the node (and the title badge) before queueing;
+//  - after each run the `attention_dispatch.report` message puts what actually ran on the node;
+//  - settings: default policy of new Set nodes, show/hide unavailable backends, fallback toast.
+// One GET /attention_dispatch/backends per page load, no polling. Every hook is guarded and chains
+// the callbacks it wraps. Formatting lives in ./format.js (pure, unit-tested with Node).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import {
+  displayLabel, fallbackToast, indexBackends, isUnavailable, menuEntry, mergeReports, resolveNode,
+  selectionWarning, summarizeClipText, summarizeReport, visibleValues, wrapText,
+} from "./format.js";
 
-app.registerExtension({
-  name: "attention_dispatch.report",
-  async setup() {
-    api.addEventListener("attention_dispatch.report", (event) => {
-      const report = event.detail || {};
-      console.info("[attention dispatch]", report.summary || report);
-      const rows = (report.recorder && report.recorder.rows) || [];
-      const fell = rows.filter((r) => r.fell_back);
-      if (fell.length && app.extensionManager && app.extensionManager.toast) {
-        app.extensionManager.toast.add({
-          severity: "warn",
-          summary: "Attention backend fell back",
-          detail: fell.map((r) => `${r.site}: ${r.requested} -> ${r.served} (${(r.reasons || []).join("; ")})`).join("\n"),
-          life: 8000,
-        });
-      }
+const EXTENSION = "attention_dispatch";
+const EVENT = "attention_dispatch.report";
+const BACKEND_NODES = new Set(["SetAttentionBackend", "SetClipAttentionBackend"]);
+const REPORT_NODES = new Set([...BACKEND_NODES, "AttentionChecks"]);
+const POLICIES = ["fallback", "strict"];
+export const SETTINGS = {
+  policy: "AttentionDispatch.DefaultPolicy",
+  showUnavailable: "AttentionDispatch.ShowUnavailableBackends",
+  toast: "AttentionDispatch.FallbackToast",
+};
+
+const state = { index: null, machine: null, error: null, version: 0, loading: null };
+const baseTooltips = new Map(); // node type -> the backend input's tooltip from the node definition
+const warned = new Set();
+
+function warnOnce(where, err) {
+  if (warned.has(where)) return;
+  warned.add(where);
+  console.warn(`[attention dispatch] ${where}:`, err);
+}
+
+function guard(where, fn) {
+  return function guarded(...args) {
+    try {
+      return fn.apply(this, args);
+    } catch (err) {
+      warnOnce(where, err);
+      return undefined;
+    }
+  };
+}
+
+function setting(id, fallback) {
+  try {
+    const v = app.extensionManager?.setting?.get?.(id);
+    if (v !== undefined && v !== null) return v;
+  } catch { /* settings store not ready */ }
+  try {
+    const v = app.ui?.settings?.getSettingValue?.(id);
+    if (v !== undefined && v !== null) return v;
+  } catch { /* legacy API absent */ }
+  return fallback;
+}
+
+function typeOf(node) {
+  return node?.comfyClass ?? node?.type;
+}
+
+function widgetNamed(node, name) {
+  return Array.isArray(node?.widgets) ? node.widgets.find((w) => w && w.name === name) : undefined;
+}
+
+function redraw(node) {
+  try {
+    if (node?.setDirtyCanvas) node.setDirtyCanvas(true, true);
+    else app.graph?.setDirtyCanvas?.(true, true);
+  } catch { /* no canvas yet */ }
+}
+
+function forEachNode(fn) {
+  const seen = new Set();
+  const visit = (graph) => {
+    if (!graph || seen.has(graph)) return;
+    seen.add(graph);
+    const nodes = graph.nodes ?? graph._nodes ?? [];
+    for (const node of nodes) {
+      try { fn(node); } catch (err) { warnOnce("node refresh", err); }
+      if (node?.subgraph) visit(node.subgraph);
+    }
+  };
+  visit(app.graph);
+}
+
+// ---- per-node state ------------------------------------------------------------------------------
+
+function nodeState(node) {
+  if (!node.attention_dispatch) {
+    const st = {
+      reports: [], promptId: null, summary: null, grown: false, layoutKey: "", layout: null,
+      warningKey: "", warningValue: null,
+      get backend() { return widgetNamed(node, "backend")?.value ?? null; },
+      get policy() { return widgetNamed(node, "policy")?.value ?? null; },
+      /** The warning for the chosen backend ({text, lines, strict}) or null; recomputed when it changes. */
+      get warning() {
+        if (!BACKEND_NODES.has(typeOf(node))) return null;
+        const key = `${state.version}|${this.backend}|${this.policy}`;
+        if (key !== this.warningKey) {
+          this.warningKey = key;
+          this.warningValue = selectionWarning(state.index, this.backend, this.policy);
+        }
+        return this.warningValue;
+      },
+      get unavailable() { return isUnavailable(state.index, this.backend); },
+      get badgeText() {
+        if (this.summary) return this.summary.badge;
+        const w = this.warning;
+        return w ? `\u26a0 ${this.backend} unavailable` : "";
+      },
+      get badgeLevel() { return this.summary ? this.summary.level : this.warning ? "warn" : "info"; },
+    };
+    Object.defineProperty(node, "attention_dispatch", { value: st, configurable: true, enumerable: false,
+                                                        writable: true });
+  }
+  return node.attention_dispatch;
+}
+
+const COLORS = {
+  ok: { bg: "#1f3b24", fg: "#cfeccf", edge: "#3f7a47" },
+  warn: { bg: "#4a3a12", fg: "#ffe3a3", edge: "#a07a1c" },
+  error: { bg: "#4d1c1c", fg: "#ffd0d0", edge: "#a33a3a" },
+  info: { bg: "#2b2f36", fg: "#d5d9e0", edge: "#4b5260" },
+};
+
+function addBadge(node, st) {
+  const Badge = window.LGraphBadge;
+  if (typeof Badge !== "function" || !Array.isArray(node.badges)) return;
+  const badge = new Badge({ text: "", fgColor: "#ffffff", bgColor: COLORS.info.edge });
+  node.badges.push(() => {
+    try {
+      badge.text = st.badgeText || "";
+      badge.bgColor = (COLORS[st.badgeLevel] ?? COLORS.info).edge;
+    } catch (err) {
+      badge.text = "";
+      warnOnce("badge", err);
+    }
+    return badge;
+  });
+}
+
+// ---- the backend combo ---------------------------------------------------------------------------
+
+function protoGetter(obj, name) {
+  for (let p = Object.getPrototypeOf(obj); p; p = Object.getPrototypeOf(p)) {
+    const d = Object.getOwnPropertyDescriptor(p, name);
+    if (d) return d.get ?? null;
+  }
+  return null;
+}
+
+/** Keep the dropdown's list in line with the show/hide setting; the full list is kept on the widget. */
+function applyVisibleValues(w) {
+  const cur = w?.options?.values;
+  if (!Array.isArray(cur)) return;
+  if (!w.__attnFull || cur !== w.__attnShown) w.__attnFull = cur; // first time, or replaced (R refresh)
+  const shown = visibleValues(w.__attnFull, state.index, setting(SETTINGS.showUnavailable, true) !== false, w.value);
+  if (shown !== cur) w.options.values = shown;
+  w.__attnShown = shown;
+}
+
+function annotateMenu(root) {
+  if (!state.index) return;
+  root.classList.add("attention-dispatch-menu");
+  for (const el of root.querySelectorAll(".litemenu-entry")) {
+    const value = typeof el.value === "string" ? el.value : el.dataset?.value;
+    if (typeof value !== "string") continue;
+    const entry = menuEntry(state.index, value);
+    el.textContent = entry.label; // what the entry shows; the click still sends el.value (the real name)
+    if (entry.note) {
+      const note = document.createElement("span");
+      note.className = "attention-dispatch-note";
+      note.textContent = entry.note;
+      el.append(note);
+    }
+    if (entry.title) el.title = entry.title;
+    el.dataset.attentionDispatch = entry.unavailable ? "unavailable" : "available";
+    if (entry.unavailable) el.classList.add("attention-dispatch-unavailable");
+  }
+}
+
+function decorateBackendWidget(node, w) {
+  if (!w || w.__attnDecorated) return;
+  Object.defineProperty(w, "__attnDecorated", { value: true, enumerable: false });
+  for (const key of ["__attnFull", "__attnShown"]) {
+    Object.defineProperty(w, key, { value: null, writable: true, enumerable: false, configurable: true });
+  }
+
+  // The label drawn on the node: "✗ flash" when it cannot run here. Only the display changes.
+  const baseDisplay = protoGetter(w, "_displayValue");
+  if (baseDisplay) {
+    Object.defineProperty(w, "_displayValue", {
+      configurable: true, enumerable: false,
+      get() {
+        const shown = baseDisplay.call(this);
+        try {
+          return shown && shown === this.value ? displayLabel(state.index, this.value) : shown;
+        } catch {
+          return shown;
+        }
+      },
     });
-  },
-});
+  }
+
+  // Hover on the widget (the frontend reads widget.tooltip when set): the reason and the install command.
+  let ownTooltip = Object.prototype.hasOwnProperty.call(w, "tooltip") ? w.tooltip : undefined;
+  Object.defineProperty(w, "tooltip", {
+    configurable: true, enumerable: false,
+    get() {
+      try {
+        const warning = nodeState(node).warning;
+        if (!warning) return ownTooltip;
+        const base = ownTooltip ?? baseTooltips.get(typeOf(node)) ?? "";
+        return base ? `${warning.text}\n\n${base}` : warning.text;
+      } catch {
+        return ownTooltip;
+      }
+    },
+    set(v) { ownTooltip = v; },
+  });
+
+  // The dropdown: filter per setting, then mark the entries of the menu this click opened.
+  const originalClick = w.onClick;
+  if (typeof originalClick === "function") {
+    Object.defineProperty(w, "onClick", {
+      configurable: true, enumerable: false, writable: true,
+      value: function onClick(...args) {
+        try { applyVisibleValues(this); } catch (err) { warnOnce("combo values", err); }
+        let before = null;
+        try { before = new Set(document.querySelectorAll(".litecontextmenu")); } catch { /* no DOM */ }
+        const result = originalClick.apply(this, args);
+        if (before) {
+          try {
+            for (const menu of document.querySelectorAll(".litecontextmenu")) if (!before.has(menu)) annotateMenu(menu);
+          } catch (err) {
+            warnOnce("menu marks", err);
+          }
+        }
+        return result;
+      },
+    });
+  }
+
+  const originalCallback = w.callback;
+  w.callback = function callback(...args) {
+    const r = typeof originalCallback === "function" ? originalCallback.apply(this, args) : undefined;
+    redraw(node);
+    return r;
+  };
+}
+
+function setupNode(node, { fresh }) {
+  const type = typeOf(node);
+  if (!REPORT_NODES.has(type)) return;
+  const st = nodeState(node);
+  if (st.setUp) return;
+  st.setUp = true;
+  addBadge(node, st);
+  if (!BACKEND_NODES.has(type)) return;
+  const w = widgetNamed(node, "backend");
+  decorateBackendWidget(node, w);
+  applyVisibleValues(w);
+  if (fresh) {
+    const policy = setting(SETTINGS.policy, "fallback");
+    const pw = widgetNamed(node, "policy");
+    const values = pw?.options?.values;
+    if (pw && POLICIES.includes(policy) && (!Array.isArray(values) || values.includes(policy))) pw.value = policy;
+  }
+}
+
+function refreshAll() {
+  if (!app.graph) return;
+  forEachNode((node) => {
+    if (!BACKEND_NODES.has(typeOf(node))) return;
+    applyVisibleValues(widgetNamed(node, "backend"));
+  });
+  redraw();
+}
+
+// ---- the panel under the widgets -------------------------------------------------------------------
+
+const FONT_PX = 12;
+const LINE_H = 15;
+const PAD = 6;
+
+function widgetsBottom(node) {
+  let bottom = 0;
+  for (const w of node.widgets ?? []) {
+    if (!w || (node.isWidgetVisible && !node.isWidgetVisible(w))) continue;
+    const y = Number.isFinite(w.y) ? w.y : Number.isFinite(w.last_y) ? w.last_y : null;
+    if (y == null) continue;
+    const h = Number.isFinite(w.computedHeight) ? w.computedHeight : (window.LiteGraph?.NODE_WIDGET_HEIGHT ?? 20) + 4;
+    bottom = Math.max(bottom, y + h);
+  }
+  return bottom;
+}
+
+function panelBlocks(st) {
+  const blocks = [];
+  const { warning, summary } = st;
+  // After a run of the chosen backend the report already says why it fell back: keep its install hint.
+  const reported = !!summary && !!summary.requested && summary.requested === st.backend;
+  if (warning && !reported) blocks.push({ text: warning.text, level: warning.strict ? "error" : "warn" });
+  if (summary) {
+    const lines = ["Last run:", ...summary.lines];
+    if (warning && reported) {
+      lines.push(...warning.hints.map((h) => `Install: ${h}`));
+      if (warning.strict) lines.push(warning.policyLine);
+    }
+    blocks.push({ text: lines.join("\n"), level: warning?.strict && reported ? "error" : summary.level });
+  }
+  return blocks;
+}
+
+function roundRect(ctx, x, y, w, h, r) {
+  ctx.beginPath();
+  if (ctx.roundRect) ctx.roundRect(x, y, w, h, r);
+  else ctx.rect(x, y, w, h);
+}
+
+function drawPanel(node, ctx, canvas) {
+  if (node.flags?.collapsed || !node.attention_dispatch) return;
+  const st = node.attention_dispatch;
+  const blocks = panelBlocks(st);
+  const top = widgetsBottom(node) + 2;
+  if (!blocks.length) {
+    if (st.grown) {
+      st.grown = false;
+      const min = node.computeSize?.()?.[1];
+      if (Number.isFinite(min) && min < node.size[1]) node.setSize?.([node.size[0], Math.max(min, top)]);
+    }
+    return;
+  }
+  const width = Math.max(40, node.size[0] - 4 * PAD);
+  ctx.save();
+  try {
+    drawBlocks(node, ctx, canvas, st, blocks, top, width);
+  } finally {
+    ctx.restore();
+  }
+}
+
+function drawBlocks(node, ctx, canvas, st, blocks, top, width) {
+  ctx.font = `${FONT_PX}px sans-serif`;
+  const key = `${width}|${blocks.map((b) => `${b.level}:${b.text}`).join("\u0001")}`;
+  if (key !== st.layoutKey) {
+    st.layoutKey = key;
+    st.layout = blocks.map((b) => ({ ...b, lines: wrapText(b.text, width, (s) => ctx.measureText(s).width) }));
+  }
+  const need = st.layout.reduce((h, b) => h + b.lines.length * LINE_H + 2 * PAD + PAD, 0);
+  if (node.size[1] < top + need) {
+    node.setSize?.([node.size[0], top + need]);
+    st.grown = true;
+    redraw(node);
+  }
+  const lowQuality = !!canvas?.low_quality;
+  let y = top;
+  for (const block of st.layout) {
+    const c = COLORS[block.level] ?? COLORS.info;
+    const h = block.lines.length * LINE_H + 2 * PAD;
+    roundRect(ctx, PAD, y, node.size[0] - 2 * PAD, h, 4);
+    ctx.fillStyle = c.bg;
+    ctx.fill();
+    ctx.strokeStyle = c.edge;
+    ctx.lineWidth = 1;
+    ctx.stroke();
+    if (!lowQuality) {
+      ctx.fillStyle = c.fg;
+      ctx.textAlign = "left";
+      ctx.textBaseline = "top";
+      block.lines.forEach((line, i) => ctx.fillText(line, 2 * PAD, y + PAD + i * LINE_H + 1));
+    }
+    y += h + PAD;
+  }
+}
+
+// ---- messages ----------------------------------------------------------------------------------------
+
+function onReport(report) {
+  if (!report || typeof report !== "object" || report.node == null) return;
+  const node = resolveNode(app.graph, report.node);
+  if (!node || !REPORT_NODES.has(typeOf(node))) return;
+  const st = nodeState(node);
+  if (st.promptId !== report.prompt_id || report.prompt_id == null) {
+    st.reports = [];
+    st.promptId = report.prompt_id ?? null;
+  }
+  st.reports.push(report);
+  st.report = mergeReports(st.reports);
+  st.summary = summarizeReport(st.report);
+  redraw(node);
+  if (setting(SETTINGS.toast, true) !== false) {
+    const toast = fallbackToast(report, node.title);
+    const t = app.extensionManager?.toast;
+    if (toast && t?.add) t.add({ severity: "warn", summary: toast.summary, detail: toast.detail, life: 8000 });
+  }
+}
+
+function onExecuted(detail) {
+  if (!detail || detail.node == null) return;
+  const node = resolveNode(app.graph, detail.node);
+  if (!node || typeOf(node) !== "SetClipAttentionBackend") return;
+  const st = nodeState(node);
+  if (st.promptId === detail.prompt_id && st.reports.length) return; // a real report came for this prompt
+  const summary = summarizeClipText(detail.output?.text);
+  if (!summary) return;
+  st.reports = [];
+  st.promptId = detail.prompt_id ?? null;
+  st.summary = summary;
+  redraw(node);
+}
+
+function loadBackends() {
+  if (state.loading) return state.loading;
+  state.loading = (async () => {
+    try {
+      const res = await api.fetchApi("/attention_dispatch/backends", { cache: "no-store" });
+      if (!res.ok) throw new Error(`HTTP ${res.status}`);
+      const payload = await res.json();
+      state.index = indexBackends(payload);
+      state.machine = payload?.machine ?? null;
+    } catch (err) {
+      state.error = String(err?.message ?? err);
+      warnOnce("GET /attention_dispatch/backends", err);
+    }
+    state.version++;
+    refreshAll();
+    return state;
+  })();
+  return state.loading;
+}
+
+const STYLE = `
+.litecontextmenu .litemenu-entry.attention-dispatch-unavailable { opacity: 0.72; }
+.litecontextmenu .litemenu-entry .attention-dispatch-note {
+  display: block; font-size: 0.78em; opacity: 0.8; max-width: 28em; white-space: normal; line-height: 1.2;
+  padding-left: 1.2em;
+}
+.litecontextmenu .litemenu-entry.attention-dispatch-unavailable .attention-dispatch-note { color: #f3b36b; }
+`;
+
+function addStyle() {
+  if (document.getElementById("attention-dispatch-style")) return;
+  const el = document.createElement("style");
+  el.id = "attention-dispatch-style";
+  el.textContent = STYLE;
+  document.head.append(el);
+}
+
+const extension = {
+  name: EXTENSION,
+  settings: [
+    {
+      id: SETTINGS.policy,
+      category: ["Attention Dispatch", "Nodes", "Default policy"],
+      name: "Default policy of new Set Attention Backend nodes",
+      tooltip: "fallback: calls the chosen backend cannot run go to the next backend of its chain (the node says " +
+        "which and why after the run). strict: such a prompt is rejected.",
+      type: "combo",
+      options: POLICIES,
+      defaultValue: "fallback",
+    },
+    {
+      id: SETTINGS.showUnavailable,
+      category: ["Attention Dispatch", "Nodes", "Show unavailable backends"],
+      name: "List backends that cannot run on this machine in the backend dropdown",
+      tooltip: "On: they are listed, marked \u2717 with the reason. Off: they are hidden (a node's current value " +
+        "stays listed).",
+      type: "boolean",
+      defaultValue: true,
+      onChange: guard("setting change", () => refreshAll()),
+    },
+    {
+      id: SETTINGS.toast,
+      category: ["Attention Dispatch", "Nodes", "Fallback notification"],
+      name: "Show a notification when attention calls fell back to another backend",
+      type: "boolean",
+      defaultValue: true,
+    },
+  ],
+
+  /** For tests and other extensions: the backend list as the page loaded it. */
+  attentionDispatch: { state, loadBackends, SETTINGS },
+
+  setup: guard("setup", () => {
+    addStyle();
+    api.addEventListener(EVENT, guard("report", (e) => onReport(e.detail)));
+    api.addEventListener("executed", guard("executed", (e) => onExecuted(e.detail)));
+    loadBackends();
+  }),
+
+  beforeRegisterNodeDef: guard("beforeRegisterNodeDef", (nodeType, nodeData) => {
+    if (!REPORT_NODES.has(nodeData?.name)) return;
+    const tooltip = nodeData?.input?.required?.backend?.[1]?.tooltip;
+    if (tooltip) baseTooltips.set(nodeData.name, tooltip);
+    const proto = nodeType.prototype;
+    const originalDraw = proto.onDrawForeground;
+    proto.onDrawForeground = function onDrawForeground(ctx, canvas, ...rest) {
+      const r = typeof originalDraw === "function" ? originalDraw.call(this, ctx, canvas, ...rest) : undefined;
+      try {
+        drawPanel(this, ctx, canvas);
+      } catch (err) {
+        warnOnce("draw", err);
+      }
+      return r;
+    };
+  }),
+
+  nodeCreated: guard("nodeCreated", (node) => {
+    // configure() of a loaded/pasted node runs after this and restores its saved widget values.
+    setupNode(node, { fresh: true });
+  }),
+};
+
+// ComfyUI may serve this folder twice (WEB_DIRECTORY under the clone's folder name and pyproject's
+// [tool.comfy] web under the project name): the first copy registers, a second one does nothing.
+const LOADED = Symbol.for("attention_dispatch.web.loaded");
+if (window[LOADED]) {
+  console.info(`[attention dispatch] already loaded from ${window[LOADED]}; skipping ${import.meta.url}`);
+} else {
+  window[LOADED] = import.meta.url;
+  app.registerExtension(extension);
+}
+

@@ -1,0 +1,319 @@
+"""The web extension in a real headless Chromium against a real ComfyUI serving its real frontend.
+
+Needs COMFYUI_PATH (as tests/integration), Debian's `chromium` (CHROMIUM overrides the path) and the
+`playwright` Python package (its own browsers are never downloaded: executable_path is Debian's).
+The screenshot lands in the test's tmp dir and is copied to $ATTN_DISPATCH_SCREENSHOT, by default
+/work/web-screenshot.png when /work exists.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+SETTINGS = {"policy": "AttentionDispatch.DefaultPolicy", "show": "AttentionDispatch.ShowUnavailableBackends",
+            "toast": "AttentionDispatch.FallbackToast"}
+APP = "window.comfyAPI.app.app"
+
+
+def _screenshot_target() -> Path | None:
+    target = os.environ.get("ATTN_DISPATCH_SCREENSHOT")
+    if target:
+        return Path(target)
+    return Path("/work/web-screenshot.png") if Path("/work").is_dir() and os.access("/work", os.W_OK) else None
+
+
+def _cond(seed):
+    return {"class_type": "TestRandomConditioning", "inputs": {"seed": seed, "length": 8, "dim": 4096,
+                                                                 "pooled_dim": 768}}
+
+
+def wan_prompt(backends):
+    """UNETLoader (tiny WAN) -> Set Attention Backend "1i0" -> KSampler -> SaveLatent, one chain per backend."""
+    p = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_wan21.safetensors", "weight_dtype": "default"}},
+         "2": _cond(1), "3": _cond(2),
+         "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 64, "length": 1,
+                                                                   "batch_size": 1}}}
+    for i, backend in enumerate(backends):
+        s, k, o = f"1{i}0", f"1{i}1", f"1{i}2"
+        p[s] = {"class_type": "SetAttentionBackend", "inputs": {"model": ["1", 0], "backend": backend,
+                                                                "policy": "fallback", "start_percent": 0.0,
+                                                                "end_percent": 1.0}}
+        p[k] = {"class_type": "KSampler", "inputs": {
+            "model": [s, 0], "seed": 11 + i, "steps": 2, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
+            "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}}
+        p[o] = {"class_type": "SaveLatent", "inputs": {"samples": [k, 0], "filename_prefix": f"latents/web_{i}"}}
+    # The text-encoder node: a 2-layer CLIP-L from the test helper pack.
+    p["20"] = {"class_type": "TestTinyClip", "inputs": {"seed": 5}}
+    p["21"] = {"class_type": "SetClipAttentionBackend", "inputs": {"clip": ["20", 0], "backend": "native",
+                                                                   "policy": "fallback"}}
+    p["22"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["21", 0], "text": "a browser test"}}
+    p["23"] = {"class_type": "TestConditioningStats", "inputs": {"conditioning": ["22", 0]}}
+    return p
+
+
+class Page:
+    """A page of the ComfyUI frontend plus what it logged and fetched."""
+
+    def __init__(self, page):
+        self.page = page
+        self.logs: list[str] = []
+        self.errors: list[str] = []
+        self.backend_fetches = 0
+        page.on("console", lambda m: self.logs.append(f"{m.type}: {m.text}"))
+        page.on("pageerror", lambda e: self.errors.append(f"{e}\n{getattr(e, 'stack', '')}"))
+        page.on("request", self._request)
+
+    def _request(self, request):
+        if "/attention_dispatch/backends" in request.url:
+            self.backend_fetches += 1
+
+    def js(self, script, arg=None):
+        return self.page.evaluate(script, arg)
+
+    def add_node(self, node_type="SetAttentionBackend", pos=(220, 160)):
+        """Clear the graph and add one node through the frontend's JS API; window.__adNode is that node."""
+        node_id = self.js(f"""([type, pos]) => {{ const app = {APP};
+            app.graph.clear();
+            const n = LiteGraph.createNode(type); n.pos = pos; app.graph.add(n);
+            app.canvas.ds.scale = 1; app.canvas.ds.offset = [0, 0]; app.canvas.setDirty(true, true);
+            window.__adNode = n; return n.id; }}""", [node_type, list(pos)])
+        self.frames()
+        return node_id
+
+    def frames(self, n=3):
+        """Let the canvas draw (widgets get their y positions when the node is first drawn)."""
+        self.js("""async (n) => { for (let i = 0; i < n; i++) await new Promise((r) => requestAnimationFrame(r)); }""", n)
+
+    def widget_center(self, name):
+        return self.js(f"""(name) => {{ const app = {APP}; const n = window.__adNode;
+            const w = n.widgets.find((w) => w.name === name);
+            const p = app.canvas.ds.convertCanvasToOffset([n.pos[0] + n.size[0] / 2,
+                                                           n.pos[1] + w.y + (w.computedHeight || 24) / 2]);
+            const r = app.canvas.canvas.getBoundingClientRect();
+            return [r.left + p[0], r.top + p[1]]; }}""", name)
+
+    def open_dropdown(self, name="backend"):
+        """A real mouse click on the combo widget: the frontend opens its LiteGraph context menu."""
+        self.close_menus()
+        x, y = self.widget_center(name)
+        self.page.mouse.click(x, y)
+        try:
+            self.page.wait_for_selector(".litecontextmenu .litemenu-entry", timeout=10000)
+        except Exception:
+            self.page.screenshot(path=str(self.shots / "no-dropdown.png"))
+            raise AssertionError(f"no dropdown after a click at {x:.0f},{y:.0f}; see {self.shots / 'no-dropdown.png'}")
+        return self.js("""() => [...document.querySelectorAll('.litecontextmenu .litemenu-entry')].map((e) => ({
+            value: typeof e.value === 'string' ? e.value : e.dataset.value, text: e.textContent, title: e.title,
+            mark: e.dataset.attentionDispatch || null }))""")
+
+    def close_menus(self):
+        if self.js("() => document.querySelectorAll('.litecontextmenu').length"):
+            self.page.keyboard.press("Escape")
+            if self.js("() => document.querySelectorAll('.litecontextmenu').length"):
+                self.page.mouse.click(900, 850)
+        self.page.wait_for_function("() => !document.querySelector('.litecontextmenu')", timeout=5000)
+
+    def node_state(self, node="window.__adNode"):
+        return self.js(f"""() => {{ const n = {node}; const st = n.attention_dispatch;
+            const w = n.widgets.find((w) => w.name === 'backend');
+            return {{ value: w.value, display: w._displayValue, tooltip: w.tooltip || '',
+                     policy: n.widgets.find((w) => w.name === 'policy').value,
+                     warning: st.warning, badge: st.badgeText, summary: st.summary,
+                     panel: (st.layout || []).map((b) => b.lines.join('\\n')) }}; }}""")
+
+    def set_setting(self, key, value):
+        self.js(f"async ([id, v]) => {{ await {APP}.extensionManager.setting.set(id, v); }}", [SETTINGS[key], value])
+
+
+@pytest.fixture(scope="module")
+def ui(request, tmp_path_factory):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set CHROMIUM)")
+    comfy = request.getfixturevalue("comfy")  # after the checks: no ComfyUI start when the browser is missing
+    # A fresh user dir opens the "Get Started with a Template" dialog over the canvas: mark it seen.
+    req = urllib.request.Request(comfy.url + "/settings/Comfy.TutorialCompleted", data=b"true", method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+    profile = tempfile.mkdtemp(prefix="attn-dispatch-chromium-")
+    try:
+        with sync_api.sync_playwright() as pw:
+            context = pw.chromium.launch_persistent_context(
+                profile, executable_path=CHROMIUM, headless=True, args=ARGS,
+                viewport={"width": 1600, "height": 1000})
+            try:
+                context.set_default_timeout(60000)
+                page = Page(context.pages[0] if context.pages else context.new_page())
+                page.comfy = comfy
+                started = time.time()
+                page.page.goto(comfy.url)
+                page.page.wait_for_function(f"""() => {{ const app = window.comfyAPI?.app?.app;
+                    const ext = app?.extensions?.find((e) => e.name === 'attention_dispatch');
+                    return !!app?.graph && !!app?.canvas && ext?.attentionDispatch?.state?.version > 0; }}""",
+                                            timeout=90000)
+                page.load_seconds = time.time() - started
+                page.shots = tmp_path_factory.mktemp("web-screenshots")
+                yield page
+            finally:
+                context.close()
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def test_extension_loads_once_and_fetches_the_backends_once(ui):
+    comfy = ui.comfy
+    state = ui.js(f"""() => {{ const ext = {APP}.extensions.find((e) => e.name === 'attention_dispatch');
+        const s = ext.attentionDispatch.state; return {{ error: s.error, names: [...s.index.keys()],
+        machine: s.machine }}; }}""")
+    route = comfy.get("/attention_dispatch/backends")
+    assert state["error"] is None
+    assert state["names"] == [b["name"] for b in route["backends"]]
+    assert state["machine"]["device_type"] == route["machine"]["device_type"]
+    assert ui.backend_fetches == 1
+    count = ui.js(f"() => {APP}.extensions.filter((e) => e.name === 'attention_dispatch').length")
+    assert count == 1
+    for key, default in (("policy", "fallback"), ("show", True), ("toast", True)):  # registered in the settings store
+        assert ui.js(f"(id) => {APP}.extensionManager.setting.get(id)", SETTINGS[key]) == default
+
+
+def test_dropdown_marks_what_cannot_run_here(ui):
+    comfy = ui.comfy
+    route = {b["name"]: b for b in comfy.get("/attention_dispatch/backends")["backends"]}
+    assert route["flash"]["available"] is False and route["native"]["available"] is True  # a CPU machine
+    ui.add_node()
+    entries = {e["value"]: e for e in ui.open_dropdown()}
+    ui.page.screenshot(path=str(ui.shots / "dropdown.png"))
+    options = comfy.get("/object_info/SetAttentionBackend")["SetAttentionBackend"]["input"]["required"]["backend"]
+    assert set(entries) == set(options[1]["options"])  # every value listed, under its real name
+    for name, row in route.items():
+        if name not in entries:
+            continue
+        assert entries[name]["mark"] == ("available" if row["available"] else "unavailable"), entries[name]
+        assert entries[name]["text"].startswith("\u2713 " if row["available"] else "\u2717 "), entries[name]
+    flash = entries["flash"]
+    assert "flash-attn is not installed" in flash["text"]  # the reason beside the name
+    assert "Install: pip install 'flash-attn" in flash["title"]  # the install command on hover
+    assert entries["auto"]["mark"] == "available" and entries["comfy default"]["mark"] == "available"
+
+    ui.page.locator(".litecontextmenu .litemenu-entry[data-value='flash']").click()
+    ui.page.wait_for_timeout(200)
+    st = ui.node_state()
+    assert st["value"] == "flash"  # the value sent with the prompt is the real backend name
+    assert st["display"] == "\u2717 flash"
+    assert st["warning"]["text"].startswith("\u26a0 flash cannot run here: flash-attn is not installed")
+    assert "Install: pip install 'flash-attn" in st["warning"]["text"]
+    assert "Policy fallback" in st["warning"]["text"]
+    assert st["badge"] == "\u26a0 flash unavailable"
+    assert st["tooltip"].startswith(st["warning"]["text"])
+    ui.page.wait_for_timeout(300)
+    st = ui.node_state()
+    assert st["panel"] and st["panel"][0].startswith("\u26a0 flash cannot run here")  # drawn on the node
+    prompt = ui.js(f"async () => (await {APP}.graphToPrompt()).output")
+    (node_prompt,) = [v for v in prompt.values() if v["class_type"] == "SetAttentionBackend"]
+    assert node_prompt["inputs"]["backend"] == "flash"
+
+    ui.js("() => { window.__adNode.widgets.find((w) => w.name === 'policy').value = 'strict'; }")
+    ui.frames()
+    st = ui.node_state()
+    assert st["warning"]["strict"] is True and "Policy strict: the prompt will be rejected." in st["warning"]["text"]
+    ui.page.screenshot(path=str(ui.shots / "warning.png"))
+
+
+def test_settings_hide_unavailable_and_default_policy(ui):
+    comfy = ui.comfy
+    ui.add_node()
+    ui.js("() => { window.__adNode.widgets.find((w) => w.name === 'backend').value = 'flash'; }")
+    ui.set_setting("show", False)
+    try:
+        shown = [e["value"] for e in ui.open_dropdown()]
+        route = {b["name"]: b for b in comfy.get("/attention_dispatch/backends")["backends"]}
+        hidden = [n for n, b in route.items() if not b["available"] and n != "flash"]
+        assert hidden and not set(hidden) & set(shown), shown
+        assert "flash" in shown and "native" in shown and "auto" in shown  # the current value stays listed
+    finally:
+        ui.set_setting("show", True)
+    assert len(ui.open_dropdown()) == len(comfy.get("/object_info/SetAttentionBackend")["SetAttentionBackend"]
+                                          ["input"]["required"]["backend"][1]["options"])
+    ui.close_menus()
+
+    ui.set_setting("policy", "strict")
+    try:
+        ui.add_node()
+        assert ui.node_state()["policy"] == "strict"  # applied to a newly created node
+    finally:
+        ui.set_setting("policy", "fallback")
+    ui.add_node()
+    assert ui.node_state()["policy"] == "fallback"
+
+    ui.add_node("SetClipAttentionBackend")  # the CLIP node's dropdown is marked the same way
+    ui.js("() => { window.__adNode.widgets.find((w) => w.name === 'backend').value = 'flash'; }")
+    st = ui.node_state()
+    assert st["display"] == "\u2717 flash" and st["warning"]["text"].startswith("\u26a0 flash cannot run here")
+    entries = {e["value"]: e for e in ui.open_dropdown()}
+    assert entries["flash"]["mark"] == "unavailable" and entries["native"]["mark"] == "available"
+    ui.close_menus()
+
+
+def test_report_badge_after_a_prompt(ui):
+    comfy = ui.comfy
+    ui.close_menus()
+    prompt = wan_prompt(["flash", "native"])
+    started = time.time()
+    ui.js(f"""async (p) => {{ const app = {APP}; app.loadApiJson(p, 'attention_dispatch_browser_test');
+        await app.queuePrompt(0, 1); }}""", prompt)
+    ui.page.wait_for_function(f"""() => ['100', '110', '21'].every((id) =>
+        {APP}.graph.getNodeById(Number(id))?.attention_dispatch?.summary)""", timeout=120000)
+    run_seconds = time.time() - started
+    fell = ui.node_state(f"{APP}.graph.getNodeById(100)")
+    ok = ui.node_state(f"{APP}.graph.getNodeById(110)")
+
+    # What ran, per node, from the attention_dispatch.report message of this prompt.
+    reports = {r["node"]: r for r in comfy.get("/attention_dispatch/report")["reports"]}
+    for node_id, st in (("100", fell), ("110", ok)):
+        calls = reports[node_id]["recorder"]["calls"]
+        assert st["summary"]["calls"] == calls and calls >= 8, (node_id, st["summary"], reports[node_id])
+    assert fell["value"] == "flash" and "flash" not in fell["summary"]["served"]
+    assert fell["summary"]["level"] == "warn"
+    (fb,) = fell["summary"]["fallbacks"]
+    assert fb["requested"] == "flash" and any("pip install" in r for r in fb["reasons"])
+    assert any(line.startswith("\u26a0 Fell back: flash \u2192 ") and "flash-attn is not installed" in line
+               for line in fell["summary"]["lines"]), fell["summary"]["lines"]
+    assert fell["badge"].startswith("\u26a0 ") and "8 calls" in fell["badge"]
+    assert ok["summary"]["served"] == {"native": ok["summary"]["calls"]} and ok["summary"]["level"] == "ok"
+    assert ok["badge"] == f"\u2713 native \u00b7 {ok['summary']['calls']} calls"
+    clip = ui.node_state(f"{APP}.graph.getNodeById(21)")  # from its `executed` text (no report message for TEs)
+    assert clip["badge"].startswith("\u2713 native: patched 2"), clip
+
+    # Lay the graph out with the grown nodes, then take the screenshot for the closing note.
+    ui.js(f"""() => {{ const app = {APP}; app.graph.arrange(80);
+        app.canvas.ds.scale = 0.85; app.canvas.ds.offset = [40, 40]; app.canvas.setDirty(true, true); }}""")
+    ui.page.wait_for_timeout(600)
+    fell = ui.node_state(f"{APP}.graph.getNodeById(100)")
+    assert any("Fell back: flash" in block for block in fell["panel"]), fell["panel"]  # drawn on the node
+    shot = ui.shots / "report.png"
+    ui.page.screenshot(path=str(shot))
+    target = _screenshot_target()
+    if target is not None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, target)
+    assert run_seconds < 100, run_seconds
+    assert ui.backend_fetches == 1  # one fetch per page load, nothing polled since
+
+
+def test_no_errors_from_the_extension(ui):
+    ours = [e for e in ui.errors if "attention_dispatch" in e or "attention-dispatch" in e]
+    warnings = [m for m in ui.logs if m.startswith(("warning:", "error:")) and "[attention dispatch]" in m]
+    assert not ours and not warnings, (ours, warnings)

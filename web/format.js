@@ -1,0 +1,353 @@
+// Pure formatting for the Attention Dispatch web extension: no DOM, no ComfyUI imports, so Node's
+// test runner imports it as is (`node --test tests/js/`). attention_dispatch.js does the drawing.
+//
+// Inputs are the pack's own JSON: GET /attention_dispatch/backends ({backends: [{name, available,
+// reasons, fallback, description, ...}], machine}) and the `attention_dispatch.report` websocket
+// message (nodes/reports.py: {kind, node, prompt_id, backend, policy, recorder: {calls, rows, errors},
+// compare?}).
+
+/** Combo values that are not registry backends and always run. */
+export const ALWAYS_AVAILABLE = new Set(["auto", "comfy default"]);
+
+export const MARK_UNAVAILABLE = "\u2717"; // ✗
+export const MARK_AVAILABLE = "\u2713"; // ✓
+export const MARK_WARNING = "\u26a0"; // ⚠
+
+// Where an install/trust instruction starts inside a registry reason, e.g.
+// "flash-attn is not installed: pip install 'flash-attn>=2.6.3' --no-build-isolation" or
+// "... runs remote code; set DIFFUSERS_TRUST_REMOTE_KERNELS=true or allow 'thu-ml' in ...".
+const HINT_START = /(?::|;)\s+(?=(?:pip3?|uv pip|uv|conda|mamba) install\b|build\b|set [A-Z_]+=|install\b|rerun\b|run `)/;
+
+/** One registry reason -> {why, hint}; hint is "" when the reason carries no instruction. */
+export function splitReason(reason) {
+  const text = String(reason ?? "").trim();
+  const m = HINT_START.exec(text);
+  if (!m) return { why: text, hint: "" };
+  return { why: text.slice(0, m.index).trim(), hint: text.slice(m.index + m[0].length).trim() };
+}
+
+/** The /attention_dispatch/backends payload -> Map(name -> status). Bad input gives an empty map. */
+export function indexBackends(payload) {
+  const map = new Map();
+  const rows = payload && Array.isArray(payload.backends) ? payload.backends : [];
+  for (const row of rows) {
+    if (!row || typeof row.name !== "string") continue;
+    const reasons = Array.isArray(row.reasons) ? row.reasons.map(String) : [];
+    const parts = reasons.map(splitReason);
+    map.set(row.name, {
+      name: row.name,
+      available: row.available === true,
+      reasons,
+      why: parts.map((p) => p.why).filter(Boolean),
+      hints: [...new Set(parts.map((p) => p.hint).filter(Boolean))],
+      fallback: Array.isArray(row.fallback) ? row.fallback.map(String) : [],
+      description: typeof row.description === "string" ? row.description : "",
+    });
+  }
+  return map;
+}
+
+/** Status of one combo value: null while the list is not loaded or the value is not a registry backend. */
+export function statusOf(index, value) {
+  if (!index || ALWAYS_AVAILABLE.has(value)) return null;
+  return index.get(value) ?? null;
+}
+
+export function isUnavailable(index, value) {
+  const s = statusOf(index, value);
+  return !!s && !s.available;
+}
+
+/** The menu entry for one value: label (with the mark), note (short reason, beside it), title (hover). */
+export function menuEntry(index, value) {
+  const s = statusOf(index, value);
+  if (!s) {
+    const text = value === "auto" ? "best available backend for each call"
+      : value === "comfy default" ? "ComfyUI's own attention" : "";
+    return { value, label: String(value), note: text, title: text, unavailable: false };
+  }
+  if (s.available) {
+    return { value, label: `${MARK_AVAILABLE} ${value}`, note: "", title: s.description || "runs here",
+             unavailable: false };
+  }
+  const why = s.why.length ? s.why.join("; ") : "cannot run on this machine";
+  const title = [`${value} cannot run here: ${why}.`, ...s.hints.map((h) => `Install: ${h}`)];
+  if (s.description) title.push(s.description);
+  return { value, label: `${MARK_UNAVAILABLE} ${value}`, note: why, title: title.join("\n"), unavailable: true };
+}
+
+/** The combo's displayed label on the node (the widget's value stays the real name). */
+export function displayLabel(index, value) {
+  return isUnavailable(index, value) ? `${MARK_UNAVAILABLE} ${value}` : value;
+}
+
+/** The values the dropdown lists: all of them, or without the unavailable ones (the current value stays). */
+export function visibleValues(values, index, showUnavailable, current) {
+  if (!Array.isArray(values)) return values;
+  if (showUnavailable || !index) return values;
+  return values.filter((v) => v === current || !isUnavailable(index, v));
+}
+
+/** First available backend of `name`'s fallback chain, as the dispatcher would walk it. */
+export function fallbackTarget(index, name, seen = new Set()) {
+  const s = index && index.get(name);
+  if (!s || seen.has(name)) return null;
+  seen.add(name);
+  for (const next of s.fallback) {
+    const t = index.get(next);
+    if (t && t.available) return next;
+    const deeper = fallbackTarget(index, next, seen);
+    if (deeper) return deeper;
+  }
+  return null;
+}
+
+/**
+ * The warning a node shows once an unavailable backend is chosen (before the prompt is queued), or
+ * null. policy "strict" makes the prompt fail at validation; "fallback" runs the chain and reports it.
+ */
+export function selectionWarning(index, value, policy) {
+  const s = statusOf(index, value);
+  if (!s || s.available) return null;
+  const why = s.why.length ? s.why.join("; ") : "cannot run on this machine";
+  const lines = [`${MARK_WARNING} ${value} cannot run here: ${why}.`];
+  for (const hint of s.hints) lines.push(`Install: ${hint}`);
+  if (policy === "strict") {
+    lines.push("Policy strict: the prompt will be rejected.");
+  } else {
+    const to = fallbackTarget(index, value);
+    lines.push(`Policy fallback: calls will fall back${to ? ` (here to ${to})` : ""}; the node shows what ran.`);
+  }
+  return { text: lines.join("\n"), lines, hints: [...s.hints], policyLine: lines[lines.length - 1],
+           strict: policy === "strict" };
+}
+
+const MS_KEYS = ["attention_ms", "time_ms", "ms", "elapsed_ms"];
+const S_KEYS = ["attention_s", "time_s", "seconds", "elapsed_s"];
+
+function timeOf(obj) {
+  if (!obj || typeof obj !== "object") return null;
+  for (const k of MS_KEYS) if (Number.isFinite(obj[k])) return obj[k];
+  for (const k of S_KEYS) if (Number.isFinite(obj[k])) return obj[k] * 1000;
+  return null;
+}
+
+/** Milliseconds spent in attention if the report measured it (report, recorder, or summed rows), else null. */
+export function attentionTimeMs(report) {
+  const rec = report && report.recorder;
+  const direct = timeOf(report) ?? timeOf(rec) ?? timeOf(rec && rec.timing);
+  if (direct != null) return direct;
+  const rows = rec && Array.isArray(rec.rows) ? rec.rows : [];
+  let total = null;
+  for (const row of rows) {
+    const t = timeOf(row);
+    if (t != null) total = (total ?? 0) + t;
+  }
+  return total;
+}
+
+export function formatMs(ms) {
+  if (!Number.isFinite(ms)) return "";
+  if (ms >= 10000) return `${(ms / 1000).toFixed(1)} s`;
+  if (ms >= 1000) return `${(ms / 1000).toFixed(2)} s`;
+  if (ms >= 100) return `${ms.toFixed(0)} ms`;
+  if (ms >= 10) return `${ms.toFixed(1)} ms`;
+  return `${ms.toFixed(2)} ms`;
+}
+
+export function plural(n, word) {
+  return `${n} ${word}${n === 1 ? "" : "s"}`;
+}
+
+function escapeRegExp(text) {
+  return String(text).replace(/[.*+?^${}()|[\]\\]/g, "\\$&");
+}
+
+/** A report reason without its "flash: " prefix (the dispatcher names the backend it judged). */
+export function reasonText(reason, backend) {
+  const text = String(reason ?? "");
+  const stripped = backend ? text.replace(new RegExp(`^${escapeRegExp(backend)}:\\s*`), "") : text;
+  return splitReason(stripped).why || stripped;
+}
+
+function truncate(text, max) {
+  const s = String(text);
+  return s.length <= max ? s : `${s.slice(0, Math.max(0, max - 1))}\u2026`;
+}
+
+/**
+ * One report message -> what a node shows: badge (short, title bar), lines (the panel under the
+ * widgets), level ("ok" | "warn" | "error" | "info"), plus the numbers for tests and tooltips.
+ */
+export function summarizeReport(report) {
+  if (!report || typeof report !== "object") return null;
+  if (report.kind === "checks") return summarizeChecks(report);
+  const rec = report.recorder && typeof report.recorder === "object" ? report.recorder : {};
+  const rows = Array.isArray(rec.rows) ? rec.rows : [];
+  const errors = Array.isArray(rec.errors) ? rec.errors : [];
+  const served = new Map(); // backend -> {calls, sites: Map(site -> calls)}
+  const fallbacks = new Map(); // "requested -> served" -> {requested, served, calls, reasons:Set}
+  let calls = 0;
+  for (const row of rows) {
+    const n = Number(row.calls) || 0;
+    calls += n;
+    const entry = served.get(row.served) ?? { calls: 0, sites: new Map() };
+    entry.calls += n;
+    entry.sites.set(row.site, (entry.sites.get(row.site) ?? 0) + n);
+    served.set(row.served, entry);
+    if (row.fell_back) {
+      const key = `${row.requested}\u0000${row.served}`;
+      const fb = fallbacks.get(key) ?? { requested: row.requested, served: row.served, calls: 0, reasons: new Set() };
+      fb.calls += n;
+      for (const r of row.reasons ?? []) fb.reasons.add(String(r));
+      fallbacks.set(key, fb);
+    }
+  }
+  const ms = attentionTimeMs(report);
+  const requested = report.backend ?? (rows[0] && rows[0].requested) ?? "";
+  const lines = [];
+  if (report.runs > 1) lines.push(`${report.runs} sampling runs in this prompt`);
+  if (!calls) {
+    lines.push(`No attention calls recorded${requested ? ` (asked for ${requested})` : ""}.`);
+  }
+  const order = [...served.entries()].sort((a, b) => b[1].calls - a[1].calls);
+  for (const [name, e] of order) {
+    const sites = [...e.sites.entries()].map(([s, n]) => `${s} ${n}`).join(", ");
+    lines.push(`Ran: ${name} \u2014 ${plural(e.calls, "call")}${sites ? ` (${sites})` : ""}`);
+  }
+  for (const fb of fallbacks.values()) {
+    const why = [...new Set([...fb.reasons].map((r) => reasonText(r, fb.requested)))].filter(Boolean).join("; ");
+    lines.push(`${MARK_WARNING} Fell back: ${fb.requested} \u2192 ${fb.served} for ${plural(fb.calls, "call")}` +
+      (why ? `: ${why}` : ""));
+  }
+  for (const err of errors) lines.push(`${MARK_UNAVAILABLE} ${err.backend} failed at ${err.site}: ${err.error}`);
+  if (ms != null) lines.push(`Time in attention: ${formatMs(ms)}`);
+
+  const top = order.length ? order[0][0] : "";
+  const names = order.map(([n]) => n);
+  let badge = calls ? `${names.length > 1 ? `${top} +${names.length - 1}` : top} \u00b7 ${plural(calls, "call")}`
+    : "no attention calls";
+  if (ms != null) badge += ` \u00b7 ${formatMs(ms)}`;
+  const level = errors.length ? "error" : fallbacks.size ? "warn" : calls ? "ok" : "info";
+  badge = `${level === "ok" ? MARK_AVAILABLE : level === "info" ? "" : MARK_WARNING} ${truncate(badge, 40)}`.trim();
+  return {
+    badge, lines, level, calls, requested,
+    served: Object.fromEntries(order.map(([n, e]) => [n, e.calls])),
+    fallbacks: [...fallbacks.values()].map((f) => ({ ...f, reasons: [...f.reasons] })),
+    errors, timeMs: ms,
+  };
+}
+
+function summarizeChecks(report) {
+  const cmp = report.compare;
+  const lines = [`Checks: ${report.checks ?? "on"}`];
+  let badge = `checks: ${report.checks ?? "on"}`;
+  let level = "ok";
+  if (cmp && typeof cmp === "object") {
+    const err = Number(cmp.max_rel_error);
+    const e = Number.isFinite(err) ? err.toExponential(2) : "?";
+    lines.push(`Compared ${plural(Number(cmp.samples) || 0, "sample")} with PyTorch SDPA (1 in ${cmp.every}): ` +
+      `max relative error ${e}${cmp.worst_site ? ` at ${cmp.worst_site}` : ""}`);
+    badge = `max rel err ${e}`;
+    if (Number.isFinite(err) && err > 0.05) level = "warn";
+  }
+  return { badge: `${level === "ok" ? MARK_AVAILABLE : MARK_WARNING} ${badge}`, lines, level, calls: 0,
+           served: {}, fallbacks: [], errors: [], timeMs: attentionTimeMs(report) };
+}
+
+/**
+ * Several reports of one node for one prompt (e.g. two samplers fed by one Set node) -> one report
+ * with all rows (calls of the same site/requested/served added up), errors and measured time.
+ */
+export function mergeReports(reports) {
+  const list = (Array.isArray(reports) ? reports : []).filter((r) => r && typeof r === "object");
+  if (list.length <= 1) return list[0] ?? null;
+  const last = list[list.length - 1];
+  if (last.kind === "checks") return last;
+  const rows = new Map();
+  const errors = [];
+  let ms = null;
+  for (const r of list) {
+    const rec = r.recorder ?? {};
+    for (const row of Array.isArray(rec.rows) ? rec.rows : []) {
+      const key = `${row.site}\u0000${row.requested}\u0000${row.served}`;
+      const prev = rows.get(key);
+      if (prev) prev.calls += Number(row.calls) || 0;
+      else rows.set(key, { ...row, calls: Number(row.calls) || 0 });
+    }
+    if (Array.isArray(rec.errors)) errors.push(...rec.errors);
+    const t = attentionTimeMs(r);
+    if (t != null) ms = (ms ?? 0) + t;
+  }
+  const merged = [...rows.values()].map(({ attention_ms, time_ms, ms: _ms, elapsed_ms, attention_s, time_s, seconds,
+                                           elapsed_s, ...rest }) => rest);
+  const out = { ...last, runs: list.length, recorder: { ...(last.recorder ?? {}), rows: merged, errors,
+    calls: merged.reduce((a, r) => a + r.calls, 0) } };
+  for (const k of [...MS_KEYS, ...S_KEYS]) { delete out[k]; delete out.recorder[k]; }
+  delete out.recorder.timing;
+  if (ms != null) out.attention_ms = ms;
+  return out;
+}
+
+/** The Set CLIP node's `executed` ui text ("auto: patched 4 ...") as a panel summary. */
+export function summarizeClipText(texts) {
+  const list = Array.isArray(texts) ? texts.map(String).filter(Boolean) : [];
+  if (!list.length) return null;
+  return { badge: `${MARK_AVAILABLE} ${truncate(list[0], 40)}`, lines: list, level: "ok", calls: 0, served: {},
+           fallbacks: [], errors: [], timeMs: null };
+}
+
+/** Greedy word wrap of `text` (may hold "\n") to `width`, measured by `measure(str) -> px`. */
+export function wrapText(text, width, measure) {
+  const out = [];
+  for (const para of String(text ?? "").split("\n")) {
+    const words = para.split(/\s+/).filter(Boolean);
+    if (!words.length) { out.push(""); continue; }
+    let line = "";
+    for (const word of words) {
+      const next = line ? `${line} ${word}` : word;
+      if (measure(next) <= width) { line = next; continue; }
+      if (line) out.push(line);
+      line = word;
+      // A word wider than the line is cut by characters.
+      while (line.length > 1 && measure(line) > width) {
+        let cut = line.length - 1;
+        while (cut > 1 && measure(line.slice(0, cut)) > width) cut--;
+        out.push(line.slice(0, cut));
+        line = line.slice(cut);
+      }
+    }
+    if (line) out.push(line);
+  }
+  return out;
+}
+
+/** "12" -> ["12"]; "5:3" (a node inside subgraph node 5) -> ["5", "3"]. */
+export function parseExecutionId(id) {
+  if (id == null) return [];
+  return String(id).split(":").filter((p) => p !== "");
+}
+
+/** The graph node a report's node id names, walking subgraph nodes (duck-typed: getNodeById, .subgraph). */
+export function resolveNode(rootGraph, id) {
+  const parts = parseExecutionId(id);
+  let graph = rootGraph;
+  for (let i = 0; i < parts.length; i++) {
+    if (!graph || typeof graph.getNodeById !== "function") return null;
+    const key = /^\d+$/.test(parts[i]) ? Number(parts[i]) : parts[i];
+    const node = graph.getNodeById(key) ?? graph.getNodeById(parts[i]);
+    if (!node) return null;
+    if (i === parts.length - 1) return node;
+    graph = node.subgraph;
+  }
+  return null;
+}
+
+/** Toast text for a report that fell back, or null. */
+export function fallbackToast(report, title) {
+  const s = summarizeReport(report);
+  if (!s || !s.fallbacks.length) return null;
+  const detail = s.fallbacks.map((f) => `${f.requested} \u2192 ${f.served} (${plural(f.calls, "call")})` +
+    (f.reasons.length ? `: ${f.reasons.map((r) => reasonText(r, f.requested)).join("; ")}` : "")).join("\n");
+  return { summary: `Attention backend fell back${title ? ` \u2014 ${title}` : ""}`, detail };
+}
