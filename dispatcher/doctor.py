@@ -12,6 +12,7 @@ from .registry import list_backends
 
 def report() -> dict:
     machine = current_machine()
+    backends = [status.as_dict() for status in list_backends()]
     try:
         lock = hub.read_lock()
     except hub.KernelLoadError as exc:
@@ -20,10 +21,51 @@ def report() -> dict:
         "machine": {"device": machine.device_type, "name": machine.device_name, "arch": machine.arch,
                     "torch": machine.torch_version, "cuda": machine.cuda_version, "hip": machine.hip_version,
                     "packages": machine.packages},
-        "backends": [status.as_dict() for status in list_backends()],
+        "backends": backends,
         "fetched_kernels": lock,
+        "hub_kernels": hub_kernels(lock, backends),
         "loaded_kernels": [k.as_dict() for k in hub.loaded_kernels()],
     }
+
+
+def hub_kernels(lock: dict, backends: list[dict] | None = None) -> list[dict]:
+    """Each Hub kernel a backend uses: fetched by install.py (pinned in the lock and still cached) or not."""
+    usable = {b["name"] for b in backends or [] if b["available"]}
+    from .registry import get, names
+    kernels: dict[tuple, dict] = {}
+    for name in names():
+        spec = get(name).hub
+        if spec is None:
+            continue
+        key = (spec.repo_id, spec.version, spec.revision)
+        row = kernels.setdefault(key, {"repo_id": spec.repo_id, "version": spec.version, "revision": spec.revision,
+                                       "backends": [], "fetched": False, "pinned": None, "variant": None,
+                                       "path": None, "status": "not fetched: run `python install.py`"})
+        row["backends"].append(name)
+        if name in usable:
+            row["status"] = ("not fetched: `python install.py` fetches and pins it (otherwise the first use "
+                             "downloads it, which needs the network)")
+    for row in kernels.values():
+        if not any(n in usable for n in row["backends"]) and not row["status"].startswith("not fetched: `"):
+            row["status"] = "not fetched (no backend using it can run here)"
+    entries = lock if isinstance(lock, dict) and "error" not in lock else {}
+    for row in kernels.values():
+        entry = entries.get(row["repo_id"])
+        if not entry:
+            continue
+        if row["revision"] is None and hub._version_number(entry.get("version")) != row["version"]:
+            row["status"] = (f"the lock pins version {entry.get('version')}, not {row['version']}: "
+                             "rerun `python install.py`")
+            continue
+        build, why = hub.fetched_build(entry)
+        row.update(pinned=entry.get("revision"), variant=entry.get("variant"), path=entry.get("path"),
+                   signature=entry.get("signature"), fetched_at=entry.get("fetched_at"))
+        if build is not None:
+            row["fetched"] = True
+            row["status"] = "fetched"
+        else:
+            row["status"] = f"pinned, but {why}: rerun `python install.py`"
+    return list(kernels.values())
 
 
 def render(data: dict, width: int = 110) -> str:
@@ -45,8 +87,16 @@ def render(data: dict, width: int = 110) -> str:
         lines.extend(f"  {'':32} {'':9} {'':11} {more}" for more in wrapped[1:])
     fetched = data["fetched_kernels"]
     lines.append("")
-    lines.append("Fetched Hub kernels (lock file): " + (", ".join(
-        f"{repo} v{e.get('version')} @ {str(e.get('revision'))[:12]}" for repo, e in fetched.items()) if fetched else "none"))
+    if isinstance(fetched, dict) and "error" in fetched:
+        lines.append(f"Lock file: {fetched['error']}")
+    lines.append(f"Hub kernels (lock file {hub.lock_path()}):")
+    for row in data.get("hub_kernels", []):
+        label = f"{row['repo_id']} " + (f"v{row['version']}" if row["revision"] is None else f"@{row['revision']}")
+        if row["fetched"]:
+            state = f"fetched @ {str(row['pinned'])[:12]} ({row['variant']}, signature {row.get('signature') or '?'})"
+        else:
+            state = row["status"]
+        lines.append(f"  {label:45} {state}  [{', '.join(row['backends'])}]")
     return "\n".join(lines)
 
 

@@ -3,13 +3,16 @@
 A kernel is loaded once per (repo, version, revision) and every load is recorded with the
 revision and local path the library resolved, so reports can say exactly what code ran.
 A lock file written by `install.py` (or named by ATTN_DISPATCH_KERNEL_LOCK) pins each repo to
-the revision that was fetched, so an offline ComfyUI loads exactly what was installed.
+the revision that was fetched, so an offline ComfyUI loads exactly what was installed: the build
+directory it records is loaded straight from the cache (`fetched_build`), with no network and no
+HF_HUB_OFFLINE needed, while the kernels library would still pick that build for this machine.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 from dataclasses import asdict, dataclass
@@ -150,13 +153,15 @@ def load(hub: HubKernel) -> tuple[Callable, LoadedKernel]:
             where = f"revision {revision} pinned by {lock_path()}"
         else:
             where = f"revision {revision}" if revision else f"version {hub.version}"
-        try:
-            module = kernels.get_kernel(hub.repo_id, **kwargs)
-        except Exception as exc:
-            hint = (f"; the pinned revision is not available: rerun `python install.py`, or delete {lock_path()}"
-                    if locked else "")
-            raise KernelLoadError(f"could not load '{hub.repo_id}' ({where}): {type(exc).__name__}: "
-                                  f"{str(exc).strip()}{hint}") from exc
+        module = _load_fetched(kernels, hub.repo_id, locked, kwargs) if locked else None
+        if module is None:
+            try:
+                module = kernels.get_kernel(hub.repo_id, **kwargs)
+            except Exception as exc:
+                hint = (f"; the pinned revision is not available: rerun `python install.py`, or delete {lock_path()}"
+                        if locked else "")
+                raise KernelLoadError(f"could not load '{hub.repo_id}' ({where}): {type(exc).__name__}: "
+                                      f"{str(exc).strip()}{hint}") from exc
         fn = _resolve(module, hub.function)
         if not callable(fn):
             raise KernelLoadError(f"'{hub.function}' of kernel '{hub.repo_id}' is not callable "
@@ -172,6 +177,66 @@ def load(hub: HubKernel) -> tuple[Callable, LoadedKernel]:
                               from_lock=bool(locked), source=source)
         _loaded[key] = (fn, record)
         return fn, record
+
+
+def local_override(repo_id: str) -> str | None:
+    """The LOCAL_KERNELS path that overrides `repo_id` (kernels' own 'org/name=/path:...' syntax), if any."""
+    for item in (os.environ.get("LOCAL_KERNELS") or "").split(":"):
+        name, sep, path = item.partition("=")
+        if sep and name.strip() == repo_id:
+            return path
+    return None
+
+
+def fetched_build(entry: dict) -> tuple[Path | None, str | None]:
+    """(the variant directory of a lock entry, None) while it is still in the cache and is still the build
+    the kernels library picks for this machine; (None, why not) otherwise.
+
+    `install.py` records the directory `kernels.install_kernel` returned. Loading that directory needs
+    no network and no Hub metadata, which an offline cache lookup by commit does (and which fails
+    once only some of a repository's build variants were downloaded).
+    """
+    raw = entry.get("path")
+    if not raw:
+        return None, "the lock entry records no path"
+    variant = Path(raw)
+    if not (variant / "metadata.json").is_file():
+        return None, f"{variant} is no longer in the cache"
+    match = _SNAPSHOT.search(str(variant) + "/")
+    if entry.get("revision") and (match is None or match.group(1) != str(entry["revision"]).strip()):
+        return None, f"{variant} is not the snapshot of revision {entry.get('revision')}"
+    try:
+        from kernels.variants import get_variants_local, resolve_variant
+    except Exception:  # another kernels version: trust the recorded build
+        return variant, None
+    try:
+        chosen, _ = resolve_variant(get_variants_local(variant.parent))
+    except Exception as exc:  # noqa: BLE001
+        return None, f"the kernels library cannot check {variant.name} ({type(exc).__name__}: {exc})"
+    if chosen is None or chosen.variant_str != variant.name:
+        better = f" (it would pick {chosen.variant_str})" if chosen is not None else ""
+        return None, f"the fetched build {variant.name} no longer fits this torch/GPU{better}"
+    return variant, None
+
+
+def _load_fetched(kernels, repo_id: str, locked: dict, kwargs: dict):
+    """The module of the build `install.py` fetched for a lock entry, from the cache (no network), or None
+    to let `get_kernel` resolve the pinned revision itself."""
+    if local_override(repo_id):
+        return None  # LOCAL_KERNELS wins, as it does inside get_kernel
+    build, why = fetched_build(locked)
+    if build is None:
+        if locked.get("path"):
+            logger.warning("not loading the fetched build of '%s' from the cache: %s; rerun `python install.py`",
+                           repo_id, why)
+        return None
+    try:
+        extra = {"trust_remote_code": kwargs["trust_remote_code"]} if "trust_remote_code" in kwargs else {}
+        return kernels.get_local_kernel(build, **extra)
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("the fetched build of '%s' at %s does not load (%s: %s); trying the kernels library's own "
+                       "resolution of the pinned revision", repo_id, build, type(exc).__name__, exc)
+        return None
 
 
 def _origin_of(module, path: str | None) -> tuple[str | None, str]:

@@ -124,11 +124,11 @@ add(BackendSpec(name="flash_varlen_hub", family="flash2", description="FlashAtte
                 mask_format="key_padding", hub=FLASH_2_VARLEN_HUB,
                 requires=(kernels_requirement(FLASH_2_VARLEN_HUB), ON_CUDA, SM80), **COMMON))
 add(BackendSpec(name="_flash_3", family="flash3", description="FlashAttention-3 (Hopper; built from source)",
-                fn=_style(dense, style="fa3"), capability=HOPPER_AMPERE, preference=90, requires=(FA3, ON_CUDA),
+                fn=_style(dense, style="fa3"), capability=HOPPER_AMPERE, preference=90, requires=(FA3, ON_CUDA, HOPPER_AMPERE),
                 backward=True, **COMMON))
 add(BackendSpec(name="_flash_varlen_3", family="flash3", description="FlashAttention-3 varlen (Hopper)",
                 fn=_style(varlen, style="fa3"), capability=HOPPER_AMPERE, preference=85, masks=KEY_PADDING,
-                mask_format="key_padding", requires=(FA3, ON_CUDA), **COMMON))
+                mask_format="key_padding", requires=(FA3, ON_CUDA, HOPPER_AMPERE), **COMMON))
 add(BackendSpec(name="_flash_3_hub", family="flash3", description="FlashAttention-3 from the Hub (sm_80, sm_90)",
                 fn=_style(dense, style="fa3"), capability=HOPPER_AMPERE, preference=89, hub=FLASH_3_HUB,
                 requires=(kernels_requirement(FLASH_3_HUB), ON_CUDA, HOPPER_AMPERE), **COMMON))

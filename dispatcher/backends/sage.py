@@ -12,9 +12,11 @@ from ..requirements import CudaCapability, OnDevice, Package, RocmArch
 from ..spec import HALF, BackendSpec, HeadDims, HubKernel
 from ..versions import at_least
 
-SAGE = Package("sageattention", "1.0.6", module="sageattention", pip="pip install 'sageattention>=2.1.1'")
+SAGE = Package("sageattention", "1.0.6", module="sageattention", pip="pip install sageattention")
+# PyPI stops at 1.0.6 (Triton only); the CUDA kernels of 2.x are built from source.
 SAGE2 = Package("sageattention", "2.1.1", module="sageattention",
-                pip="pip install 'sageattention>=2.1.1' (or build SageAttention 2 from source)")
+                pip="build SageAttention 2 from source (its repository: pip install . --no-build-isolation); "
+                    "PyPI only has 1.0.6")
 ON_CUDA = OnDevice(frozenset({"cuda"}))
 SM80, SM89, SM90 = (CudaCapability(minimum=c) for c in ((8, 0), (8, 9), (9, 0)))
 SM90_ONLY = CudaCapability(exact=((9, 0),))

@@ -1,0 +1,408 @@
+"""What `install.py` would do on a machine: which backends run now, which after a Hub kernel fetch,
+which need a pip package, and which cannot run there, all read from the registry's requirements.
+
+Nothing here downloads or installs anything. A plan is computed for any `Machine`: the detected one,
+or a simulated one from `SIMULATED` (`python install.py --simulate h200`), through the same
+`use_machine` seam the rest of the dispatcher uses.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import textwrap
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from . import env, hub, registry, trust
+from .machine import Machine, current_machine, use_machine
+from .requirements import CudaCapability, EnvOptIn, OnDevice, Package, Probe, RocmArch, TorchVersion
+from .versions import at_least
+
+# Statuses, most usable first.
+READY = "ready"  # runs now (a Hub backend whose kernel is already fetched and cached is also ready)
+FETCH = "fetch"  # runs after `python install.py` fetches its Hub kernel
+OPT_IN = "opt-in"  # fits this machine, but waits for a trust opt-in or an experimental switch
+PIP = "pip"  # fits this machine, but needs a package installed (the exact command is given)
+BROKEN = "broken"  # its package is installed but cannot run here (import or a tiny call fails)
+DISABLED = "disabled"  # a Hub kernel while DIFFUSERS_DISABLE_REMOTE_CODE=true
+UNSUPPORTED = "unsupported"  # not for this machine (device, architecture, torch version)
+STATUSES = (READY, FETCH, OPT_IN, PIP, BROKEN, DISABLED, UNSUPPORTED)
+
+# Never installed or changed by install.py (ComfyUI-Manager's pip blacklist, plus device stacks that
+# must match torch exactly and only make sense on their own hardware).
+PROTECTED = frozenset({"torch", "torchvision", "torchaudio", "torchsde"})
+DEVICE_STACKS = {"torch-npu": "an Ascend NPU", "torch-xla": "an XLA device (TPU)"}
+
+
+def _m(name: str, device_type: str, *, torch_version: str = "2.10.0+cu128", cuda: str | None = "12.8",
+       hip: str | None = None, capability=None, rocm_arch=None, **packages: str) -> Machine:
+    base = {"torch": torch_version, "kernels": "0.17.2"}
+    if device_type in ("cuda", "rocm"):
+        base["triton"] = "3.5.0"
+    base.update({k.replace("_", "-"): v for k, v in packages.items()})
+    return Machine(torch_version=torch_version, device_type=device_type, device_name=name,
+                   cuda_capability=capability, rocm_arch=rocm_arch, cuda_version=cuda, hip_version=hip,
+                   packages=base, simulated=True)
+
+
+# Named machines for `install.py --simulate NAME`, the README and the tests.
+SIMULATED: dict[str, Machine] = {
+    "t4": _m("NVIDIA Tesla T4", "cuda", capability=(7, 5)),
+    "rtx3090": _m("NVIDIA GeForce RTX 3090", "cuda", capability=(8, 6)),
+    "a100": _m("NVIDIA A100-SXM4-80GB", "cuda", capability=(8, 0), flash_attn="2.8.3"),
+    "rtx4090": _m("NVIDIA GeForce RTX 4090", "cuda", capability=(8, 9), sageattention="2.2.0"),
+    "h100": _m("NVIDIA H100 80GB HBM3", "cuda", capability=(9, 0)),
+    "h200": _m("NVIDIA H200", "cuda", capability=(9, 0)),
+    "b200": _m("NVIDIA B200", "cuda", torch_version="2.10.0+cu130", cuda="13.0", capability=(10, 0)),
+    "rtx5090": _m("NVIDIA GeForce RTX 5090", "cuda", torch_version="2.10.0+cu130", cuda="13.0", capability=(12, 0)),
+    "mi300x": _m("AMD Instinct MI300X", "rocm", torch_version="2.10.0+rocm7.0", cuda=None, hip="7.0",
+                 rocm_arch="gfx942"),
+    "mi355x": _m("AMD Instinct MI355X", "rocm", torch_version="2.10.0+rocm7.0", cuda=None, hip="7.0",
+                 rocm_arch="gfx950"),
+    "rx9070": _m("AMD Radeon RX 9070 XT", "rocm", torch_version="2.10.0+rocm7.0", cuda=None, hip="7.0",
+                 rocm_arch="gfx1201"),
+    "rx7900": _m("AMD Radeon RX 7900 XTX", "rocm", torch_version="2.10.0+rocm7.0", cuda=None, hip="7.0",
+                 rocm_arch="gfx1100"),
+    "mac": _m("Apple M3 Max", "mps", torch_version="2.10.0", cuda=None),
+    "arc": _m("Intel Arc B580", "xpu", torch_version="2.10.0+xpu", cuda=None),
+    "ascend": _m("Ascend 910B", "npu", torch_version="2.10.0", cuda=None, torch_npu="2.10.0"),
+    "cpu": _m("cpu", "cpu", torch_version="2.10.0+cpu", cuda=None),
+}
+
+
+def simulated(name: str) -> Machine:
+    try:
+        return SIMULATED[name]
+    except KeyError:
+        raise ValueError(f"unknown simulated machine {name!r}; choose one of: {', '.join(SIMULATED)}") from None
+
+
+def safe_detect() -> tuple[Machine, str | None]:
+    """The detected machine, or a CPU-only description plus the error when detection itself fails
+    (a broken driver can make torch.cuda raise): install.py must still run."""
+    try:
+        return current_machine(), None
+    except Exception as exc:  # noqa: BLE001
+        try:
+            import torch
+            version = torch.__version__
+        except Exception:  # noqa: BLE001
+            version = "unknown"
+        return (Machine(torch_version=version, device_type="cpu", device_name="cpu (detection failed)",
+                        packages={"torch": version}),
+                f"GPU detection failed ({type(exc).__name__}: {exc}); planning as a CPU-only machine")
+
+
+@dataclass
+class Step:
+    """One action that would make a backend usable."""
+
+    kind: str  # "fetch" | "pip" | "manual" | "env"
+    command: str  # the fetch target, the pip command, the manual instruction or the env var to set
+    package: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class BackendPlan:
+    name: str
+    family: str
+    status: str
+    reasons: list[str] = field(default_factory=list)  # every availability reason (registry.availability_reasons)
+    why: list[str] = field(default_factory=list)  # the reasons that decide `status`
+    steps: list[Step] = field(default_factory=list)
+    hub: dict | None = None  # {"repo_id", "version", "revision", "function"}
+    trust: str | None = None
+    fetched: dict | None = None  # the lock entry when this kernel was fetched
+
+    def as_dict(self) -> dict:
+        data = asdict(self)
+        data["steps"] = [s.as_dict() for s in self.steps]
+        return data
+
+
+@dataclass
+class Plan:
+    machine: Machine
+    backends: list[BackendPlan]
+    notes: list[str] = field(default_factory=list)
+
+    def by_status(self, status: str) -> list[BackendPlan]:
+        return [b for b in self.backends if b.status == status]
+
+    def get(self, name: str) -> BackendPlan:
+        for b in self.backends:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    def fetch_targets(self) -> list["FetchTarget"]:
+        """The Hub kernels to fetch, one per (repo, version, revision), with the backends they serve."""
+        targets: dict[tuple, FetchTarget] = {}
+        for b in self.backends:
+            if b.hub is None or b.status not in (FETCH, READY):
+                continue
+            key = (b.hub["repo_id"], b.hub["version"], b.hub["revision"])
+            target = targets.get(key)
+            if target is None:
+                spec = registry.get(b.name).hub
+                target = targets[key] = FetchTarget(spec.repo_id, spec.version, spec.revision, spec.min_kernels)
+            target.backends.append(b.name)
+            target.functions.append(b.hub["function"])
+        return list(targets.values())
+
+    def pip_commands(self) -> list[Step]:
+        """Each distinct pip/manual step, in registry order (deduplicated)."""
+        seen, steps = set(), []
+        for b in self.backends:
+            for step in b.steps:
+                key = tuple(_pip_words(step.command) or [step.command])
+                if step.kind in ("pip", "manual") and key not in seen:
+                    seen.add(key)
+                    steps.append(step)
+        return steps
+
+    def as_dict(self) -> dict:
+        m = self.machine
+        return {
+            "machine": {"device": m.device_type, "name": m.device_name, "arch": m.arch, "torch": m.torch_version,
+                        "cuda": m.cuda_version, "hip": m.hip_version, "packages": dict(m.packages),
+                        "simulated": m.simulated},
+            "backends": [b.as_dict() for b in self.backends],
+            "summary": {s: [b.name for b in self.by_status(s)] for s in STATUSES},
+            "fetch": [t.as_dict() for t in self.fetch_targets()],
+            "pip": [s.as_dict() for s in self.pip_commands()],
+            "notes": list(self.notes),
+        }
+
+
+@dataclass
+class FetchTarget:
+    repo_id: str
+    version: int | None
+    revision: str | None
+    min_kernels: str
+    backends: list[str] = field(default_factory=list)
+    functions: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.repo_id} " + (f"v{self.version}" if self.revision is None else f"@{self.revision}")
+
+    def as_dict(self) -> dict:
+        return {"repo_id": self.repo_id, "version": self.version, "revision": self.revision,
+                "backends": list(self.backends), "functions": list(self.functions)}
+
+
+# ------------------------------------------------------------------------------------------------ planning
+
+_MACHINE_REQUIREMENTS = (OnDevice, CudaCapability, RocmArch, TorchVersion)
+
+
+def _package_step(req: Package, machine: Machine) -> tuple[str, Step | None, str | None]:
+    """(status, step, deciding reason) for an unmet Package requirement."""
+    version = machine.package_version(req.dist)
+    if req.dist in DEVICE_STACKS:  # the device exists only through its stack: missing means not this machine
+        return UNSUPPORTED, None, f"needs {DEVICE_STACKS[req.dist]} ({req.dist} is not installed; install.py never " \
+                                  "installs device stacks, they must match torch)"
+    if req.dist in PROTECTED:
+        return UNSUPPORTED, None, f"needs {req.describe()}; install.py never installs or changes {req.dist}"
+    hint = req.install_hint
+    if version is None:
+        command, status = hint, PIP
+    elif req.min_version and not at_least(version, req.min_version):
+        command, status = _with_flags(hint, "--upgrade"), PIP
+    else:  # installed, new enough, but `import` fails: a build for another torch/GPU
+        command, status = _with_flags(hint, "--force-reinstall --no-deps"), BROKEN
+    argv = _pip_words(command)
+    return status, Step("pip" if argv else "manual", command, req.dist), None
+
+
+def _pip_words(command: str) -> list[str] | None:
+    """The pip arguments of `command` ('pip install X --flag (a remark)' -> ['install', 'X', '--flag']),
+    or None when it is not a plain pip install (build from source, ...)."""
+    core = re.sub(r"\s*\(.*\)\s*$", "", command.strip())
+    try:
+        words = shlex.split(core)
+    except ValueError:
+        return None
+    if words[:2] != ["pip", "install"] or len(words) < 3 or any(w in PROTECTED for w in words):
+        return None
+    return words[1:]
+
+
+def _with_flags(hint: str, flags: str) -> str:
+    remark = re.search(r"\s*\(.*\)\s*$", hint)
+    core = hint[: remark.start()] if remark else hint
+    return f"{core} {flags}" + (hint[remark.start():] if remark else "")
+
+
+def _classify(name: str, machine: Machine, reasons: list[str]) -> tuple[str, list[Step], list[str]]:
+    """(status, steps that would make it usable, the reasons that decide the status)."""
+    spec = registry.get(name)
+    found: dict[str, list[str]] = {}
+    steps, explained = [], 0
+    for req in spec.requires:
+        if isinstance(req, Probe):
+            continue  # real calls only run inside availability_reasons, once everything else is met
+        reason = req.reason(machine)
+        if not reason:
+            continue
+        explained += 1
+        if isinstance(req, _MACHINE_REQUIREMENTS):
+            found.setdefault(UNSUPPORTED, []).append(reason)
+        elif isinstance(req, Package):
+            status, step, deciding = _package_step(req, machine)
+            found.setdefault(status, []).append(deciding or reason)
+            if step is not None:
+                steps.append(step)
+        elif isinstance(req, EnvOptIn):
+            found.setdefault(OPT_IN, []).append(reason)
+            steps.append(Step("env", f"{req.var}=1"))
+        else:  # a custom requirement type: we cannot fix it, only report it
+            found.setdefault(UNSUPPORTED, []).append(reason)
+    trust_reasons = 0
+    if spec.hub is not None:
+        decision = trust.decide(spec.hub.repo_id)
+        if not decision.allowed:
+            trust_reasons = 1
+            if env.flag(env.DISABLE_REMOTE_CODE):
+                found.setdefault(DISABLED, []).append(decision.reason)
+            else:
+                found.setdefault(OPT_IN, []).append(decision.reason)
+                steps.append(Step("env", f"{env.TRUST_REMOTE_KERNELS}=true"))
+    if len(reasons) > explained + trust_reasons:  # a Probe failed: the package imports but cannot run
+        found.setdefault(BROKEN, []).extend(reasons[explained + trust_reasons:])
+    if not found:
+        return (FETCH if spec.hub is not None else READY), steps, []
+    status = next(s for s in (UNSUPPORTED, DISABLED, BROKEN, PIP, OPT_IN) if s in found)
+    if status in (UNSUPPORTED, DISABLED):
+        steps = []  # nothing install.py or the user can install makes it run on this machine
+    deciding = found[status] + [r for s in (BROKEN, PIP, OPT_IN) if s != status and status not in
+                                (UNSUPPORTED, DISABLED) for r in found.get(s, [])]
+    return status, steps, deciding
+
+
+def _fetched_entry(spec, lock: dict[str, dict]) -> dict | None:
+    entry = lock.get(spec.hub.repo_id)
+    if not entry or not entry.get("revision"):
+        return None
+    if spec.hub.revision is None and hub._version_number(entry.get("version")) != spec.hub.version:
+        return None
+    return entry
+
+
+def build(machine: Machine | None = None, *, lock: dict[str, dict] | None = None,
+          is_cached: Callable[[dict], bool] | None = None) -> Plan:
+    """The plan for `machine` (default: this one). `lock`: the lock file's entries (default: read it);
+    `is_cached(entry)`: whether a fetched kernel is still in the cache (only asked for a real machine)."""
+    notes = []
+    if machine is None:
+        machine, problem = safe_detect()
+        if problem:
+            notes.append(problem)
+    if lock is None:
+        try:
+            lock = hub.read_lock()
+        except hub.KernelLoadError as exc:
+            notes.append(str(exc))
+            lock = {}
+    backends = []
+    with use_machine(machine):
+        for name in registry.names():
+            spec = registry.get(name)
+            reasons = registry.availability_reasons(name, machine)
+            status, steps, why = _classify(name, machine, reasons)
+            plan = BackendPlan(name=name, family=spec.family, status=status, reasons=reasons, steps=steps, why=why)
+            if spec.hub is not None:
+                plan.hub = {"repo_id": spec.hub.repo_id, "version": spec.hub.version,
+                            "revision": spec.hub.revision, "function": spec.hub.function}
+                plan.trust = trust.decide(spec.hub.repo_id).reason
+                entry = _fetched_entry(spec, lock)
+                if status == FETCH:
+                    if entry is not None and not machine.simulated and (is_cached is None or is_cached(entry)):
+                        plan.status, plan.fetched = READY, entry
+                    else:
+                        plan.steps.insert(0, Step("fetch", _label(spec.hub)))
+                elif status == PIP:
+                    plan.steps.append(Step("fetch", _label(spec.hub)))  # after the package, the kernel
+            backends.append(plan)
+    if env.flag(env.DISABLE_REMOTE_CODE):
+        notes.append(f"{env.DISABLE_REMOTE_CODE}=true: no Hub kernel is fetched or loaded")
+    return Plan(machine, backends, notes)
+
+
+def _label(hub_kernel) -> str:
+    return f"{hub_kernel.repo_id} " + (f"v{hub_kernel.version}" if hub_kernel.revision is None
+                                       else f"@{hub_kernel.revision}")
+
+
+# ----------------------------------------------------------------------------------------------- rendering
+
+_STATUS_TEXT = {READY: "ready", FETCH: "after fetch", OPT_IN: "needs opt-in", PIP: "needs package",
+                BROKEN: "broken", DISABLED: "disabled", UNSUPPORTED: "not here"}
+
+
+def _detail(b: BackendPlan) -> str:
+    if b.status == READY:
+        if b.fetched:
+            return (f"fetched {b.hub['repo_id']} v{b.fetched.get('version')} "
+                    f"@ {str(b.fetched.get('revision'))[:12]} ({b.fetched.get('variant')})")
+        return "runs now"
+    if b.status == FETCH:
+        return f"fetch {_label(registry.get(b.name).hub)} ({b.trust})"
+    todo = []
+    for step in b.steps:
+        if step.kind in ("pip", "manual"):
+            todo.append(step.command)
+        elif step.kind == "env":
+            todo.append(f"set {step.command}")
+        elif step.kind == "fetch":
+            todo.append(f"then fetch {step.command}")
+    if b.status in (UNSUPPORTED, DISABLED, BROKEN) or not todo:
+        return "; ".join(b.why + todo)
+    return "; ".join(todo)
+
+
+def machine_line(machine: Machine) -> str:
+    extra = (f", CUDA {machine.cuda_version}" if machine.cuda_version else "") + \
+            (f", HIP {machine.hip_version}" if machine.hip_version else "")
+    tag = " [simulated]" if machine.simulated else ""
+    packages = ", ".join(f"{k} {v}" for k, v in sorted(machine.packages.items()) if k != "torch") or "none"
+    return (f"Machine: {machine.device_name} ({machine.device_type}, {machine.arch}), torch {machine.torch_version}"
+            f"{extra}{tag}\nAttention packages: {packages}")
+
+
+def render(plan: Plan, width: int = 120) -> str:
+    lines = [machine_line(plan.machine), ""]
+    counts = ", ".join(f"{len(plan.by_status(s))} {_STATUS_TEXT[s]}" for s in STATUSES if plan.by_status(s))
+    lines.append(f"Plan ({counts}):")
+    header = f"  {'backend':30} {'status':14} what to do / why not"
+    lines += [header, "  " + "-" * (len(header) - 2)]
+    for b in plan.backends:
+        wrapped = textwrap.wrap(_detail(b), max(40, width - 48)) or [""]
+        lines.append(f"  {b.name:30} {_STATUS_TEXT[b.status]:14} {wrapped[0]}")
+        lines.extend(f"  {'':30} {'':14} {more}" for more in wrapped[1:])
+    targets = plan.fetch_targets()
+    lines.append("")
+    lines.append("Hub kernels for this machine: " + (", ".join(
+        f"{t.label} ({', '.join(t.backends)})" for t in targets) if targets else "none"))
+    pip = plan.pip_commands()
+    if pip:
+        lines.append("Packages that would enable more backends (never installed without --yes-pip):")
+        lines.extend(f"  {s.command}" for s in pip)
+    for note in plan.notes:
+        lines.append(f"Note: {note}")
+    return "\n".join(lines)
+
+
+def pip_argv(step: Step) -> list[str] | None:
+    """`pip install 'x>=1' --flag` -> ['install', 'x>=1', '--flag'] (for `python -m pip`); None for a manual step."""
+    return _pip_words(step.command) if step.kind == "pip" else None
+
+
+__all__ = ["SIMULATED", "STATUSES", "BackendPlan", "FetchTarget", "Plan", "Step", "build", "machine_line", "pip_argv",
+           "render", "safe_detect", "simulated"]
