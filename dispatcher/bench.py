@@ -1,0 +1,599 @@
+"""`python -m dispatcher bench`: every attention backend on the shapes of common models, measured.
+
+For each shape (SD1.5, SDXL, Flux, Qwen-Image, Wan 1.3B/14B, HunyuanVideo, or `--shape B,H,L,D[,Lk]`)
+and every backend that can run it here: time (ms, median), TFLOP/s (4·B·H·Lq·Lk·D / t), relative error
+against exact attention (float64, on sampled query rows), peak memory (GPUs), the ratio to the best;
+the same kernel called directly (no dispatcher) and the dispatcher/direct speed ratio; `auto` against
+the best single backend (the oracle); and ComfyUI's default attention path (`attention_pytorch`:
+(B, L, H·D) -> view/transpose -> SDPA -> transpose/reshape) against the pack's path on the same inputs.
+A table in the terminal, `--json PATH`, `--png PATH` (matplotlib). On a CPU the lengths are scaled
+down (`--small`, the default there; `--full` for real sizes) so the whole run takes seconds.
+
+Only torch (>= 2.5) is needed, plus matplotlib for the chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import registry, tuner
+from .dispatch import dispatch_attention_fn
+from .machine import current_machine
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    name: str
+    label: str
+    batch: int
+    heads: int
+    len_q: int
+    head_dim: int
+    len_kv: int | None = None
+
+    @property
+    def lk(self) -> int:
+        return self.len_kv or self.len_q
+
+    def flops(self) -> int:
+        return 4 * self.batch * self.heads * self.len_q * self.lk * self.head_dim
+
+    def dims(self) -> str:
+        text = f"({self.batch}, {self.heads}, {self.len_q}, {self.head_dim})"
+        return text if self.len_kv is None else text[:-1] + f", Lk={self.len_kv})"
+
+
+# (B, H, L, D) of one self-attention call at the usual resolution; cond+uncond batched where ComfyUI does.
+MODELS = (
+    BenchShape("sd15", "SD1.5 512x512", 2, 8, 4096, 40),
+    BenchShape("sdxl", "SDXL 1024x1024, 64x64 level", 2, 10, 4096, 64),
+    BenchShape("sdxl-32", "SDXL 1024x1024, 32x32 level", 2, 20, 1024, 64),
+    BenchShape("flux", "Flux 1024x1024 (4096 image + 512 text)", 1, 24, 4608, 128),
+    BenchShape("qwen-image", "Qwen-Image 1024x1024 (4096 image + 256 text)", 1, 24, 4352, 128),
+    BenchShape("wan-1.3b", "Wan 2.1 1.3B 480p, 81 frames", 1, 12, 32760, 128),
+    BenchShape("wan-14b", "Wan 2.1 14B 480p, 81 frames", 1, 40, 32760, 128),
+    BenchShape("hunyuan-video", "HunyuanVideo 544x960, 53 frames (+256 text)", 1, 24, 28816, 128),
+)
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "half": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def small_length(length: int) -> int:
+    """CPU-sized: 1/256 of the length, a multiple of 8, between 16 and 128."""
+    return max(16, min(128, int(math.ceil(length / 256 / 8)) * 8))
+
+
+def smaller(shape: BenchShape) -> BenchShape:
+    return BenchShape(shape.name, shape.label + " [small]", shape.batch, shape.heads, small_length(shape.len_q),
+                      shape.head_dim, None if shape.len_kv is None else small_length(shape.len_kv))
+
+
+def parse_shape(text: str) -> BenchShape:
+    try:
+        parts = [int(p) for p in text.replace("x", ",").split(",") if p.strip()]
+    except ValueError:
+        parts = []
+    if len(parts) not in (4, 5) or min(parts) <= 0:
+        raise argparse.ArgumentTypeError(f"--shape wants B,H,L,D or B,H,L,D,Lk (positive integers); got {text!r}")
+    b, h, lq, d = parts[:4]
+    lk = parts[4] if len(parts) == 5 else None
+    return BenchShape(f"custom-{b}x{h}x{lq}x{d}" + (f"x{lk}" if lk else ""), "your shape", b, h, lq, d, lk)
+
+
+# ----------------------------------------------------------------------------------------------- reference paths
+
+def comfy_attention_pytorch(q, k, v, heads, mask=None):
+    """ComfyUI's default attention path (`attention_pytorch`), written from the call contract.
+
+    q (B, Lq, H·D), k/v (B, Lk, H·D) -> per-head views (B, H, L, D) -> SDPA -> (B, Lq, H·D).
+    """
+    b, _, inner = q.shape
+    dim_head = inner // heads
+    q, k, v = (t.view(b, -1, heads, dim_head).transpose(1, 2) for t in (q, k, v))
+    if mask is not None:  # ComfyUI's rank rule
+        if mask.ndim == 2:
+            mask = mask.unsqueeze(0)
+        if mask.ndim == 3:
+            mask = mask.unsqueeze(1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+    return out.transpose(1, 2).reshape(b, -1, heads * dim_head)
+
+
+def pack_attention(q, k, v, heads, backend):
+    """What the pack's override does with the same (B, L, H·D) inputs: free views in, dispatcher, flatten out."""
+    dim = q.shape[-1] // heads
+    qs, ks, vs = q.unflatten(-1, (heads, dim)), k.unflatten(-1, (-1, dim)), v.unflatten(-1, (-1, dim))
+    return dispatch_attention_fn(qs, ks, vs, backend=backend, layout="BSHD").flatten(2)
+
+
+def _sdpa_pins():
+    from torch.nn.attention import SDPBackend
+    return {"_native_flash": SDPBackend.FLASH_ATTENTION, "_native_efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "_native_cudnn": SDPBackend.CUDNN_ATTENTION, "_native_math": SDPBackend.MATH}
+
+
+def direct_call(name: str, q4, k4, v4):
+    """The kernel of backend `name` called without the dispatcher, on views of the same storage."""
+    spec = registry.get(name)
+    q, k, v = (q4, k4, v4) if spec.layout == "BSHD" else (q4.transpose(1, 2), k4.transpose(1, 2), v4.transpose(1, 2))
+    gqa = q4.shape[2] != k4.shape[2]
+    extra = {"enable_gqa": True} if gqa else {}
+    if name == "native":
+        return lambda: F.scaled_dot_product_attention(q, k, v, **extra)
+    pins = _sdpa_pins()
+    if name in pins:
+        from torch.nn.attention import sdpa_kernel
+        pin = pins[name]
+
+        def pinned():
+            with sdpa_kernel(pin):
+                return F.scaled_dot_product_attention(q, k, v, **extra)
+        return pinned
+    if name == "flex":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        from .backends.flex import _compiled_flex
+        fn = flex_attention if q.device.type == "cpu" else _compiled_flex()
+        return lambda: fn(q, k, v, enable_gqa=gqa)
+    runner = registry.prepare(name)  # any other backend: its function, as the dispatcher would hand it
+    return lambda: runner(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=gqa,
+                          return_lse=False)
+
+
+# ----------------------------------------------------------------------------------------------- timing
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _inner_count(fn, device, target_s: float) -> int:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    once = max(time.perf_counter() - t0, 1e-6)
+    return max(1, min(100, int(target_s / once)))
+
+
+def _sample(fn, device, inner: int) -> float:
+    """Milliseconds per call over `inner` back-to-back calls (CUDA events on GPUs)."""
+    if device.type == "cuda":
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / inner
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / inner
+
+
+def time_interleaved(fns, device, warmup: int, runs: int, target_s: float, budget_s: float | None = None
+                     ) -> list[float]:
+    """Median ms per call of each function, samples alternating between them (drift hits all alike).
+
+    With `budget_s`, fewer samples (at least one) when all of them would take longer than that.
+    """
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    inner = [_inner_count(fn, device, target_s) for fn in fns]
+    if budget_s is not None:
+        t0 = time.perf_counter()
+        first = [[_sample(fn, device, n)] for fn, n in zip(fns, inner)]
+        per_run = time.perf_counter() - t0
+        runs = max(0, min(runs, int(budget_s / max(per_run, 1e-9))) - 1)
+    else:
+        first = [[] for _ in fns]
+    samples = first
+    for _ in range(runs):
+        for i, fn in enumerate(fns):
+            samples[i].append(_sample(fn, device, inner[i]))
+    return [statistics.median(s) for s in samples]
+
+
+def peak_memory_mb(fn, device) -> float | None:
+    """Memory the call allocates beyond what existed before it (GPUs; None on a CPU)."""
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    out = fn()
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del out
+    return round(peak / 2**20, 2)
+
+
+def measure_overhead(device="cpu", dtype=torch.float32, calls: int = 2000, repeats: int = 5) -> dict:
+    """The dispatcher's own cost per call on a tiny shape: µs per call, dispatcher vs the same SDPA call."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, 16, 2 * 8, generator=gen, device=device, dtype=dtype).view(1, 16, 2, 8)
+               for _ in range(3))
+
+    def direct():  # what a caller with (B, S, H, D) tensors writes by hand
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+    def dispatched():
+        return dispatch_attention_fn(q, k, v, backend="native")
+
+    def auto():
+        return dispatch_attention_fn(q, k, v, backend="auto")
+
+    result = {}
+    for label, fn in (("direct_us", direct), ("dispatch_us", dispatched), ("auto_us", auto)):
+        for _ in range(50):
+            fn()
+        best = math.inf
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            _sync(device)
+            best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        result[label] = round(best, 2)
+    result["overhead_us"] = round(result["dispatch_us"] - result["direct_us"], 2)
+    result["auto_overhead_us"] = round(result["auto_us"] - result["direct_us"], 2)
+    result["shape"] = "(1, 16, 2, 8) BSHD"
+    return result
+
+
+# ----------------------------------------------------------------------------------------------- one shape
+
+def _backends_for(shape: BenchShape, dtype, device, wanted: list[str] | None):
+    inputs = tuner.Signature(shape.batch, shape.heads, shape.len_q, shape.head_dim, len_kv=shape.lk,
+                             dtype=dtype, device=str(device)).to_inputs()
+    names, skipped, _ = tuner.default_tuner().candidates(inputs)
+    skipped = dict(skipped)
+    if wanted is None:
+        return names, {}
+    chosen = [n for n in names if n in wanted]
+    missing = {n: (skipped.get(n) or ["not a registered backend"]) for n in wanted if n not in names}
+    return chosen, missing
+
+
+def bench_shape(shape: BenchShape, *, dtype, device, backends=None, warmup=2, runs=7, target_s=0.02, rows=64,
+                auto=True, comfy=True, budget_s=None, log=print) -> dict:
+    gen = torch.Generator(device=device).manual_seed(0)
+    b, h, lq, lk, d = shape.batch, shape.heads, shape.len_q, shape.lk, shape.head_dim
+    q3 = torch.randn(b, lq, h * d, generator=gen, device=device, dtype=dtype)
+    k3 = torch.randn(b, lk, h * d, generator=gen, device=device, dtype=dtype)
+    v3 = torch.randn(b, lk, h * d, generator=gen, device=device, dtype=dtype)
+    q4, k4, v4 = q3.view(b, lq, h, d), k3.view(b, lk, h, d), v3.view(b, lk, h, d)  # free views, as ComfyUI's
+    idx = tuner.sample_rows(lq, rows)
+    with torch.no_grad():
+        ref, _ = tuner.exact_attention(q4, k4, v4, rows=idx)
+
+    def error_of(out_bshd):
+        picked = out_bshd.transpose(1, 2)
+        picked = picked if idx is None else picked[:, :, idx.to(picked.device)]
+        return tuner.relative_error(picked, ref), tuner.non_finite(out_bshd)
+
+    names, missing = _backends_for(shape, dtype, device, backends)
+    result = {"name": shape.name, "label": shape.label, "B": b, "H": h, "Lq": lq, "Lk": lk, "D": d,
+              "flops": shape.flops(), "rows": [], "skipped": missing}
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    score_bytes = b * h * lq * lk * torch.empty((), dtype=dtype).element_size() * 3
+    with torch.no_grad():
+        for name in names:
+            row = {"shape": shape.name, "backend": name, "ms": None, "tflops": None, "rel_error": None,
+                   "error_bound": registry.get(name).error_bound, "valid": False, "peak_mb": None,
+                   "ratio_to_best": None, "direct_ms": None, "dispatch_vs_direct": None, "error": None}
+            result["rows"].append(row)
+            if name in tuner.QUADRATIC_MEMORY and free is not None and score_bytes > free // 2:
+                row["error"] = f"skipped: it materialises {score_bytes / 2**30:.1f} GiB of scores"
+                continue
+
+            def dispatched(name=name):
+                return dispatch_attention_fn(q4, k4, v4, backend=name, policy="strict")
+            try:
+                out = dispatched()
+                _sync(device)
+                row["rel_error"], bad = error_of(out)
+                del out
+                row["valid"] = bad == 0 and row["rel_error"] <= row["error_bound"]
+                if bad:
+                    row["error"] = f"{bad} NaN/Inf values in the output"
+                direct = direct_call(name, q4, k4, v4)
+                row["peak_mb"] = peak_memory_mb(dispatched, device)
+                row["direct_ms"], row["ms"] = time_interleaved([direct, dispatched], device, warmup, runs, target_s,
+                                                               budget_s)
+            except Exception as exc:
+                row["error"] = tuner.first_line(exc)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            row["tflops"] = shape.flops() / (row["ms"] * 1e-3) / 1e12
+            row["dispatch_vs_direct"] = row["direct_ms"] / row["ms"]
+            log(f"  {shape.name:14} {name:28} {row['ms']:10.3f} ms")
+        timed = [r for r in result["rows"] if r["ms"] is not None and r["valid"]]
+        best = min(timed, key=lambda r: r["ms"]) if timed else None
+        for r in result["rows"]:
+            if best is not None and r["ms"] is not None:
+                r["ratio_to_best"] = best["ms"] / r["ms"]
+        result["best"] = best["backend"] if best else None
+
+        if auto:
+            result["auto"] = _bench_auto(shape, q4, k4, v4, best, device, warmup, runs, target_s, error_of, budget_s)
+        if comfy:
+            result["comfy"] = _bench_comfy(shape, q3, k3, v3, device, warmup, runs, target_s, error_of, auto, budget_s)
+    return result
+
+
+def _bench_auto(shape, q4, k4, v4, best, device, warmup, runs, target_s, error_of, budget_s) -> dict:
+    def auto():
+        return dispatch_attention_fn(q4, k4, v4, backend="auto")
+    try:
+        t0 = time.perf_counter()
+        out = auto()  # tunes this signature
+        _sync(device)
+        first_s = time.perf_counter() - t0
+        err, _ = error_of(out)
+        del out
+        record = next((r for r in tuner.default_tuner().records()
+                       if (r.signature.batch, r.signature.heads_q, r.signature.len_q, r.signature.len_kv,
+                           r.signature.head_dim) == (shape.batch, shape.heads, shape.len_q, shape.lk, shape.head_dim)),
+                      None)
+        fns = [auto]
+        if best is not None:
+            fns.append(lambda: dispatch_attention_fn(q4, k4, v4, backend=best["backend"], policy="strict"))
+        times = time_interleaved(fns, device, warmup, runs, target_s, budget_s)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    entry = {"chosen": record.chosen if record else None, "source": record.source if record else None,
+             "ms": times[0], "tflops": shape.flops() / (times[0] * 1e-3) / 1e12, "rel_error": err,
+             "tune_seconds": round(record.seconds, 3) if record else None, "first_call_s": round(first_s, 3),
+             "rejected": {c.name: c.reason for c in record.rejected} if record else {},
+             "oracle": best["backend"] if best else None}
+    if best is not None:
+        entry["oracle_ms"] = times[1]
+        entry["auto_vs_oracle"] = times[1] / times[0]
+    return entry
+
+
+def _bench_comfy(shape, q3, k3, v3, device, warmup, runs, target_s, error_of, with_auto, budget_s) -> dict:
+    h = shape.heads
+    fns = {"comfy default": lambda: comfy_attention_pytorch(q3, k3, v3, h),
+           "pack native": lambda: pack_attention(q3, k3, v3, h, "native")}
+    if with_auto:
+        fns["pack auto"] = lambda: pack_attention(q3, k3, v3, h, "auto")
+    try:
+        out = fns["comfy default"]()
+        err, _ = error_of(out.unflatten(-1, (h, -1)))
+        del out
+        times = dict(zip(fns, time_interleaved(list(fns.values()), device, warmup, runs, target_s, budget_s)))
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    entry = {"comfy_default_ms": times["comfy default"], "pack_native_ms": times["pack native"],
+             "comfy_rel_error": err, "comfy_tflops": shape.flops() / (times["comfy default"] * 1e-3) / 1e12,
+             "native_vs_comfy": times["comfy default"] / times["pack native"]}
+    if "pack auto" in times:
+        entry["pack_auto_ms"] = times["pack auto"]
+        entry["auto_vs_comfy"] = times["comfy default"] / times["pack auto"]
+    return entry
+
+
+# ----------------------------------------------------------------------------------------------- output
+
+def flat_rows(results: list[dict]) -> list[dict]:
+    """One row per (shape, backend), plus 'auto' and 'comfy default' rows: what the table and chart show."""
+    rows = []
+    for res in results:
+        rows.extend(res["rows"])
+        best = next((r for r in res["rows"] if r["backend"] == res.get("best")), None)
+        a = res.get("auto") or {}
+        if "ms" in a:
+            rows.append({"shape": res["name"], "backend": "auto", "chosen": a["chosen"], "ms": a["ms"],
+                         "tflops": a["tflops"], "rel_error": a["rel_error"], "valid": True, "peak_mb": None,
+                         "ratio_to_best": a.get("auto_vs_oracle"), "direct_ms": None, "dispatch_vs_direct": None,
+                         "error": None})
+        c = res.get("comfy") or {}
+        if "comfy_default_ms" in c:
+            rows.append({"shape": res["name"], "backend": "comfy default", "ms": c["comfy_default_ms"],
+                         "tflops": c["comfy_tflops"], "rel_error": c["comfy_rel_error"], "valid": True,
+                         "peak_mb": None, "ratio_to_best": (best["ms"] / c["comfy_default_ms"]) if best else None,
+                         "direct_ms": None, "dispatch_vs_direct": None, "error": None})
+    return rows
+
+
+def _fmt(value, spec, width):
+    return f"{value:{width}{spec}}" if isinstance(value, (int, float)) else f"{'-':>{width}}"
+
+
+def render(data: dict) -> str:
+    meta = data["meta"]
+    lines = [f"Attention benchmark: {meta['device_name']} ({meta['device']}), torch {meta['torch']}, "
+             f"{meta['dtype']}{', small CPU-sized shapes' if meta['small'] else ''}", ""]
+    header = (f"  {'backend':28} {'ms':>10} {'TFLOP/s':>8} {'rel err':>8} {'peak MB':>8} {'vs best':>8} "
+              f"{'direct ms':>10} {'disp/dir':>8}")
+    for res in data["shapes"]:
+        lines.append(f"{res['label']}  B,H,Lq,Lk,D = {res['B']},{res['H']},{res['Lq']},{res['Lk']},{res['D']}  "
+                     f"({res['flops'] / 1e9:.2f} GFLOP)")
+        lines.append(header)
+        for r in res["rows"]:
+            if r["ms"] is None:
+                lines.append(f"  {r['backend']:28} {r['error'] or 'not timed'}")
+                continue
+            flag = "" if r["valid"] else "  INVALID (error over its bound)"
+            lines.append(f"  {r['backend']:28} {_fmt(r['ms'], '.3f', 10)} {_fmt(r['tflops'], '.2f', 8)} "
+                         f"{_fmt(r['rel_error'], '.1e', 8)} {_fmt(r['peak_mb'], '.0f', 8)} "
+                         f"{_fmt(r['ratio_to_best'], '.3f', 8)} {_fmt(r['direct_ms'], '.3f', 10)} "
+                         f"{_fmt(r['dispatch_vs_direct'], '.3f', 8)}{flag}")
+        for name, reasons in res.get("skipped", {}).items():
+            lines.append(f"  {name:28} cannot run: {'; '.join(reasons)[:150]}")
+        a = res.get("auto")
+        if a and "ms" in a:
+            lines.append(f"  auto -> {a['chosen']} ({a['source']}, tuned in {a['tune_seconds']} s): {a['ms']:.3f} ms, "
+                         f"{a['tflops']:.2f} TFLOP/s, vs oracle {a['oracle']}: "
+                         f"{_fmt(a.get('auto_vs_oracle'), '.3f', 0)}"
+                         + (f"; rejected {', '.join(a['rejected'])}" if a["rejected"] else ""))
+        elif a:
+            lines.append(f"  auto: {a.get('error')}")
+        c = res.get("comfy")
+        if c and "comfy_default_ms" in c:
+            text = (f"  ComfyUI default path: {c['comfy_default_ms']:.3f} ms; the pack's path with native "
+                    f"{c['pack_native_ms']:.3f} ms (x{c['native_vs_comfy']:.3f})")
+            if "pack_auto_ms" in c:
+                text += f", with auto {c['pack_auto_ms']:.3f} ms (x{c['auto_vs_comfy']:.3f})"
+            lines.append(text)
+        lines.append("")
+    o = data.get("overhead")
+    if o:
+        lines.append(f"Dispatcher overhead on {o['shape']}: direct SDPA {o['direct_us']} µs, through the dispatcher "
+                     f"{o['dispatch_us']} µs (+{o['overhead_us']} µs), auto {o['auto_us']} µs per call")
+    return "\n".join(lines)
+
+
+def write_png(data: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = data["shapes"]
+    rows = flat_rows(shapes)
+    backends = []
+    for r in rows:
+        if r["backend"] not in backends and r["tflops"] is not None:
+            backends.append(r["backend"])
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.6 * len(shapes) + 3), 9), constrained_layout=True)
+    width = 0.8 / max(1, len(backends))
+    for i, name in enumerate(backends):
+        xs, ys, ratios = [], [], []
+        for j, res in enumerate(shapes):
+            r = next((r for r in rows if r["shape"] == res["name"] and r["backend"] == name), None)
+            if r and r["tflops"] is not None:
+                xs.append(j + (i - (len(backends) - 1) / 2) * width)
+                ys.append(r["tflops"])
+                ratios.append(r["dispatch_vs_direct"] if r.get("dispatch_vs_direct") is not None
+                              else r.get("ratio_to_best"))
+        hatch = "//" if name in ("auto", "comfy default") else None
+        label = " " + name if name.startswith("_") else name  # matplotlib hides labels starting with "_"
+        top.bar(xs, ys, width, label=label, hatch=hatch)
+        bottom.bar(xs, [x if x is not None else 0 for x in ratios], width, label=label, hatch=hatch)
+    labels = [f"{s['name']}\n{s['B']},{s['H']},{s['Lq']},{s['D']}" for s in shapes]
+    for ax in (top, bottom):
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels(labels, fontsize=8)
+    meta = data["meta"]
+    top.set_ylabel("TFLOP/s")
+    top.set_title(f"Attention backends on {meta['device_name']} ({meta['dtype']}, torch {meta['torch']})")
+    top.legend(fontsize=7, ncol=min(4, len(backends)))
+    bottom.set_ylabel("speed ratio")
+    bottom.set_title("dispatcher / direct kernel (backends); auto / oracle; comfy default / best")
+    bottom.axhline(0.98, color="grey", linestyle="--", linewidth=0.8)
+    bottom.set_ylim(0, 1.5)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------- command
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default=None,
+                        help="comma-separated model shapes (default: all): " + ", ".join(m.name for m in MODELS))
+    parser.add_argument("--shape", action="append", type=parse_shape, default=[],
+                        help="your own shape B,H,L,D[,Lk] (repeatable; replaces the model list)")
+    parser.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPUs, fp32 on a CPU)")
+    parser.add_argument("--device", default=None, help="cuda | cpu | cuda:1 ... (default: cuda when available)")
+    parser.add_argument("--backends", default=None, help="comma-separated backends (default: every one that can run)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--small", action="store_true", help="CPU-sized lengths (the default on a CPU)")
+    size.add_argument("--full", action="store_true", help="the real lengths, even on a CPU")
+    parser.add_argument("--runs", type=int, default=None,
+                        help="timed samples per backend (default 10 GPU, 5 CPU, 3 CPU --small)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="warm-up calls per backend besides the validation call (default 3 GPU, 1 CPU, 0 --small)")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="timing budget per backend and shape, after warm-up (default 30 GPU, 5 CPU, 0.3 CPU --small)")
+    parser.add_argument("--rows", type=int, default=64, help="query rows checked against exact attention")
+    parser.add_argument("--no-auto", action="store_true", help="skip `auto`")
+    parser.add_argument("--no-comfy", action="store_true", help="skip the ComfyUI default-path comparison")
+    parser.add_argument("--no-overhead", action="store_true", help="skip the tiny-shape overhead measurement")
+    parser.add_argument("--tune-budget", type=float, default=None, help="auto's seconds per signature (default 2; 0.5 CPU --small)")
+    parser.add_argument("--tune-cache", default=None,
+                        help="auto's decision cache file (default: none, so auto is measured from scratch)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--png", default=None, metavar="PATH", help="write a chart (needs matplotlib)")
+    parser.add_argument("--quiet", action="store_true", help="no per-backend progress lines")
+
+
+def main(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dtype = DTYPES.get((args.dtype or ("bf16" if device.type == "cuda" else "fp32")).lower())
+    if dtype is None:
+        print(f"unknown --dtype {args.dtype!r}; use one of {', '.join(DTYPES)}", file=sys.stderr)
+        return 2
+    small = args.small or (device.type == "cpu" and not args.full and not args.shape)  # your shape: as given
+    shapes = list(args.shape)
+    if not shapes:
+        wanted = [m.strip() for m in args.models.split(",")] if args.models else [m.name for m in MODELS]
+        unknown = [m for m in wanted if m not in {s.name for s in MODELS}]
+        if unknown:
+            print(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(m.name for m in MODELS)}", file=sys.stderr)
+            return 2
+        shapes = [m for m in MODELS if m.name in wanted]
+    if small:
+        shapes = [smaller(s) for s in shapes]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
+    gpu = device.type == "cuda"
+    runs = args.runs if args.runs is not None else (10 if gpu else 3 if small else 5)
+    # On a CPU the validation call before timing is warm-up enough (no compilation, no clocks to ramp).
+    warmup = args.warmup if args.warmup is not None else (3 if gpu else 0 if small else 1)
+    target_s = 0.02 if gpu else 0.005 if small else 0.01
+    budget = args.tune_budget if args.tune_budget is not None else (0.5 if small and not gpu else None)
+    per_backend = args.max_seconds if args.max_seconds is not None else (30.0 if gpu else 0.3 if small else 5.0)
+    log = (lambda *a: None) if args.quiet else (lambda text: print(text, file=sys.stderr, flush=True))
+
+    machine = current_machine()
+    device_name = torch.cuda.get_device_name(device) if gpu else tuner.cpu_model()
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": str(device), "device_name": device_name,
+            "capability": list(torch.cuda.get_device_capability(device)) if gpu else None,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "dtype": str(dtype).replace("torch.", ""),
+            "small": small, "runs": runs, "warmup": warmup, "packages": dict(sorted(machine.packages.items())),
+            "machine": tuner.machine_fingerprint(machine), "argv": sys.argv[1:]}
+    bench_tuner = tuner.Tuner(cache_path=args.tune_cache, time_budget_s=budget)
+    results = []
+    with tuner.using(bench_tuner):
+        for shape in shapes:
+            log(f"{shape.label} {shape.dims()}")
+            results.append(bench_shape(shape, dtype=dtype, device=device, backends=backends, warmup=warmup, runs=runs,
+                                       target_s=target_s, rows=args.rows, auto=not args.no_auto,
+                                       comfy=not args.no_comfy, budget_s=per_backend, log=log))
+            if gpu:
+                torch.cuda.empty_cache()
+        overhead = None if args.no_overhead else measure_overhead(device, dtype, calls=1000, repeats=3)
+        data = {"meta": meta, "shapes": results, "rows": flat_rows(results), "overhead": overhead,
+                "tuning": bench_tuner.report()}
+    print(render(data))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(data, fh, indent=1, default=str)
+        print(f"\nwrote {args.json}")
+    if args.png:
+        try:
+            write_png(data, args.png)
+            print(f"wrote {args.png}")
+        except ImportError:
+            print("--png needs matplotlib: pip install matplotlib", file=sys.stderr)
+            return 1
+    return 0

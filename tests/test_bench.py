@@ -1,0 +1,159 @@
+"""`python -m dispatcher bench` end to end on small CPU shapes, its reference paths, and zero-copy dispatch."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dispatcher
+from dispatcher import bench, dispatch_attention_fn, tuner
+from dispatcher.__main__ import main as cli
+
+ROOT = Path(__file__).resolve().parent.parent
+HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.fixture(autouse=True)
+def _no_disk_tuning(tmp_path, monkeypatch):
+    monkeypatch.setenv(tuner.ENV_CACHE, str(tmp_path / "tune.json"))
+
+
+def test_bench_command_end_to_end_on_small_cpu_shapes(tmp_path):
+    out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
+    cmd = [sys.executable, "-m", "dispatcher", "bench", "--small", "--json", str(out_json)]
+    if HAVE_MPL:
+        cmd += ["--png", str(out_png)]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(out_json.read_text())
+    assert data["meta"]["small"] and data["meta"]["torch"] == torch.__version__
+    assert [s["name"] for s in data["shapes"]] == [m.name for m in bench.MODELS]
+    rows = data["rows"]
+    timed = [r for r in rows if r["ms"] is not None]
+    assert {"native", "_native_math", "auto", "comfy default"} <= {r["backend"] for r in timed}
+    for r in timed:
+        assert r["ms"] > 0 and r["tflops"] > 0 and r["rel_error"] < 1e-4, r
+        assert r["ratio_to_best"] is not None and r["ratio_to_best"] > 0, r
+    for r in (r for r in timed if r["backend"] not in ("auto", "comfy default")):
+        assert r["valid"] and r["direct_ms"] > 0 and r["dispatch_vs_direct"] > 0 and r["ratio_to_best"] <= 1.0
+    for shape in data["shapes"]:
+        assert shape["best"] and shape["auto"]["chosen"] and shape["auto"]["auto_vs_oracle"] > 0
+        assert shape["comfy"]["comfy_default_ms"] > 0 and shape["comfy"]["auto_vs_comfy"] > 0
+        assert shape["flops"] == 4 * shape["B"] * shape["H"] * shape["Lq"] * shape["Lk"] * shape["D"]
+    assert data["overhead"]["dispatch_us"] > 0 and data["overhead"]["direct_us"] > 0
+    assert data["tuning"]["signatures"]  # what auto measured, rejected and chose
+    assert "TFLOP/s" in run.stdout and "auto ->" in run.stdout and "ComfyUI default path" in run.stdout
+    if HAVE_MPL:
+        assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_your_own_shape_and_backend_list(tmp_path, capsys):
+    out = tmp_path / "mine.json"
+    code = cli(["bench", "--shape", "1,2,40,16,24", "--backends", "native,_native_math,no_such", "--no-overhead",
+                "--runs", "2", "--json", str(out), "--quiet"])
+    assert code == 0
+    data = json.loads(out.read_text())
+    (shape,) = data["shapes"]
+    assert (shape["Lq"], shape["Lk"], shape["D"]) == (40, 24, 16)  # not shrunk: lengths under --small's floor
+    assert [r["backend"] for r in shape["rows"]] == ["native", "_native_math"]
+    assert "no_such" in shape["skipped"] and data["overhead"] is None
+    assert "your shape" in capsys.readouterr().out
+
+
+def test_bench_rejects_a_bad_shape_and_dtype(capsys):
+    with pytest.raises(SystemExit):
+        cli(["bench", "--shape", "1,2,3"])
+    assert cli(["bench", "--dtype", "int8", "--no-overhead"]) == 2
+
+
+def test_small_lengths():
+    assert [bench.small_length(m.len_q) for m in bench.MODELS] == [16, 16, 16, 24, 24, 128, 128, 120]
+    assert bench.smaller(bench.MODELS[0]).head_dim == 40
+
+
+def test_comfy_reference_path_matches_exact_and_the_pack_path():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 3 * 16, generator=g) for n in (20, 12, 12))
+    ref = F.scaled_dot_product_attention(*(t.view(2, -1, 3, 16).transpose(1, 2) for t in (q, k, v)))
+    comfy = bench.comfy_attention_pytorch(q, k, v, 3)
+    assert comfy.shape == (2, 20, 48)
+    torch.testing.assert_close(comfy, ref.transpose(1, 2).reshape(2, 20, 48))
+    torch.testing.assert_close(bench.pack_attention(q, k, v, 3, "native"), comfy)
+    mask = torch.zeros(20, 12)
+    mask[:, -4:] = float("-inf")
+    ref_masked = F.scaled_dot_product_attention(*(t.view(2, -1, 3, 16).transpose(1, 2) for t in (q, k, v)),
+                                                attn_mask=mask)
+    torch.testing.assert_close(bench.comfy_attention_pytorch(q, k, v, 3, mask=mask),
+                               ref_masked.transpose(1, 2).reshape(2, 20, 48))
+
+
+@pytest.mark.parametrize("name", ["native", "_native_flash", "_native_math", "flex"])
+def test_direct_calls_compute_what_the_dispatcher_does(name):
+    q, k, v = (torch.randn(1, 24, 2, 16) for _ in range(3))
+    direct = bench.direct_call(name, q, k, v)()
+    if registry_layout(name) == "BHSD":
+        direct = direct.transpose(1, 2)
+    torch.testing.assert_close(direct, dispatch_attention_fn(q, k, v, backend=name), atol=1e-5, rtol=1e-4)
+
+
+def registry_layout(name):
+    return dispatcher.get_backend_spec(name).layout
+
+
+def test_exact_reference_on_sampled_rows():
+    q, k, v = (torch.randn(2, n, 4, 8) for n in (50, 30, 30))
+    rows = tuner.sample_rows(50, 7)
+    assert rows[0] == 0 and rows[-1] == 49 and len(rows) == 7
+    out, lse = tuner.exact_attention(q, k, v, rows=rows, max_bytes=1)  # one head at a time
+    full = F.scaled_dot_product_attention(*(t.transpose(1, 2).double() for t in (q, k, v)))
+    torch.testing.assert_close(out, full[:, :, rows])
+    assert lse.shape == (2, 4, 7)
+
+
+def test_overhead_measurement_runs():
+    with tuner.using(tuner.Tuner(cache_path=None, backends=("native",))):
+        result = bench.measure_overhead(calls=50, repeats=1)
+    assert result["direct_us"] > 0 and result["dispatch_us"] > 0 and result["auto_us"] > 0
+
+
+# ----------------------------------------------------------------------------------------------- zero copy
+
+@pytest.mark.parametrize("kernel_layout", ["BSHD", "BHSD"])
+@pytest.mark.parametrize("through", ["backend", "auto"])
+def test_a_flat_input_reaches_the_kernel_as_a_view(kernel_layout, through, tmp_path):
+    """(B, L, H·D) viewed as (B, L, H, D): the kernel gets those very bytes (a transpose at most), no copy."""
+    seen = {}
+
+    def kernel(q, k, v, **_):
+        seen["in"] = [(t.data_ptr(), t.stride(), tuple(t.shape)) for t in (q, k, v)]
+        bhsd = [t if kernel_layout == "BHSD" else t.transpose(1, 2) for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*bhsd)
+        out = out if kernel_layout == "BHSD" else out.transpose(1, 2)
+        seen["out"] = out.data_ptr()
+        return out
+
+    name = f"recording_{kernel_layout.lower()}"
+    dispatcher.register_backend(name, kernel, layout=kernel_layout, devices=("cpu",))
+    b, lq, lk, h, d = 2, 32, 24, 4, 16
+    x = torch.randn(b, lq, h * d)
+    kv = torch.randn(b, lk, 2 * h * d)  # a fused kv projection: k and v are strided views into it
+    q = x.view(b, lq, h, d)
+    k, v = kv.view(b, lk, 2, h, d).unbind(2)
+    with tuner.using(tuner.Tuner(cache_path=tmp_path / "t.json", backends=(name,))):
+        out = dispatch_attention_fn(q, k, v, backend=name if through == "backend" else "auto")
+    expected = [(t.data_ptr(), (t if kernel_layout == "BSHD" else t.transpose(1, 2)).stride(),
+                 tuple((t if kernel_layout == "BSHD" else t.transpose(1, 2)).shape)) for t in (q, k, v)]
+    assert seen["in"] == expected
+    assert q.data_ptr() == x.data_ptr() and k.data_ptr() == kv.data_ptr()
+    assert out.data_ptr() == seen["out"] and out.shape == (b, lq, h, d)  # the output is not copied either
+    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    torch.testing.assert_close(out, ref)

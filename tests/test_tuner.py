@@ -1,0 +1,387 @@
+"""`auto`: the tuner picks the fastest backend that is correct, caches it on disk per machine, stays bounded.
+
+Every test uses custom CPU backends and a tuner restricted to them (`Tuner(backends=...)`), so what
+wins is decided by the test, not by the machine's built-in kernels, and nothing is written outside tmp.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dispatcher
+from dispatcher import Recorder, dispatch, dispatch_attention_fn, recording, tuner
+from dispatcher.tuner import Signature, Tuner
+
+SIG = Signature(1, 2, 32, 16, dtype=torch.float32, device="cpu")
+
+
+def exact(q, k, v, **_):  # BSHD in and out
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+def slow(q, k, v, **kw):
+    time.sleep(0.03)
+    return exact(q, k, v)
+
+
+def slower(q, k, v, **kw):
+    time.sleep(0.06)
+    return exact(q, k, v)
+
+
+def noise(q, k, v, **kw):  # fastest of all, and wrong
+    return torch.randn_like(q)
+
+
+def zeros(q, k, v, **kw):
+    return torch.zeros_like(q)
+
+
+def with_nan(q, k, v, **kw):
+    out = exact(q, k, v).clone()
+    out[0, 0, 0, 0] = float("nan")
+    return out
+
+
+def raises(q, k, v, **kw):
+    raise RuntimeError("kernel image not found for this GPU")
+
+
+def register(name, fn, **kw):
+    dispatcher.register_backend(name, fn, devices=("cpu",), **kw)
+    return name
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv(tuner.ENV_CACHE, str(path))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _own_default_tuner(tmp_path):
+    """`auto` through dispatch uses a default tuner: make it this test's, with nothing on disk outside tmp."""
+    with tuner.using(Tuner(cache_path=tmp_path / "default-tune.json", backends=())):
+        yield
+
+
+def make(cache, *names, **kw) -> Tuner:
+    return Tuner(cache_path=cache, backends=names, **kw)
+
+
+def test_the_fast_backend_wins_over_a_slow_one(cache):
+    names = register("t_slow", slow), register("t_fast", exact)
+    record = make(cache, *names).tune(SIG)
+    assert record.chosen == "t_fast" and record.source == "timed"
+    by = {c.name: c for c in record.candidates}
+    assert by["t_fast"].status == "chosen" and by["t_slow"].status == "valid"
+    assert by["t_slow"].median_ms >= 25 > by["t_fast"].median_ms
+    assert by["t_fast"].rel_error < 1e-5 and record.seconds > 0
+
+
+@pytest.mark.parametrize("wrong", [noise, zeros], ids=["noise", "zeros"])
+def test_an_inaccurate_backend_is_rejected_even_when_fastest(cache, wrong):
+    names = register("t_wrong", wrong, error_bound=5e-2), register("t_slow", slow)
+    record = make(cache, *names).tune(SIG)
+    assert record.chosen == "t_slow"
+    bad = {c.name: c for c in record.rejected}["t_wrong"]
+    assert bad.status == "rejected" and bad.rel_error > 0.5 and bad.median_ms is None
+    assert "relative error" in bad.reason and "bound 5e-02" in bad.reason
+    saved = json.loads(cache.read_text())["machines"]
+    (entry,) = saved.values()
+    (decision,) = entry["decisions"].values()
+    assert decision["chosen"] == "t_slow" and decision["results"]["t_wrong"]["status"] == "rejected"
+
+
+def test_nan_and_raising_backends_are_rejected_with_the_reason(cache):
+    names = register("t_nan", with_nan), register("t_raises", raises), register("t_slow", slow)
+    record = make(cache, *names).tune(SIG)
+    assert record.chosen == "t_slow"
+    reasons = {c.name: c.reason for c in record.rejected}
+    assert "NaN/Inf" in reasons["t_nan"]
+    assert "RuntimeError" in reasons["t_raises"] and "kernel image" in reasons["t_raises"]
+
+
+def test_the_disk_cache_serves_a_second_tuner_without_timing(cache):
+    names = register("t_slow", slow), register("t_fast", exact)
+    first = make(cache, *names)
+    assert first.tune(SIG).source == "timed" and first.timing_calls == 2
+    second = make(cache, *names)  # another process would start like this
+    record = second.tune(SIG)
+    assert record.source == "disk" and record.chosen == "t_fast" and second.timing_calls == 0
+    assert {c.name: c.median_ms is not None for c in record.candidates} == {"t_slow": True, "t_fast": True}
+
+
+def test_the_cache_in_another_process_does_no_timing(cache, tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import sys, time, torch\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "import dispatcher\nfrom dispatcher import tuner\n"
+        "def exact(q, k, v, **_):\n"
+        "    return torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)\n"
+        "def slow(q, k, v, **kw):\n    time.sleep(0.03)\n    return exact(q, k, v)\n"
+        "dispatcher.register_backend('t_slow', slow, devices=('cpu',))\n"
+        "dispatcher.register_backend('t_fast', exact, devices=('cpu',))\n"
+        "t = tuner.Tuner(backends=('t_slow', 't_fast'))\n"
+        "r = t.tune(tuner.Signature(1, 2, 32, 16, dtype=torch.float32, device='cpu'))\n"
+        "print(r.source, r.chosen, t.timing_calls)\n")
+    from pathlib import Path
+    root = str(Path(__file__).resolve().parent.parent)
+    runs = [subprocess.run([sys.executable, str(script), root], capture_output=True, text=True, timeout=120)
+            for _ in range(2)]
+    assert [r.stdout.split() for r in runs] == [["timed", "t_fast", "2"], ["disk", "t_fast", "0"]], runs[-1].stderr
+
+
+def test_a_version_change_invalidates_the_cache(cache):
+    names = register("t_slow", slow), register("t_fast", exact)
+    make(cache, *names).tune(SIG)
+    upgraded = dispatcher.current_machine().with_packages(sageattention="9.9.9")
+    with dispatcher.use_machine(upgraded):
+        again = make(cache, *names)
+        record = again.tune(SIG)
+        assert record.source == "timed" and again.timing_calls == 2
+    machines = json.loads(cache.read_text())["machines"]
+    assert len(machines) == 2  # one entry per fingerprint
+    assert {m["machine"]["packages"].get("sageattention") for m in machines.values()} == {None, "9.9.9"}
+    assert make(cache, *names).tune(SIG).source == "disk"  # the original machine still reads its own
+
+
+def test_a_new_candidate_means_measuring_again(cache):
+    names = register("t_slow", slow), register("t_fast", exact)
+    make(cache, *names).tune(SIG)
+    register("t_new", exact)
+    record = make(cache, *names, "t_new").tune(SIG)
+    assert record.source == "timed" and {c.name for c in record.candidates} == {"t_slow", "t_fast", "t_new"}
+
+
+def test_the_time_budget_bounds_the_cost(cache):
+    names = [register(f"t_slow{i}", slower) for i in range(5)]
+    t = make(cache, *names, time_budget_s=0.1, runs=5)
+    record = t.tune(SIG)
+    assert record.seconds < 0.8  # 5 candidates x 6 calls x 60 ms would be 1.8 s
+    untimed = [c for c in record.candidates if c.status == "untimed"]
+    assert untimed and all("budget" in c.reason for c in untimed)
+    assert record.source == "timed" and record.chosen in names
+
+
+def test_past_the_signature_limit_preference_decides_without_timing(cache):
+    names = register("t_slow", slow), register("t_fast", exact)
+    t = make(cache, *names, max_signatures=1)
+    assert t.tune(SIG).source == "timed"
+    calls = t.timing_calls
+    other = t.tune(Signature(1, 2, 48, 16, dtype=torch.float32, device="cpu"))
+    assert other.source == "preference" and "limit of 1" in other.reason and t.timing_calls == calls
+    assert t.report()["timed_signatures"] == 1
+
+
+def test_zero_budget_and_dropout_are_not_timed(cache):
+    names = register("t_slow", slow, dropout=True), register("t_fast", exact, dropout=True)
+    t = make(cache, *names, time_budget_s=0)
+    assert t.tune(SIG).source == "preference" and t.timing_calls == 0
+    t = make(cache, *names)
+    import dataclasses
+    assert t.tune(dataclasses.replace(SIG, dropout=True)).source == "preference" and t.timing_calls == 0
+
+
+def test_auto_through_dispatch_reports_requested_auto_and_the_chosen_backend(cache):
+    names = register("t_slow", slow), register("t_fast", exact)
+    rec = Recorder()
+    q, k, v = (torch.randn(1, 32, 2, 16) for _ in range(3))
+    with tuner.using(make(cache, *names)) as t, recording(rec):
+        out = dispatch_attention_fn(q, k, v, backend="auto")
+        calls = t.timing_calls
+        with dispatcher.attention_backend("auto"):
+            again = dispatch_attention_fn(q, k, v)
+        assert t.timing_calls == calls == 2  # decided once; the second call is a dict lookup
+    torch.testing.assert_close(out, exact(q, k, v))
+    torch.testing.assert_close(again, out)
+    (row,) = rec.snapshot()["rows"]
+    assert (row["requested"], row["served"], row["calls"], row["fell_back"]) == ("auto", "t_fast", 2, False)
+    assert "t_fast served 2 calls" in rec.summary() and "asked for" not in rec.summary()
+
+
+def test_auto_from_the_environment(cache, monkeypatch):
+    names = register("t_slow", slow), register("t_fast", exact)
+    monkeypatch.setenv("DIFFUSERS_ATTN_BACKEND", "auto")
+    dispatcher.state.reset_default_backend()
+    rec = Recorder()
+    with tuner.using(make(cache, *names)), recording(rec):
+        dispatch_attention_fn(*(torch.randn(1, 32, 2, 16) for _ in range(3)))
+    assert rec.snapshot()["rows"][0]["served"] == "t_fast"
+
+
+def test_tuning_leaves_the_callers_random_stream_alone(cache):
+    names = register("t_slow", slow), register("t_fast", exact)
+    q = torch.randn(1, 32, 2, 16)
+    state = torch.get_rng_state()
+    with tuner.using(make(cache, *names)) as t:
+        dispatch_attention_fn(q, q, q, backend="auto")  # tunes on its own seeded random inputs
+        assert t.timing_calls == 2
+    assert torch.equal(torch.get_rng_state(), state)  # a sampler's noise stays what the seed says
+
+
+def test_report_explain_and_clear_cache(cache):
+    names = register("t_wrong", zeros), register("t_fast", exact)
+    t = make(cache, *names)
+    t.tune(SIG)
+    report = t.report()
+    (entry,) = report["signatures"]
+    assert entry["chosen"] == "t_fast" and entry["source"] == "timed" and entry["seconds"] > 0
+    assert set(entry["rejected"]) == {"t_wrong"} and "relative error" in entry["rejected"]["t_wrong"]
+    fast = next(c for c in entry["candidates"] if c["name"] == "t_fast")
+    assert fast["times_ms"] and fast["median_ms"] is not None and fast["rel_error"] is not None
+    assert report["total_seconds"] > 0 and report["cache_path"] == str(cache)
+    json.dumps(report)
+    text = t.explain()
+    assert "t_fast" in text and "rejected" in text and "relative error" in text
+    assert cache.exists()
+    t.clear_cache()
+    assert not cache.exists() and t.report()["signatures"] == []
+
+
+def test_module_level_api_uses_the_default_tuner(cache):
+    names = register("t_slow", slow), register("t_fast", exact)
+    with tuner.using(make(cache, *names)):
+        assert tuner.tune(SIG).chosen == "t_fast"
+        assert tuner.report()["signatures"][0]["chosen"] == "t_fast"
+        assert "t_fast" in tuner.explain()
+        tuner.clear_cache()
+        assert tuner.report()["signatures"] == [] and not cache.exists()
+
+
+def test_the_cache_file_comes_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(tuner.ENV_CACHE, str(tmp_path))
+    assert Tuner().cache_path == tmp_path / "tune.json"
+    monkeypatch.setenv(tuner.ENV_CACHE, "off")
+    assert Tuner().cache_path is None
+    monkeypatch.delenv(tuner.ENV_CACHE)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert Tuner().cache_path == tmp_path / "xdg" / "attention_dispatch" / "tune.json"
+
+
+def test_an_unreadable_cache_is_ignored(cache):
+    cache.write_text("{not json")
+    names = register("t_slow", slow), register("t_fast", exact)
+    assert make(cache, *names).tune(SIG).source == "timed"
+    assert json.loads(cache.read_text())["format"] == tuner.CACHE_FORMAT
+
+
+def test_inputs_are_shrunk_to_the_memory_cap(cache):
+    names = register("t_slow", slow), register("t_fast", exact)
+    record = make(cache, *names, memory_cap_bytes=64 << 10).tune(Signature(1, 2, 4096, 16, dtype=torch.float32,
+                                                                        device="cpu"))
+    assert record.timed_shape and record.timed_shape["len_q"] < 4096 and record.chosen == "t_fast"
+
+
+def test_masks_causal_gqa_and_lse_are_validated(cache):
+    register("t_sdpa", lambda q, k, v, *, attn_mask, is_causal, enable_gqa, scale, return_lse, **_: (
+        F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                       enable_gqa=enable_gqa)), layout="BHSD", masks=("bool", "additive"),
+             mask_format="additive", causal=True, gqa=True)
+    register("t_zeros", lambda q, k, v, **_: torch.zeros_like(q), layout="BHSD", masks=("bool", "additive"),
+             causal=True, gqa=True)
+    t = make(cache, "t_sdpa", "t_zeros")
+    for sig in (Signature(2, 4, 40, 16, heads_kv=2, dtype=torch.float32, device="cpu", is_causal=True),
+                Signature(2, 4, 40, 16, len_kv=24, dtype=torch.float32, device="cpu", mask_kind="bool",
+                          mask_shape=(2, 1, 40, 24)),
+                Signature(2, 4, 40, 16, dtype=torch.float32, device="cpu", mask_kind="additive", mask_shape=(40, 40),
+                          custom_scale=True)):
+        record = t.tune(sig)
+        assert record.chosen == "t_sdpa", record.as_dict()
+        ok = next(c for c in record.candidates if c.name == "t_sdpa")
+        assert ok.rel_error < 1e-5
+
+
+def test_traced_auto_uses_an_eager_decision_or_preference(cache):
+    names = register("t_slow", slow), register("t_fast", exact)
+    t = make(cache, *names)
+    inputs = SIG.to_inputs()
+    name, _ = t.choose(inputs, timing=False)
+    assert name in names and t.timing_calls == 0 and t.records()[0].source == "preference"
+    assert t.choose(inputs)[0] == "t_fast" and t.timing_calls == 2  # the traced guess did not stick
+    assert t.choose(inputs, timing=False)[0] == "t_fast"
+
+
+def test_registry_changes_forget_in_memory_choices(cache):
+    names = register("t_slow", slow), register("t_fast", exact)
+    q, k, v = (torch.randn(1, 32, 2, 16) for _ in range(3))
+    with tuner.using(make(cache, *names, "t_newer")):
+        assert dispatch_attention_fn(q, k, v, backend="auto") is not None
+        dispatcher.unregister_backend("t_fast")  # the chosen one is gone: auto decides again
+        rec = Recorder()
+        with recording(rec):
+            dispatch_attention_fn(q, k, v, backend="auto")
+        assert rec.snapshot()["rows"][0]["served"] == "t_slow"
+
+
+def test_hot_path_builds_no_attention_inputs_once_decided(monkeypatch):
+    calls = []
+    real = dispatch.describe_call
+    monkeypatch.setattr(dispatch, "describe_call", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = (torch.randn(1, 16, 2, 8) for _ in range(3))
+    for _ in range(5):
+        dispatch_attention_fn(q, k, v, backend="native")
+    assert len(calls) == 1
+    # Anything that can change the decision makes a new one.
+    dispatch_attention_fn(q.double(), k.double(), v.double(), backend="native")
+    dispatch_attention_fn(q, k, v, backend="native", is_causal=True)
+    dispatch_attention_fn(q, k, v, backend="native", attn_mask=torch.ones(16, 16, dtype=torch.bool))
+    dispatch_attention_fn(q, k, v, backend="native", attn_mask=torch.ones(1, 16, dtype=torch.bool))
+    dispatch_attention_fn(q, k, v, backend="native", scale=0.5)
+    dispatch_attention_fn(q, k, v, backend="native", return_lse=False, layout="BHSD")
+    dispatch_attention_fn(q.requires_grad_(), k, v, backend="native")
+    assert len(calls) == 8
+
+
+def test_hot_path_keeps_errors_and_trust_dependence():
+    q, k, v = (torch.randn(1, 16, 2, 8) for _ in range(3))
+    with pytest.raises(dispatcher.UnknownBackendError):
+        dispatch_attention_fn(q, k, v, backend="nope")
+    with pytest.raises(ValueError, match="policy"):
+        dispatch_attention_fn(q, k, v, backend="native", policy="sometimes")
+    with pytest.raises(TypeError):
+        dispatch_attention_fn(q, k, v, backend="native", attn_mask=[[1]])
+    dispatch_attention_fn(q, k, v, backend="native")
+    with pytest.raises(dispatcher.AttentionInputError):
+        dispatch_attention_fn(q, k[:, :8], v, backend="native")
+
+
+def test_compiled_auto_has_no_graph_break_and_serves_the_tuned_backend(cache):
+    names = register("t_slow", slow), register("t_fast", exact)
+    q, k, v = (torch.randn(1, 32, 2, 16) for _ in range(3))
+    rec = Recorder()
+    with tuner.using(make(cache, *names)) as t:
+        eager = dispatch_attention_fn(q, k, v, backend="auto")  # tuned eagerly: a trace cannot time kernels
+        compiled = torch.compile(lambda q, k, v: dispatch_attention_fn(q, k, v, backend="auto") * 2, fullgraph=True)
+        with recording(rec):
+            out = compiled(q, k, v)
+        assert t.timing_calls == 2
+    torch.testing.assert_close(out, eager * 2)
+    (row,) = rec.snapshot()["rows"]
+    assert (row["requested"], row["served"]) == ("auto", "t_fast")
+
+
+def test_hot_path_decides_again_on_a_simulated_machine():
+    from dispatcher.requirements import Package
+    dispatcher.register_backend("t_needs_pkg", exact, devices=("cpu",), requires=(Package("some-attn-pkg"),))
+    q, k, v = (torch.randn(1, 16, 2, 8) for _ in range(3))
+
+    def served():
+        rec = Recorder()
+        with recording(rec):
+            dispatch_attention_fn(q, k, v, backend="t_needs_pkg")
+        return rec.snapshot()["rows"][0]["served"]
+
+    assert served() == "native"
+    with dispatcher.use_machine(dispatcher.current_machine().with_packages(some_attn_pkg="1.0")):
+        assert served() == "t_needs_pkg"
+    assert served() == "native"
