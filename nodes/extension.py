@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension
 
-from . import routes
+from . import cp_runtime, routes
 from .model_nodes import NODES
+from .parallel_node import NODES as PARALLEL_NODES
 
 
 class AttentionDispatchExtension(ComfyExtension):
@@ -13,4 +14,5 @@ class AttentionDispatchExtension(ComfyExtension):
         # Routes here rather than at import: the server exists by now (main.py creates it before
         # loading custom nodes), and importing the pack outside ComfyUI stays side-effect free.
         routes.register()
-        return list(NODES)
+        cp_runtime.setup_from_env()  # under cp_launch.py only: join the ranks, prompts in lockstep
+        return list(NODES) + list(PARALLEL_NODES)

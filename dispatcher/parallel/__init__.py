@@ -21,15 +21,22 @@ Launch one process per GPU (or CPU rank) with torchrun; every rank runs the same
         out = dispatch_attention_fn(q, k, v, backend="_native_cudnn")   # this rank's (B, S_local, H, D)
     full = cp.gather(out, dim=1)                        # if every rank needs the whole output
 
-Or call `context_parallel_attention(q, k, v, ..., config=cp)` directly. ``python -m
+Or call `context_parallel_attention(q, k, v, ..., config=cp)` directly.
+
+When every rank holds the *whole* q/k/v (ComfyUI under cp_launch.py), `replicated_parallel(
+ReplicatedConfig(mode="heads" | "sequence"))` splits the attention work itself (see `replicated`). ``python -m
 dispatcher.parallel.example`` under torchrun runs a self-check against single-process attention.
 """
 
 from .attention import (active_config, backends_for, check_backend, context_parallel, context_parallel_attention,
                         head_plan, supported_modes)
 from .config import MODES, RING_METHODS, ContextParallelConfig, ContextParallelError, split_sizes
+from .replicated import (REPLICATED_MODES, ReplicatedConfig, active_replicated_config, replicated_attention,
+                         replicated_parallel)
 
 __all__ = [
-    "MODES", "RING_METHODS", "ContextParallelConfig", "ContextParallelError", "active_config", "backends_for",
-    "check_backend", "context_parallel", "context_parallel_attention", "head_plan", "split_sizes", "supported_modes",
+    "MODES", "REPLICATED_MODES", "RING_METHODS", "ContextParallelConfig", "ContextParallelError", "ReplicatedConfig",
+    "active_config", "active_replicated_config", "backends_for", "check_backend", "context_parallel",
+    "context_parallel_attention", "head_plan", "replicated_attention", "replicated_parallel", "split_sizes",
+    "supported_modes",
 ]

@@ -87,6 +87,7 @@ class _Scope:
     kv_sharded: Any  # bool, or call_site -> bool
     q_lens: tuple | None
     kv_lens: tuple | None
+    runner: Any = None  # set by dispatcher.parallel.replicated: it takes the call instead (replicated inputs)
 
 
 _scope: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("attention_dispatch_cp", default=None)
@@ -97,7 +98,7 @@ _hook_users = 0
 def active_config() -> ContextParallelConfig | None:
     """The config of the innermost `context_parallel` block of this context, or None."""
     scope = _scope.get()
-    return None if scope is None else scope.config
+    return None if scope is None or scope.runner is not None else scope.config
 
 
 @contextmanager
@@ -143,6 +144,9 @@ def _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     scope = _scope.get()
     if scope is None:
         return NotImplemented
+    if scope.runner is not None:
+        return scope.runner(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
+                            backend, layout, policy, return_lse, call_site)
     kv_sharded = scope.kv_sharded(call_site) if callable(scope.kv_sharded) else scope.kv_sharded
     return context_parallel_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
