@@ -21,6 +21,7 @@ from .spec import BackendSpec, HeadDims, HubKernel
 from .state import (active_backend, active_checks, active_policy, attention_backend, attention_checks, fallback_policy,
                     set_attention_backend, set_checks, set_fallback_policy, validate_backend)
 from .trust import TRUSTED_PUBLISHERS, trusted_publishers
+from . import tuner  # noqa: E402  (`auto`: tuner.tune / report / explain / clear_cache)
 
 __all__ = [
     "AttentionInputError", "BUILTIN_NAMES", "BackendNotSupportedError", "BackendSpec", "BackendStatus",
@@ -29,5 +30,5 @@ __all__ = [
     "attention_backend", "attention_checks", "availability_reasons", "backend_names", "current_machine", "detect",
     "dispatch_attention_fn", "fallback_order", "fallback_policy", "get_backend_spec", "list_backends",
     "loaded_kernels", "recording", "register_backend", "register_mask_format", "set_attention_backend", "set_checks",
-    "set_fallback_policy", "trusted_publishers", "unregister_backend", "use_machine", "validate_backend",
+    "set_fallback_policy", "trusted_publishers", "tuner", "unregister_backend", "use_machine", "validate_backend",
 ]

@@ -9,6 +9,9 @@ call only while checks are on (DIFFUSERS_ATTN_CHECKS=yes, `set_checks`, or `atte
 from __future__ import annotations
 
 import logging
+import math
+import numbers
+from collections.abc import Mapping
 
 import torch
 
@@ -60,7 +63,50 @@ def check_structure(inputs: AttentionInputs) -> None:
         _fail("is_causal=True and attn_mask were both given: fold the causal mask into attn_mask, or drop attn_mask")
 
 
-def check_shapes(query, key, value, layout: str) -> None:
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+_PLAIN = (float, int)
+
+
+def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                    attention_kwargs) -> None:
+    """The arguments that are not shapes, on every call (a few type checks, no device sync; ~0.3 us).
+
+    A wrong type is a TypeError and a wrong value an AttentionInputError, each naming the argument, before
+    any kernel sees it: a kernel would misread it (bool("no") is True for is_causal) or raise, and a kernel
+    that raises is demoted for the call's signature, which a bad argument must never cause.
+    """
+    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
+        for name, tensor in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor; got {type(tensor).__name__}")
+    if attn_mask is not None and not isinstance(attn_mask, torch.Tensor) and type(attn_mask).__name__ != "BlockMask":
+        raise TypeError(f"attn_mask must be a torch.Tensor, a FlexAttention BlockMask or None; "
+                        f"got {type(attn_mask).__name__}")
+    if not ((is_causal is True or is_causal is False) and (enable_gqa is True or enable_gqa is False)
+            and (return_lse is True or return_lse is False)):
+        for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa), ("return_lse", return_lse)):
+            if flag is not True and flag is not False:
+                raise TypeError(f"{name} must be True or False; got {flag!r} ({type(flag).__name__})")
+    if scale is not None:
+        if type(scale) not in _PLAIN and not _real(scale):
+            raise TypeError(f"scale must be a float or None (None = 1/sqrt(head dim)); got {type(scale).__name__}")
+        if not math.isfinite(scale):
+            _fail(f"scale must be finite; got {scale}")
+    if type(dropout_p) not in _PLAIN and (dropout_p is None or not _real(dropout_p)):
+        raise TypeError(f"dropout_p must be a float in [0, 1]; got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p <= 1.0:  # NaN fails too
+        _fail(f"dropout_p must be in [0, 1]; got {dropout_p}")
+    if attention_kwargs is not None and not isinstance(attention_kwargs, Mapping):
+        raise TypeError(f"attention_kwargs must be a dict or None; got {type(attention_kwargs).__name__}")
+
+
+def check_shapes(query, key, value, layout: str, attn_mask=None) -> None:
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.device != query.device:
+        _fail(f"attn_mask is on {attn_mask.device} but query is on {query.device}: move attn_mask to the "
+              "query's device")
     if layout not in LAYOUTS:
         _fail(f"unknown layout {layout!r}; valid layouts: {', '.join(LAYOUTS)} (BSHD = (B, S, H, D), BHSD = (B, H, S, D))")
     if key.dim() != 4 or value.dim() != 4 or query.dim() != 4:

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from . import checks, masks, registry, state, trust
+from . import checks, masks, registry, state, trust, tuner
 from .hub import KernelLoadError
 from .inputs import AttentionInputs, describe_call
+from .machine import current_machine
 from .report import current_recorder
 
 logger = logging.getLogger("attention_dispatch")
@@ -44,14 +45,32 @@ class Decision:
     requested: str
     candidates: list  # [(name, spec, runner)], best first
     skipped: list = field(default_factory=list)  # [(name, [reasons])]
+    machine: object = None  # the machine it was made for (kept so its id in the cache key stays unique)
+    trust_sensitive: bool = False  # a Hub backend in the chain: the decision depends on trust settings
+    _reasons: dict = field(default_factory=dict, repr=False, compare=False)  # served -> reasons_for(served)
 
     def reasons_for(self, served: str) -> tuple[str, ...]:
         """Why each backend before `served` in the chain was skipped."""
-        order = fallback_order(self.requested)
-        limit = order.index(served) if served in order else len(order)
-        return tuple(f"{name}: {r}" for name, reasons in self.skipped
-                     if name in order and order.index(name) < limit for r in reasons)
+        cached = self._reasons.get(served)
+        if cached is None:
+            order = fallback_order(self.requested)
+            limit = order.index(served) if served in order else len(order)
+            cached = self._reasons[served] = tuple(f"{name}: {r}" for name, reasons in self.skipped
+                                                   if name in order and order.index(name) < limit for r in reasons)
+        return cached
 
+
+# The hot path's cache: a key made of the call's shapes, dtypes, devices and flags (no AttentionInputs is
+# built) -> Decision; _TRUST_SENSITIVE when the decision also depends on trust settings, then the key plus
+# trust.scope_key() holds it. Cleared with the decisions (registry changes, forget_decisions).
+_fast: dict[tuple, Any] = {}
+_TRUST_SENSITIVE = object()
+
+
+# dispatcher.parallel's router (answers NotImplemented outside its context) and a flag it sets while any
+# context_parallel() block is open, so a plain call pays one global check (a bool: torch.compile guards it).
+_context_parallel = None
+_context_parallel_on = False
 
 _decisions: dict[tuple, Decision] = {}
 _decisions_lock = threading.Lock()
@@ -61,7 +80,9 @@ _logged: set[tuple] = set()
 def forget_decisions() -> None:
     with _decisions_lock:
         _decisions.clear()
+        _fast.clear()
         _logged.clear()
+    tuner.forget_choices()  # the candidates may have changed too; measurements stay on disk
 
 
 def fallback_order(requested: str) -> list[str]:
@@ -78,8 +99,9 @@ def fallback_order(requested: str) -> list[str]:
 
 def _decide(requested: str, policy: str, inputs) -> Decision:
     checks.check_structure(inputs)
-    decision = Decision(requested, [])
-    for name in (fallback_order(requested) if policy == "fallback" else [requested]):
+    chain = fallback_order(requested) if policy == "fallback" else [requested]
+    decision = Decision(requested, [], trust_sensitive=any(registry.get(n).hub is not None for n in chain))
+    for name in chain:
         spec = registry.get(name)
         # A backend that cannot run here at all is explained by that alone; per-call reasons come after.
         reasons = registry.availability_reasons(name) or spec.not_supported_reasons(inputs)
@@ -96,12 +118,14 @@ def _decide(requested: str, policy: str, inputs) -> Decision:
 
 
 def _decision_for(requested: str, policy: str, inputs) -> Decision:
-    key = (requested, policy, inputs, trust.scope_key())
+    machine = current_machine()  # a simulated machine (use_machine) gets its own decisions
+    key = (requested, policy, inputs, trust.scope_key(), id(machine))
     decision = _decisions.get(key)
     if decision is None:
         decision = _decide(requested, policy, inputs)
-        with _decisions_lock:
-            _decisions[key] = decision
+        decision.machine = machine
+        with _decisions_lock:  # a thread that decided the same call first wins: one Decision, one set of demotions
+            decision = _decisions.setdefault(key, decision)
     return decision
 
 
@@ -139,50 +163,108 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     Returns the output in the input layout, and with return_lse=True also the log-sum-exp,
     (B, Sq, H) for BSHD or (B, H, Sq) for BHSD, float32.
     """
+    if _context_parallel_on:  # a dispatcher.parallel.context_parallel() block is open somewhere
+        routed = _context_parallel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                   attention_kwargs, backend, layout, policy, return_lse, call_site)
+        if routed is not NotImplemented:
+            return routed
     if torch.compiler.is_compiling():
         return _dispatch_traced(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                 attention_kwargs, backend, layout, policy, return_lse, call_site)
+    checks.check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                           attention_kwargs)
     requested = backend if backend is not None else state.active_backend()
-    if requested not in registry.names():
-        raise registry.UnknownBackendError(registry.unknown_message(requested))
-    policy = state.validate_policy(policy) if policy is not None else state.active_policy()
-    checks.check_shapes(query, key, value, layout)
-    inputs = describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, layout)
-    decision = _decision_for(requested, policy, inputs)
+    policy = state.active_policy() if policy is None else policy
+    m = attn_mask
+    fast_key = (requested, policy, layout, query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
+                query.device, key.device, value.device,
+                None if m is None else (type(m), getattr(m, "dtype", None), getattr(m, "shape", None),
+                                        getattr(m, "device", None)),
+                bool(is_causal), bool(dropout_p and dropout_p > 0), scale is None, bool(enable_gqa), bool(return_lse),
+                torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
+                id(current_machine()))  # kept alive by the decision (decision.machine), so the id stays unique
+    try:
+        decision = _fast.get(fast_key)
+        if decision is _TRUST_SENSITIVE:
+            decision = _fast.get((fast_key, trust.scope_key()))
+    except TypeError:  # an unhashable mask: the full path below raises the real error
+        decision, fast_key = None, None
+    if decision is None:
+        decision = _slow_decision(fast_key, requested, policy, query, key, value, attn_mask, dropout_p, is_causal,
+                                  scale, enable_gqa, return_lse, layout)
     mode = state.active_checks()
     if mode != "off":
         checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, requested)
     extra = attention_kwargs or {}
     recorder = current_recorder()
-    for index, (name, spec, runner) in enumerate(decision.candidates):
+    # Backends that failed this call are demoted only once a later one serves it: a call that no backend can
+    # run (a bad argument a kernel rejects, memory exhausted everywhere) raises and changes no decision.
+    failed = []  # (name, why it is demoted, the error recorded)
+    candidates = decision.candidates
+    for index, (name, spec, runner) in enumerate(candidates):
+        last = policy == "strict" or index == len(candidates) - 1
         try:
             out = _run(spec, runner, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                        return_lse, layout, extra)
         except Exception as exc:
-            if policy == "strict" or index == len(decision.candidates) - 1 or isinstance(exc, checks.AttentionInputError):
+            if last or isinstance(exc, checks.AttentionInputError):
                 raise
-            _demote(decision, name, f"raised {type(exc).__name__}: {str(exc).strip()[:300]}")
-            if recorder is not None:
-                recorder.record_error(call_site, name, f"{type(exc).__name__}: {str(exc).strip()[:300]}")
-            return dispatch_attention_fn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                         attention_kwargs, backend=backend, layout=layout, policy=policy,
-                                         return_lse=return_lse, call_site=call_site)
+            error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+            failed.append((name, f"raised {error}", error))
+            continue
         if mode != "off":
-            checks.check_values({"output": out[0] if return_lse else out}, mode, name)
-        reasons = decision.reasons_for(name) if name != requested else ()
+            try:  # a non-finite output from finite inputs: this backend is broken for them, like one that raises
+                checks.check_values({"output": out[0] if return_lse else out}, mode, name)
+            except checks.AttentionInputError as exc:
+                if last:
+                    raise
+                failed.append((name, str(exc), str(exc)))
+                continue
+        for failed_name, why, error in failed:
+            _demote(decision, failed_name, why)
+            if recorder is not None:
+                recorder.record_error(call_site, failed_name, error)
+        reasons = decision.reasons_for(name) if name != decision.requested else ()
         if reasons:
-            _log_once(requested, name, reasons)
+            _log_once(decision.requested, name, reasons)
         if recorder is not None:
-            recorder.record(call_site, requested, name, reasons)
+            recorder.record(call_site, requested, name, reasons)  # requested may be "auto"
         return out
     raise AssertionError("unreachable: a decision always has a candidate")
+
+
+def _slow_decision(fast_key, requested, policy, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                   return_lse, layout) -> Decision:
+    """The first call of a signature: validate, describe, resolve `auto`, decide; then remember it for the hot path."""
+    if requested != tuner.AUTO and requested not in registry.names():
+        raise registry.UnknownBackendError(registry.unknown_message(requested))
+    policy = state.validate_policy(policy)
+    checks.check_shapes(query, key, value, layout, attn_mask)
+    inputs = describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, layout)
+    sensitive = False
+    name = requested
+    if requested == tuner.AUTO:
+        checks.check_structure(inputs)
+        name, sensitive = tuner.choose(inputs, layout=layout, tensors=(query, key, value, attn_mask))
+    decision = _decision_for(name, policy, inputs)
+    if fast_key is not None:
+        with _decisions_lock:
+            if sensitive or decision.trust_sensitive:
+                _fast[fast_key] = _TRUST_SENSITIVE
+                _fast[(fast_key, trust.scope_key())] = decision
+            else:
+                _fast[fast_key] = decision
+    return decision
 
 
 def _demote(decision: Decision, name: str, reason: str) -> None:
     """A backend that failed at run time is skipped for this signature from now on, with the reason."""
     with _decisions_lock:
+        if not any(c[0] == name for c in decision.candidates):
+            return  # another thread demoted it first
         decision.candidates = [c for c in decision.candidates if c[0] != name]
         decision.skipped.append((name, [reason]))
+        decision._reasons.clear()
     logger.warning("attention backend '%s' failed (%s); falling back for these inputs", name, reason)
 
 
@@ -202,19 +284,26 @@ def _traced_plan(backend, policy, signature, call_site):
     """Runs eagerly at trace time: (served backend, checks mode), or None when the eager path must raise."""
     if "<eager>" not in _traced_runners:
         _traced_runners["<eager>"] = torch.compiler.disable(dispatch_attention_fn)
+    if signature is None:
+        return None
     try:
         requested = backend if backend is not None else state.active_backend()
-        if requested not in registry.names():
+        if requested != tuner.AUTO and requested not in registry.names():
             return None
         policy = state.validate_policy(policy) if policy is not None else state.active_policy()
-        decision = _decision_for(requested, policy, AttentionInputs(*signature))
+        inputs = AttentionInputs(*signature)
+        chosen = requested
+        if requested == tuner.AUTO:  # a decision made eagerly (or on disk) before, else the preference order
+            checks.check_structure(inputs)
+            chosen = tuner.choose(inputs, timing=False)[0]
+        decision = _decision_for(chosen, policy, inputs)
     except Exception:
         return None
     name, spec, runner = decision.candidates[0]
     _traced_runners[name] = (spec, runner)
-    reasons = decision.reasons_for(name) if name != requested else ()
+    reasons = decision.reasons_for(name) if name != decision.requested else ()
     if reasons:
-        _log_once(requested, name, reasons)
+        _log_once(decision.requested, name, reasons)
     recorder = current_recorder()
     if recorder is not None:
         recorder.record(call_site, requested, name, reasons)
@@ -233,8 +322,8 @@ def _dispatch_traced(query, key, value, attn_mask, dropout_p, is_causal, scale, 
         inputs = describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                                layout)
     # Plain constants (dynamo hands an assume_constant_result function no real dataclass instance).
-    plan = None if inputs is None else _traced_plan(backend, policy, tuple(getattr(inputs, f) for f in _FIELDS),
-                                                    call_site)
+    signature = None if inputs is None else tuple(getattr(inputs, f) for f in _FIELDS)
+    plan = _traced_plan(backend, policy, signature, call_site)
     if plan is None:
         return _traced_runners["<eager>"](query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                           attention_kwargs, backend=backend, layout=layout, policy=policy,

@@ -69,7 +69,9 @@ def repeat_kv(t: torch.Tensor, groups: int, head_axis: int) -> torch.Tensor:
 # Mask formats a backend can ask for; each converter gets the canonical 4-D view (or a BlockMask)
 # and the dtype of the query, and returns what the kernel takes.
 def _native(mask, dtype):
-    return mask
+    # SDPA takes a bool mask or an additive one of the query's dtype: an additive mask of another float
+    # dtype (float32 with half inputs, or with attn_precision's float32 upcast) is cast, not rejected.
+    return mask if mask.dtype == torch.bool or mask.dtype == dtype else mask.to(dtype)
 
 
 def _bool(mask, dtype):

@@ -62,8 +62,10 @@ def remove(name: str) -> None:
 
 def names() -> list[str]:
     """Built-in backends in their canonical order, then custom ones in registration order."""
-    builtin = [n for n in BUILTIN_NAMES if n in _specs]
-    return builtin + [n for n in _specs if n not in BUILTIN_NAMES]
+    with _lock:  # another thread may be registering one (iterating a changing dict raises)
+        current = list(_specs)
+    builtin = [n for n in BUILTIN_NAMES if n in current]
+    return builtin + [n for n in current if n not in BUILTIN_NAMES]
 
 
 def get(name: str) -> BackendSpec:
@@ -138,9 +140,13 @@ def list_backends(machine: Machine | None = None) -> list[BackendStatus]:
     """Every registered backend with availability and the reasons for each unavailable one."""
     loaded = hub.loaded_kernels()
     statuses = []
-    for name in names():
-        spec = _specs[name]
-        reasons = availability_reasons(name, machine)
+    with _lock:
+        specs = [(name, _specs[name]) for name in names()]
+    for name, spec in specs:
+        try:
+            reasons = availability_reasons(name, machine)
+        except UnknownBackendError:  # removed by another thread while listing
+            continue
         mine = [k.as_dict() for k in loaded if spec.hub and k.repo_id == spec.hub.repo_id]
         statuses.append(BackendStatus(name, not reasons, reasons, spec.constraints(), mine))
     return statuses

@@ -535,9 +535,12 @@ class Tuner:
         score_bytes = run_sig.batch * run_sig.heads_q * run_sig.len_q * run_sig.len_kv * 4
         by_name = {c.name: c for c in record.candidates}
         valid: list[CandidateResult] = []
+        # A first call may JIT-compile (Triton, inductor): that one-off cost is not charged to the budget,
+        # or the first candidate in preference order would use it up and win untimed.
+        compiling = 0.0
         for position, name in enumerate(names):
             result = by_name[name]
-            elapsed = time.perf_counter() - start
+            elapsed = time.perf_counter() - start - compiling
             if valid and elapsed >= self.time_budget_s:
                 result.reason = f"not timed: the {self.time_budget_s:g} s budget for this signature was spent"
                 continue
@@ -563,6 +566,7 @@ class Tuner:
                     result_value = call()
                     _sync(device)
                     first = time.perf_counter() - t0
+                    compiling += first
             except Exception as exc:
                 if device.type == "cuda":
                     with contextlib.suppress(Exception):
@@ -584,7 +588,7 @@ class Tuner:
                 call()
                 _sync(device)
                 steady = max(time.perf_counter() - t0, 1e-6)
-                left = max(0.0, self.time_budget_s - (time.perf_counter() - start))
+                left = max(0.0, self.time_budget_s - (time.perf_counter() - start - compiling))
                 fits = int(left / max(1, len(names) - position) / steady)
                 runs = max(1, min(self.runs, fits))
                 warmup = min(max(0, self.warmup - 1), max(0, fits - runs))

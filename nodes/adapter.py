@@ -14,8 +14,9 @@ Decisions, documented once:
   the output back; a backend without fp32 support then falls back (policy "fallback") or fails ("strict").
 - `low_precision_attention=False` (newer ComfyUI, e.g. WAN I2V image cross-attention) with a quantised
   backend (family "sage"): the first non-quantised backend in that backend's fallback chain runs instead.
-- "auto": the available backend with the highest `preference` that supports the call; Hub kernels only
-  when their publisher is in this node's trust list (auto never downloads code on its own).
+- "auto": the dispatcher's tuner (times and validates every backend that supports the call, caches the
+  winner per signature on disk); with `low_precision_attention=False` a tuner limited to non-quantised
+  backends. It never downloads code: Hub kernels count once fetched (install.py) and trusted.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import contextlib
 
 import torch
 
-from ..dispatcher import (attention_checks, availability_reasons, backend_names, dispatch_attention_fn,
-                          fallback_order, get_backend_spec, recording, trusted_publishers)
+from ..dispatcher import (attention_checks, backend_names, dispatch_attention_fn, fallback_order, get_backend_spec,
+                          recording, trusted_publishers, tuner)
 from ..dispatcher import checks as _checks
 from ..dispatcher.inputs import describe_call
 from .window import in_window
@@ -72,18 +73,16 @@ def _to_bhsd(out: torch.Tensor, skip_output_reshape: bool, heads: int) -> torch.
     return out.unflatten(-1, (heads, -1)).transpose(1, 2)
 
 
-def _auto_choice(inputs, trust: frozenset, low_precision_ok: bool) -> str:
-    ranked = sorted(backend_names(), key=lambda n: -get_backend_spec(n).preference)
-    for name in ranked:
-        spec = get_backend_spec(name)
-        if spec.hub is not None and spec.hub.publisher not in trust:
-            continue
-        if not low_precision_ok and spec.family in QUANTISED_FAMILIES:
-            continue
-        if availability_reasons(name) or spec.not_supported_reasons(inputs):
-            continue
-        return name
-    return "native"
+_exact_tuner = None
+
+
+def _non_quantised_tuner():
+    """A tuner that never picks a quantised backend (for calls that asked for full precision)."""
+    global _exact_tuner
+    names = tuple(n for n in backend_names() if get_backend_spec(n).family not in QUANTISED_FAMILIES)
+    if _exact_tuner is None or _exact_tuner.backends != names:
+        _exact_tuner = tuner.Tuner(backends=names)
+    return _exact_tuner
 
 
 def _non_quantised(name: str) -> str:
@@ -91,6 +90,32 @@ def _non_quantised(name: str) -> str:
         if get_backend_spec(candidate).family not in QUANTISED_FAMILIES:
             return candidate
     return "native"
+
+
+def _check_call(q, k, v, mask, skip_reshape) -> None:
+    """What any ComfyUI attention function needs: tensors of the right rank (a clear error, not an AttributeError)."""
+    rank = 4 if skip_reshape else 3
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention {name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dim() != rank:
+            layout = "(B, H, L, D) with skip_reshape=True" if skip_reshape else "(B, L, H*D)"
+            raise _checks.AttentionInputError(f"attention {name} must be {rank}-D {layout}; got shape {tuple(t.shape)}")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attention mask must be a torch.Tensor or None; got {type(mask).__name__}")
+
+
+def _check_heads(q, k, v, heads) -> None:
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0 or q.shape[-1] % heads:
+        raise _checks.AttentionInputError(
+            f"heads={heads!r} must be a positive int dividing the query's last dim {q.shape[-1]} (H*D)")
+    dim = q.shape[-1] // heads
+    if k.shape[-1] % dim:
+        raise _checks.AttentionInputError(f"the key's last dim {k.shape[-1]} is not a multiple of the head dim {dim} "
+                                          f"(query {q.shape[-1]} / heads={heads})")
+    if v.shape[-1] % (k.shape[-1] // dim):
+        raise _checks.AttentionInputError(f"the value's last dim {v.shape[-1]} does not split into the "
+                                          f"{k.shape[-1] // dim} key/value heads")
 
 
 def make_override(backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
@@ -104,7 +129,6 @@ def make_override(backend: str, policy: str = "fallback", recorder=None, window=
     """
     trust = frozenset(trust or ())
     window = tuple(window) if window is not None else None
-    auto_cache: dict = {}
 
     def record(site, requested, served, reasons):
         if recorder is not None:
@@ -128,6 +152,7 @@ def make_override(backend: str, policy: str = "fallback", recorder=None, window=
     def override(func, q, k, v, heads=None, mask=None, attn_precision=None, skip_reshape=False,
                  skip_output_reshape=False, **kwargs):
         q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
+        _check_call(q, k, v, mask, skip_reshape)
         to = kwargs.get("transformer_options") or {}
         scale = kwargs.get("scale")
         gqa = bool(kwargs.get("enable_gqa", False))
@@ -162,6 +187,7 @@ def make_override(backend: str, policy: str = "fallback", recorder=None, window=
         if skip_reshape:  # (B, H, L, D), possibly non-contiguous: strides are kept, the dispatcher copes
             layout, qs, ks, vs = "BHSD", q, k, v
         else:  # (B, L, H*D) -> free views (B, L, H, D)
+            _check_heads(q, k, v, heads)
             dim = q.shape[-1] // heads
             kv_heads = k.shape[-1] // dim
             layout = "BSHD"
@@ -171,14 +197,7 @@ def make_override(backend: str, policy: str = "fallback", recorder=None, window=
             qs, ks, vs = qs.float(), ks.float(), vs.float()
 
         name, notes = backend, ()
-        if backend == AUTO:
-            inputs = describe_call(qs, ks, vs, mask, 0.0, False, scale, gqa, False, layout)
-            key = (inputs, low_precision_ok)
-            name = auto_cache.get(key)
-            if name is None:
-                with trusted_publishers(trust):
-                    name = auto_cache.setdefault(key, _auto_choice(inputs, trust, low_precision_ok))
-        if not low_precision_ok and get_backend_spec(name).family in QUANTISED_FAMILIES:
+        if backend != AUTO and not low_precision_ok and get_backend_spec(name).family in QUANTISED_FAMILIES:
             replacement = _non_quantised(name)
             notes = (f"low_precision_attention=False: quantised '{name}' replaced by '{replacement}'",)
             name = replacement
@@ -189,6 +208,14 @@ def make_override(backend: str, policy: str = "fallback", recorder=None, window=
                 stack.enter_context(trusted_publishers(trust))
             if checks:
                 stack.enter_context(attention_checks(checks))
+            if backend == AUTO and not low_precision_ok:
+                # This call's choice from a tuner without quantised backends. Not tuner.using(): it swaps the
+                # process-wide default tuner (threads interleaving it leave the wrong one installed for good)
+                # and clears every cached dispatch decision on each call.
+                _checks.check_shapes(qs, ks, vs, layout, mask)
+                inputs = describe_call(qs, ks, vs, mask, 0.0, False, scale, gqa, False, layout)
+                _checks.check_structure(inputs)
+                name = _non_quantised_tuner().choose(inputs, layout=layout, tensors=(qs, ks, vs, mask))[0]
             out = dispatch_attention_fn(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa, backend=name,
                                         layout=layout, policy=policy, call_site=site)
         out = out.to(out_dtype)

@@ -6,6 +6,7 @@ is the one place both see. It holds plain dicts (no tensors, no file paths), the
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import weakref
@@ -15,6 +16,23 @@ EVENT = "attention_dispatch.report"
 _lock = threading.Lock()
 _reports: deque = deque(maxlen=64)
 _live: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+
+
+# An absolute file path inside a text (/home/u/..., C:\\Users\\..., ~/...): not after a word character, '.', ':'
+# or '/', so repo ids (org/name), URLs (https://...) and ratios (1/sqrt(d)) are left alone.
+_PATH = re.compile(r"(?<![\w.:/~-])(?:[A-Za-z]:[\\/]|~[\\/]|/(?=[\w.~-]))[^\s'\"<>|,;()\[\]]*")
+
+
+def scrub(obj):
+    """Plain data for the browser: no 'path' keys and no absolute file paths in texts (error messages name
+    lock files, kernel caches and libraries); each path becomes '<path>'."""
+    if isinstance(obj, dict):
+        return {k: scrub(v) for k, v in obj.items() if k != "path"}
+    if isinstance(obj, (list, tuple)):
+        return [scrub(v) for v in obj]
+    if isinstance(obj, str):
+        return _PATH.sub("<path>", obj) if ("/" in obj or "\\" in obj) else obj
+    return obj
 
 
 def _prompt_id():
@@ -27,8 +45,8 @@ def _prompt_id():
 
 def publish(kind: str, node_id, data: dict) -> dict:
     """Store a report and send it to the browser (when running inside ComfyUI)."""
-    report = {"kind": kind, "node": None if node_id is None else str(node_id), "prompt_id": _prompt_id(),
-              "time": time.time(), **data}
+    report = scrub({"kind": kind, "node": None if node_id is None else str(node_id), "prompt_id": _prompt_id(),
+                    "time": time.time(), **data})
     with _lock:
         _reports.append(report)
     try:
@@ -41,13 +59,15 @@ def publish(kind: str, node_id, data: dict) -> dict:
 
 def track_live(key: str, recorder) -> None:
     """A recorder with no end-of-run hook (text encoders): the route reads it when asked."""
-    _live[key] = recorder
+    with _lock:  # latest() may be iterating on the server thread
+        _live[key] = recorder
 
 
 def latest() -> dict:
     with _lock:
         reports = list(_reports)
-    live = [{"kind": "live", "key": key, "recorder": rec.snapshot()} for key, rec in list(_live.items())]
+        recorders = list(_live.items())
+    live = [{"kind": "live", "key": key, "recorder": scrub(rec.snapshot())} for key, rec in recorders]
     return {"reports": reports, "live": live}
 
 

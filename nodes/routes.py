@@ -1,7 +1,7 @@
 """Read-only HTTP routes: the latest reports and every backend with why it can or cannot run here.
 
 They take no input (no query string is read) and return no file paths (Hub kernel cache paths are
-dropped), so they reach nothing on disk.
+dropped, paths quoted in reasons and errors become '<path>'), so they reach nothing on disk.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ def backends_payload() -> dict:
         row["loaded"] = [_without_path(k) for k in row.get("loaded", [])]
         rows.append(row)
     machine = asdict(current_machine())
-    return {"backends": rows, "loaded_kernels": [_without_path(k.as_dict()) for k in loaded_kernels()],
-            "machine": machine}
+    # reasons quote import errors and lock files, which name paths: scrubbed like the reports
+    return reports.scrub({"backends": rows, "loaded_kernels": [_without_path(k.as_dict()) for k in loaded_kernels()],
+                          "machine": machine})
 
 
 def register() -> None:

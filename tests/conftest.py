@@ -59,6 +59,8 @@ def clean_dispatcher(monkeypatch):
     """Every test starts from defaults, with no dispatcher env var set, and leaves no custom backend behind."""
     for var in _DISPATCHER_ENV:
         monkeypatch.delenv(var, raising=False)
+    # `auto` decisions stay in memory: no test writes the user's tuning cache in ~/.cache.
+    monkeypatch.setenv("ATTN_DISPATCH_TUNE_CACHE", "off")
     before = set(registry.names())
     reset_dispatcher()
     yield

@@ -296,3 +296,29 @@ def test_private_kwargs_never_reach_the_dispatcher(monkeypatch):
     monkeypatch.setattr(adapter, "dispatch_attention_fn", spy)
     adapter.make_override("native")(comfy_func, *qkv(), 2, **to_opts())
     assert seen and "transformer_options" not in seen and "_inside_attn_wrapper" not in seen
+
+
+def test_auto_with_low_precision_off_never_picks_a_quantised_backend():
+    """ComfyUI passes low_precision_attention=False where int8 attention produces NaNs (WAN I2V image
+    cross-attention): `auto` must then choose among exact backends only, even when a quantised one is fastest."""
+    from attention_dispatch_pack.dispatcher.backends.native import sdpa_attention
+    from attention_dispatch_pack.dispatcher.registry import add, remove
+    from attention_dispatch_pack.dispatcher.spec import FLOATS, BackendSpec, HeadDims
+
+    add(BackendSpec(name="test_int8_like", family="sage", description="a quantised stand-in", fn=sdpa_attention,
+                    layout="BHSD", devices=frozenset({"cpu"}), dtypes=FLOATS, head_dims=HeadDims(), preference=99,
+                    custom=True))
+    try:
+        q, k, v = qkv()
+        exact, lowp = dispatcher.Recorder(), dispatcher.Recorder()
+        with dispatcher.tuner.using(dispatcher.tuner.Tuner(cache_path=None, backends=("test_int8_like",))):
+            out = adapter.make_override("auto", recorder=lowp)(comfy_func, q, k, v, 2, **to_opts())
+        torch.testing.assert_close(out, ref(q, k, v, 2), atol=2e-5, rtol=1e-4)
+        assert {r["served"] for r in lowp.snapshot()["rows"]} == {"test_int8_like"}  # the only candidate
+        out = adapter.make_override("auto", recorder=exact)(comfy_func, q, k, v, 2, low_precision_attention=False,
+                                                             **to_opts())
+        torch.testing.assert_close(out, ref(q, k, v, 2), atol=2e-5, rtol=1e-4)
+        served = {r["served"] for r in exact.snapshot()["rows"]}
+        assert served and "test_int8_like" not in served
+    finally:
+        remove("test_int8_like")

@@ -176,8 +176,11 @@ def test_nan_output_is_caught_when_checks_are_on():
     q, k, v = qkv()
     assert torch.isnan(dispatch_attention_fn(q, k, v, backend="nans")).all()  # checks off: nothing reads values
     with attention_checks("raise"), pytest.raises(AttentionInputError) as err:
-        dispatch_attention_fn(q, k, v, backend="nans")
+        dispatch_attention_fn(q, k, v, backend="nans", policy="strict")
     assert "output" in str(err.value) and "NaN" in str(err.value) and "'nans'" in str(err.value)
+    # fallback: a NaN output from finite inputs is a broken backend, like one that raises (tests/test_faults.py)
+    with attention_checks("raise"):
+        torch.testing.assert_close(dispatch_attention_fn(q, k, v, backend="nans"), sdpa_bshd(q, k, v))
 
 
 def test_nan_output_is_logged_in_warn_mode(caplog):

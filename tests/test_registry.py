@@ -260,3 +260,23 @@ def test_attention_backend_flash_on_this_cpu_machine_names_the_pip_command():
     assert err.value.name == "flash"
     assert "pip install 'flash-attn>=2.6.3'" in str(err.value)
     assert err.value.reasons and "cannot run on this machine" in str(err.value)
+
+
+def test_sage_1x_refuses_key_lengths_it_pads_badly():
+    """Measured on the H200: sageattention 1.0.6 is off by 2.8e-1 at Lk=77 (SD1.5 text tokens)."""
+    h200 = Machine(torch_version="2.11.0", device_type="cuda", cuda_capability=(9, 0), simulated=True,
+                   packages={"torch": "2.11.0", "sageattention": "1.0.6"})
+    spec = get_backend_spec("sage")
+
+    def reasons(len_kv):
+        q = torch.randn(1, 1024, 2, 64, dtype=torch.bfloat16)
+        kv = torch.randn(1, len_kv, 2, 64, dtype=torch.bfloat16)
+        return [r for r in spec.not_supported_reasons(describe_call(q, kv, kv, None, 0.0, False, None, False, False,
+                                                                    "BSHD")) if "key length" in r]
+
+    with use_machine(h200):
+        assert reasons(77) and "multiple of 128" in reasons(77)[0]
+        assert reasons(333) and reasons(1000)
+        assert not reasons(4096) and not reasons(4095) and not reasons(32760)
+    with use_machine(h200.with_packages(sageattention="2.2.0")):
+        assert not reasons(77)

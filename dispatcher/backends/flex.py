@@ -68,7 +68,12 @@ def flex_attention_backend(q, k, v, *, attn_mask, dropout_p, is_causal, scale, e
     if is_causal:
         block_mask = causal_block_mask(q.shape[-2], k.shape[-2], str(q.device))
     # Flex is only fast compiled; eager on the CPU (compiling there costs tens of seconds per shape).
-    run = flex_attention if (q.device.type == "cpu" or torch.compiler.is_compiling()) else _compiled_flex()
+    eager = q.device.type == "cpu" or torch.compiler.is_compiling()
+    run = flex_attention if eager else _compiled_flex()
+    if not eager:
+        # Dynamo guards on the strides of a view's base: ComfyUI's many view layouts used up the recompile
+        # limit on the H200 bench, after which flex silently ran unfused and asked for 160 GiB (Wan 14B).
+        q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
     if not return_lse:
         return run(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
     if _AuxRequest is not None:  # torch >= 2.9 deprecates return_lse for return_aux

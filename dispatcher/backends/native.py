@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -26,25 +28,67 @@ def _gqa_expand(q, k, v, enable_gqa):
     return k, v
 
 
+def _causal_as_mask(q, k, attn_mask, is_causal, scale):
+    """SDPA's CPU flash kernel returns NaN for is_causal=True with a scale <= 0 or one that is 0 in float32
+    (it scales the -inf it masks with): pass the same top-left causal mask as a bool mask then, which it
+    computes right."""
+    if is_causal and scale is not None and scale < 1e-30 and q.device.type == "cpu":
+        return torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(), False
+    return attn_mask, is_causal
+
+
+# sdpa_kernel() sets process-wide flags (not per thread) and restores, on exit, the ones it found on entry:
+# two threads interleaving their enter/exit leave SDPA's flash, efficient and cuDNN kernels off for the whole
+# process (seen: _native_math and _native_flash from two threads). So every flag change here is made by one
+# thread at a time, and the CPU kernels are called directly, changing no flag at all.
+_FLAGS = threading.RLock()
+
+
+def _flags_lock():
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else _FLAGS
+
+
 def _sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, pinned=None):
+    attn_mask, is_causal = _causal_as_mask(q, k, attn_mask, is_causal, scale)
     kwargs = {"attn_mask": attn_mask, "dropout_p": dropout_p, "is_causal": is_causal, "scale": scale}
     if enable_gqa:
         kwargs["enable_gqa"] = True
     if pinned is None:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    with sdpa_kernel(pinned):
+    with _flags_lock(), sdpa_kernel(pinned):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
+def _math(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """SDPA's math kernel called directly (what SDPA runs for it, without pinning flags). It adds a bool mask
+    as 0/1 instead of dropping the False entries, so a bool mask becomes the -inf bias SDPA would pass it."""
+    attn_mask, is_causal = _causal_as_mask(q, k, attn_mask, is_causal, scale)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~attn_mask, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                                                             enable_gqa=bool(enable_gqa))[0]
+
+
+# SDPA's own order on NVIDIA GPUs picks its flash kernel for the strided (B, H, L, D) views that
+# ComfyUI's (B, L, H*D) tensors become, where cuDNN is ~1.4x faster on Hopper (measured: WAN 1.3B
+# step 788 ms vs 576 ms). ComfyUI sets this same priority for its own SDPA path.
+CUDA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
+
+
 def sdpa_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
-    return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                 enable_gqa=enable_gqa, return_lse=False)
+    if q.device.type != "cuda":
+        return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     enable_gqa=enable_gqa, return_lse=False)
+    with _flags_lock(), sdpa_kernel(CUDA_PRIORITY, set_priority=True):
+        return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     enable_gqa=enable_gqa, return_lse=False)
 
 
 def math_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     if not return_lse:
-        return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                     enable_gqa=enable_gqa, return_lse=False, pinned=SDPBackend.MATH)
+        return _math(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     enable_gqa=enable_gqa)
     # The reference with its log-sum-exp, computed in float32 (float64 stays float64).
     k, v = _gqa_expand(q, k, v, enable_gqa)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -62,15 +106,19 @@ def math_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gq
 
 
 def flash_sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
-    if not return_lse:
+    q, k, v = _unit_stride(q, k, v)  # pinned to one fused kernel: SDPA cannot pick math for a strided view
+    if not return_lse and q.device.type != "cpu":
         return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=enable_gqa, return_lse=False, pinned=SDPBackend.FLASH_ATTENTION)
     k, v = _gqa_expand(q, k, v, enable_gqa)
-    if q.device.type == "cpu":
+    if q.device.type == "cpu":  # the op SDPA's flash backend runs on the CPU, called directly (no flags)
+        attn_mask, is_causal = _causal_as_mask(q, k, attn_mask, is_causal, scale)
         # The CPU op takes only an additive mask in the query's dtype (a bool one raises).
         bias = None if attn_mask is None else _as_bias(attn_mask, q)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, dropout_p, is_causal, attn_mask=bias, scale=scale)
+        if not return_lse:
+            return out
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[:2]
     return out, lse.float()
@@ -78,6 +126,7 @@ def flash_sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, r
 
 def efficient_sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     k, v = _gqa_expand(q, k, v, enable_gqa)
+    q, k, v = _unit_stride(q, k, v)  # pinned to one fused kernel: SDPA cannot pick math for a strided view
     if not return_lse:
         return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=False, return_lse=False, pinned=SDPBackend.EFFICIENT_ATTENTION)
@@ -89,6 +138,7 @@ def efficient_sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gq
 
 def cudnn_sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     k, v = _gqa_expand(q, k, v, enable_gqa)
+    q, k, v = _unit_stride(q, k, v)  # pinned to one fused kernel: SDPA cannot pick math for a strided view
     if not return_lse:
         return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=False, return_lse=False, pinned=SDPBackend.CUDNN_ATTENTION)
@@ -96,6 +146,12 @@ def cudnn_sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, r
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, bias, True, dropout_p, is_causal, False, scale=scale)[:2]
     return out, (lse.squeeze(-1) if lse.dim() == 4 else lse).float()
+
+
+def _unit_stride(*tensors):
+    """The aten attention ops called directly (for the LSE) assume a last-dim stride of 1 and, on the CPU,
+    silently compute garbage for a strided view (x[..., ::2]); the public SDPA checks this, they do not."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
 
 def _as_bias(mask, q):
@@ -156,7 +212,7 @@ def xla_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa
 add(BackendSpec(
     name="native", family="sdpa", description="torch SDPA: PyTorch picks its best kernel (cuDNN/flash/efficient/math)",
     fn=sdpa_attention, layout="BHSD", devices=ANY_DEVICE, dtypes=FLOATS, head_dims=HeadDims(), masks=ALL_MASKS,
-    mask_format="native", gqa=True, dropout=True, preference=50, error_bound=1e-2, fallback=("_native_math",),
+    mask_format="native", gqa=True, dropout=True, preference=81, error_bound=1e-2, fallback=("_native_math",),
     requires=(TorchVersion("2.5"),)))
 add(BackendSpec(
     name="_native_math", family="sdpa", description="torch SDPA math kernel: the exact reference, slow",
@@ -179,7 +235,7 @@ add(BackendSpec(
 add(BackendSpec(
     name="_native_cudnn", family="sdpa", description="torch SDPA cuDNN kernel (NVIDIA, sm_80+)",
     fn=cudnn_sdpa, layout="BHSD", devices=frozenset({"cuda"}), dtypes=HALF, head_dims=HeadDims(8, 256, 8),
-    masks=ALL_MASKS, mask_format="native", gqa=True, dropout=True, lse=True, capability=SM80, preference=60,
+    masks=ALL_MASKS, mask_format="native", gqa=True, dropout=True, lse=True, capability=SM80, preference=82,
     extra_reasons=_not_dropout_with_lse,
     requires=(TorchVersion("2.5"), OnDevice(frozenset({"cuda"})), SM80)))
 add(BackendSpec(

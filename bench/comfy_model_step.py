@@ -1,0 +1,120 @@
+"""One WAN 2.1 diffusion step built with ComfyUI's own model class at real size, random weights:
+ComfyUI's default attention against the pack's override (`auto` and single backends).
+
+    COMFYUI_PATH=/path/to/ComfyUI python bench/comfy_model_step.py --json out.json
+    (--tiny for a CPU smoke run)
+
+It imports ComfyUI from COMFYUI_PATH at run time (nothing of ComfyUI lives in this repository) and
+the pack from this checkout, and times the model's forward pass with CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = {  # WAN 2.1 t2v 1.3B at 480p x 81 frames: latent (16, 21, 60, 104) -> 32760 tokens
+    "wan1.3b": dict(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30, latent=(16, 21, 60, 104)),
+    "tiny": dict(dim=256, ffn_dim=512, num_heads=2, num_layers=2, latent=(16, 2, 8, 8)),
+}
+
+
+def load_pack():
+    spec = importlib.util.spec_from_file_location("attention_dispatch_pack", ROOT / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT)])
+    pack = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = pack
+    spec.loader.exec_module(pack)
+    from attention_dispatch_pack.nodes import adapter
+    from attention_dispatch_pack import dispatcher
+    return adapter, dispatcher
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=sorted(CONFIGS), default="wan1.3b")
+    parser.add_argument("--backends", default="auto,native,_native_cudnn,flex,sage,_native_flash")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    comfy_path = os.environ.get("COMFYUI_PATH")
+    if not comfy_path:
+        print("set COMFYUI_PATH to a ComfyUI checkout", file=sys.stderr)
+        return 2
+    import torch
+
+    # ComfyUI reads its flags only when args parsing is enabled (main.py does that); --cpu without a GPU.
+    sys.argv = [sys.argv[0]] + ([] if torch.cuda.is_available() else ["--cpu"])
+    sys.path.insert(0, comfy_path)
+    import comfy.options
+    comfy.options.enable_args_parsing()
+    import comfy.ops
+    from comfy.ldm.wan.model import WanModel
+
+    adapter, dispatcher = load_pack()
+    cfg = CONFIGS[args.model]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    model = WanModel(model_type="t2v", dim=cfg["dim"], ffn_dim=cfg["ffn_dim"], num_heads=cfg["num_heads"],
+                     num_layers=cfg["num_layers"], device=device, dtype=dtype, operations=comfy.ops.disable_weight_init)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.eval()
+    x = torch.randn(1, *cfg["latent"], device=device, dtype=dtype)
+    t = torch.tensor([500.0], device=device)
+    context = torch.randn(1, 512, 4096, device=device, dtype=dtype)
+
+    def forward(transformer_options):
+        with torch.no_grad():
+            return model(x, t, context, transformer_options=dict(transformer_options))
+
+    def timed(transformer_options):
+        forward(transformer_options)  # warm-up (and `auto` tuning, flex compilation)
+        times = []
+        for _ in range(args.runs):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = forward(transformer_options)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                out = forward(transformer_options)
+                times.append((time.perf_counter() - t0) * 1e3)
+        return out, statistics.median(times)
+
+    baseline, base_ms = timed({})
+    rows = [{"attention": "comfy default", "ms": base_ms, "speedup": 1.0, "rel_diff": 0.0}]
+    print(f"{'attention':16} {'ms':>9} {'speedup':>8} {'rel diff':>9}  served by")
+    print(f"{'comfy default':16} {base_ms:9.1f} {1.0:8.3f} {0.0:9.2e}")
+    for backend in [b for b in args.backends.split(",") if b]:
+        if backend != "auto" and dispatcher.availability_reasons(backend):
+            print(f"{backend:16} unavailable: {'; '.join(dispatcher.availability_reasons(backend))[:90]}")
+            continue
+        recorder = dispatcher.Recorder(backend)
+        override = adapter.make_override(backend, "fallback", recorder)
+        out, ms = timed({"optimized_attention_override": override})
+        diff = float((out.float() - baseline.float()).norm() / baseline.float().norm())
+        served = sorted({r["served"] for r in recorder.snapshot()["rows"]})
+        rows.append({"attention": backend, "ms": ms, "speedup": base_ms / ms, "rel_diff": diff, "served": served})
+        print(f"{backend:16} {ms:9.1f} {base_ms / ms:8.3f} {diff:9.2e}  {', '.join(served)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "model": args.model, "config": cfg, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+            "torch": torch.__version__, "dtype": str(dtype), "runs": args.runs, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,477 @@
+"""Faults never cost a run: a backend that fails mid-sampling, broken Hub kernels, corrupted caches and locks.
+
+Under `fallback` the call completes on the next backend of the chain and the Recorder says what happened;
+under `strict` it raises with the reason and the next call works. Nothing stays half-patched: the active
+backend (context variable), the process default, the policy and checks are as before, and a ComfyUI model
+patched by Set Attention Backend (a FakeModel: model_options deep-copied by clone(), like ModelPatcher) is
+unchanged, its original untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dispatcher
+from dispatcher import (AttentionInputError, BackendNotSupportedError, BackendUnavailableError, KernelLoadError,
+                        Recorder, attention_backend, attention_checks, dispatch_attention_fn, env, hub, recording,
+                        register_backend, registry, state)
+from dispatcher.machine import current_machine, use_machine
+from dispatcher.requirements import Package, Probe, forget_imports
+
+import kernel_repos as kr
+import node_stub
+from test_adapter import PACK, _load_pack, comfy_func
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+kernels = pytest.importorskip("kernels")
+adapter, pack_dispatcher, _ = _load_pack()
+ORG = "kernels-community"
+
+
+def qkv(b=1, lq=6, lk=6, h=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, s, h, d, generator=g) for s in (lq, lk, lk))
+
+
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+def snapshot_state(d=dispatcher):
+    return (d.state.active_backend(), d.state.default_backend(), d.state.active_policy(), d.state.active_checks(),
+            d.trust.scope_key())
+
+
+class Faulty:
+    """A backend that serves SDPA except on the calls listed in `fail_on` (1-based), where it fails `how`."""
+
+    def __init__(self, how="oom", fail_on=(3,), every=False):
+        self.how, self.fail_on, self.every, self.calls = how, set(fail_on), every, 0
+
+    def __call__(self, q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+        self.calls += 1
+        if self.every or self.calls in self.fail_on:
+            if self.how == "oom":
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
+            if self.how == "illegal":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated illegal argument)")
+            if self.how == "nan":
+                return torch.full_like(q, float("nan"))
+            if self.how == "inf":
+                return torch.full_like(q, float("inf"))
+            if self.how == "type":  # a kernel whose signature changed between versions
+                raise TypeError("flash_attn_func() got an unexpected keyword argument 'softmax_scale'")
+        return sdpa(q, k, v)
+
+
+FAULTS = ["oom", "illegal", "nan", "inf", "type"]
+
+
+def sampling(steps, calls_per_step, backend=None, policy=None, seed=0):
+    """A sampling run: `steps` x `calls_per_step` attention calls, each with its own inputs; the outputs."""
+    outs = []
+    for step in range(steps):
+        for i in range(calls_per_step):
+            q, k, v = qkv(seed=seed + 100 * step + i)
+            outs.append((dispatch_attention_fn(q, k, v, backend=backend, policy=policy), sdpa(q, k, v)))
+    return outs
+
+
+# ------------------------------------------------------------------------------------------ a faulty backend
+
+@pytest.mark.parametrize("how", FAULTS)
+def test_fault_mid_run_fallback_completes_and_reports(how):
+    fn = Faulty(how, fail_on=(3,))
+    register_backend("faulty", fn, devices=("cpu",))
+    recorder = Recorder()
+    before = snapshot_state()
+    checks = "raise" if how in ("nan", "inf") else "off"  # non-finite outputs are only seen with checks on
+    with recording(recorder), attention_checks(checks), attention_backend("faulty"):
+        outs = sampling(steps=4, calls_per_step=2)
+    assert snapshot_state() == before
+    for out, expected in outs:
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    snap = recorder.snapshot()
+    counts = {row["served"]: row["calls"] for row in snap["rows"]}
+    # call 3 failed and fell back; the signature is the same for every call, so faulty stays demoted after it
+    assert counts == {"faulty": 2, "native": 6}, snap
+    (row,) = [r for r in snap["rows"] if r["served"] == "native"]
+    assert row["requested"] == "faulty" and row["fell_back"]
+    word = {"oom": "OutOfMemoryError", "illegal": "illegal", "nan": "NaN", "inf": "Inf", "type": "TypeError"}[how]
+    assert any(word in r for r in row["reasons"]), row["reasons"]
+    (error,) = snap["errors"]
+    assert error["backend"] == "faulty" and word in error["error"]
+    assert fn.calls == 3
+    assert "faulty" in recorder.summary() and word in recorder.summary()
+
+
+@pytest.mark.parametrize("how", FAULTS)
+def test_fault_mid_run_strict_raises_and_the_next_call_works(how):
+    fn = Faulty(how, fail_on=(3,))
+    register_backend("faulty", fn, devices=("cpu",))
+    before = snapshot_state()
+    checks = "raise" if how in ("nan", "inf") else "off"
+    recorder = Recorder()
+    expected_type = {"oom": torch.OutOfMemoryError, "illegal": RuntimeError, "nan": AttentionInputError,
+                     "inf": AttentionInputError, "type": TypeError}[how]
+    with recording(recorder), attention_checks(checks):
+        inside = snapshot_state()
+        with pytest.raises(expected_type) as info:
+            with attention_backend("faulty", policy="strict"):
+                sampling(steps=4, calls_per_step=2)
+        assert snapshot_state() == inside  # the context manager exited by the exception
+        if how in ("nan", "inf"):
+            assert "output of attention backend 'faulty'" in str(info.value)
+        # The next prompt works, on the same backend (strict never demotes): the failure was transient.
+        with attention_backend("faulty", policy="strict"):
+            for out, expected in sampling(steps=2, calls_per_step=2, seed=7):
+                torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert snapshot_state() == before
+    counts = {row["served"]: row["calls"] for row in recorder.snapshot()["rows"]}
+    assert counts == {"faulty": 2 + 4} and fn.calls == 3 + 4
+
+
+@pytest.mark.parametrize("how", ["oom", "illegal"])
+def test_persistent_fault_strict_then_fallback_and_other_backends_work(how):
+    register_backend("broken", Faulty(how, every=True), devices=("cpu",))
+    q, k, v = qkv()
+    for _ in range(2):  # the same error every time, never a different or half-initialised state
+        with pytest.raises(RuntimeError):
+            dispatch_attention_fn(q, k, v, backend="broken", policy="strict")
+    torch.testing.assert_close(dispatch_attention_fn(q, k, v, backend="broken"), sdpa(q, k, v), atol=1e-5, rtol=1e-5)
+    for name in ("native", "flex", "_native_math"):
+        torch.testing.assert_close(dispatch_attention_fn(q, k, v, backend=name, policy="strict"), sdpa(q, k, v),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_every_backend_of_the_chain_failing_raises_and_demotes_nothing(monkeypatch):
+    """Memory exhausted everywhere: the caller gets the error, and no decision is changed by it."""
+    from dispatcher.backends import native as native_module
+    register_backend("oomy", Faulty("oom", every=True), devices=("cpu",))
+    q, k, v = qkv()
+
+    def sdpa_oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory (simulated)")
+    monkeypatch.setattr(native_module, "F", type("F", (), {"scaled_dot_product_attention": staticmethod(sdpa_oom)}))
+    monkeypatch.setattr(native_module, "_math", sdpa_oom)
+    recorder = Recorder()
+    with recording(recorder), pytest.raises(torch.OutOfMemoryError):
+        dispatch_attention_fn(q, k, v, backend="oomy")
+    (decision,) = [d for d in dispatcher.dispatch._decisions.values() if d.requested == "oomy"]
+    assert [c[0] for c in decision.candidates] == ["oomy", "native", "_native_math"] and not decision.skipped
+    assert recorder.snapshot()["rows"] == []
+    monkeypatch.undo()  # memory is back: the chain is tried from its start again
+    with recording(recorder):
+        torch.testing.assert_close(dispatch_attention_fn(q, k, v, backend="oomy"), sdpa(q, k, v))
+    assert recorder.snapshot()["rows"][0]["served"] == "native"
+
+
+def test_fault_in_a_new_signature_only_demotes_that_signature():
+    fn = Faulty("oom", fail_on=(1,))
+    register_backend("faulty", fn, devices=("cpu",))
+    recorder = Recorder()
+    with recording(recorder):
+        dispatch_attention_fn(*qkv(lq=6), backend="faulty")  # fails, falls back, demoted for lq=6
+        dispatch_attention_fn(*qkv(lq=5), backend="faulty")  # another signature: faulty serves it
+        dispatch_attention_fn(*qkv(lq=6), backend="faulty")
+    served = {(row["served"]): row["calls"] for row in recorder.snapshot()["rows"]}
+    assert served == {"native": 2, "faulty": 1} and fn.calls == 2
+
+
+# ------------------------------------------------------------------------------------ packages and probes
+
+def test_package_that_imports_but_fails_its_first_call(monkeypatch, tmp_path):
+    (tmp_path / "fake_attn_pkg").mkdir()
+    (tmp_path / "fake_attn_pkg" / "__init__.py").write_text(
+        "CALLS = []\n"
+        "def attn(q, k, v):\n"
+        "    CALLS.append(1)\n"
+        "    raise RuntimeError('CUDA error: no kernel image is available for execution on the device')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    forget_imports()
+
+    def run(q, k, v, **kwargs):
+        import fake_attn_pkg
+        return fake_attn_pkg.attn(q, k, v)
+
+    machine = current_machine().with_packages(**{"fake-attn-pkg": "1.0"})
+    with use_machine(machine):
+        register_backend("fakepkg", run, devices=("cpu",), requires=(Package("fake-attn-pkg", module="fake_attn_pkg"),))
+        assert dispatcher.availability_reasons("fakepkg") == []  # installed, imports: looks available
+        q, k, v = qkv()
+        with pytest.raises(RuntimeError, match="no kernel image"):
+            dispatch_attention_fn(q, k, v, backend="fakepkg", policy="strict")
+        recorder = Recorder()
+        with recording(recorder):
+            out = dispatch_attention_fn(q, k, v, backend="fakepkg")
+        torch.testing.assert_close(out, sdpa(q, k, v), atol=1e-5, rtol=1e-5)
+        (row,) = recorder.snapshot()["rows"]
+        assert row["served"] == "native" and any("no kernel image" in r for r in row["reasons"])
+    forget_imports()
+
+
+def test_package_whose_probe_fails_is_unavailable_with_the_reason():
+    def probe():
+        raise RuntimeError("CUDA error: no kernel image is available (simulated)")
+    register_backend("probed", Faulty(every=False), devices=("cpu",), requires=(Probe("probed-pkg-x", probe),))
+    reasons = dispatcher.availability_reasons("probed")
+    assert reasons and "imports but a tiny probed-pkg-x call fails" in reasons[0]
+    before = snapshot_state()
+    with pytest.raises(BackendUnavailableError, match="no kernel image"):
+        with attention_backend("probed"):
+            pass
+    with pytest.raises(BackendUnavailableError):
+        dispatcher.set_attention_backend("probed")
+    assert snapshot_state() == before
+    recorder = Recorder()
+    with recording(recorder):
+        dispatch_attention_fn(*qkv(), backend="probed")
+    assert recorder.snapshot()["rows"][0]["served"] == "native"
+
+
+# -------------------------------------------------------------------------------------------- Hub kernels
+
+@pytest.fixture
+def hub_env(monkeypatch, tmp_path):
+    for var in ("LOCAL_KERNELS", env.DISABLE_REMOTE_CODE, env.TRUST_REMOTE_KERNELS):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(env.KERNEL_LOCK, str(tmp_path / "no-lock.json"))
+    hub.forget_loaded()
+    pack_dispatcher.hub.forget_loaded()
+    yield tmp_path
+    hub.forget_loaded()
+    pack_dispatcher.hub.forget_loaded()
+
+
+FLASH_HUB_FN = registry.get("flash_hub").fn
+
+
+def register_hub(name, repo_id, d=dispatcher, **kw):
+    return d.register_backend(name, d.registry.get("flash_hub").fn, devices=("cpu",), causal=True, lse=True, gqa=True,
+                              hub_kernel=d.HubKernel(repo_id, "flash_attn_func", version=1, **kw))
+
+
+def hub_case(name, policy, q, k, v):
+    """(output or exception, recorder snapshot, state before == after)."""
+    before = snapshot_state()
+    recorder = Recorder()
+    result = None
+    with recording(recorder):
+        try:
+            result = dispatch_attention_fn(q, k, v, backend=name, policy=policy)
+        except Exception as exc:  # noqa: BLE001
+            result = exc
+    return result, recorder.snapshot(), snapshot_state() == before
+
+
+@pytest.mark.parametrize("broken", ["import", "metadata"])
+def test_hub_kernel_that_fails_to_import(broken, hub_env, monkeypatch):
+    bad = kr.make_local_repo(hub_env / "bad", f"{ORG}/attn-fault-{broken}", broken=broken)
+    monkeypatch.setenv("LOCAL_KERNELS", kr.local_kernels_value(bad))
+    register_hub("badhub", bad.repo_id)
+    q, k, v = qkv()
+    before = snapshot_state()
+    with pytest.raises(KernelLoadError, match=bad.repo_id):  # eager: the context manager loads before any call
+        with attention_backend("badhub"):
+            pytest.fail("entered")
+    with pytest.raises(KernelLoadError):
+        dispatcher.set_attention_backend("badhub")
+    assert snapshot_state() == before
+    out, snap, same = hub_case("badhub", "fallback", q, k, v)
+    assert same and isinstance(out, torch.Tensor)
+    torch.testing.assert_close(out, sdpa(q, k, v), atol=1e-5, rtol=1e-5)
+    (row,) = snap["rows"]
+    assert row["served"] == "native" and any(bad.repo_id in r and "could not load" in r for r in row["reasons"])
+    err, snap, same = hub_case("badhub", "strict", q, k, v)
+    assert same and isinstance(err, BackendNotSupportedError) and bad.repo_id in str(err) and snap["rows"] == []
+    assert hub.loaded_kernels() == [] and bad.kernel_id not in sys.modules
+    # The kernel is repaired (reinstalled): the next strict call loads it and works, no restart needed.
+    good = kr.make_local_repo(hub_env / "good", bad.repo_id)
+    monkeypatch.setenv("LOCAL_KERNELS", kr.local_kernels_value(good))
+    out, snap, same = hub_case("badhub", "strict", q, k, v)
+    assert same and isinstance(out, torch.Tensor), out
+    torch.testing.assert_close(out, sdpa(q, k, v), atol=1e-5, rtol=1e-5)
+    assert snap["rows"][0]["served"] == "badhub" and [r.repo_id for r in hub.loaded_kernels()] == [bad.repo_id]
+
+
+@pytest.mark.parametrize("broken", ["import", "metadata"])
+def test_corrupted_kernel_cache_pinned_by_the_lock(broken, hub_env, monkeypatch):
+    """install.py fetched a build into the HF cache and pinned it; the cached files are corrupted since."""
+    cache = hub_env / "hf-cache"
+    repo = kr.make_cache_repo(cache, f"{ORG}/attn-fault-cache-{broken}", broken=broken)
+    lock = kr.write_lock(hub_env / "lock.json", [{"repo_id": repo.repo_id, "version": 1, "revision": repo.commit,
+                                                 "path": str(repo.variant_dir)}])
+    monkeypatch.setenv(env.KERNEL_LOCK, str(lock))
+    calls = []
+    real = kernels.get_kernel
+
+    def get_kernel(repo_id, **kwargs):  # the library's own resolution of the pinned revision: no network here
+        calls.append((repo_id, kwargs))
+        return real(repo_id, **kwargs)
+    monkeypatch.setattr(kernels, "get_kernel", get_kernel)
+    register_hub("cachehub", repo.repo_id)
+    q, k, v = qkv()
+    out, snap, same = hub_case("cachehub", "fallback", q, k, v)
+    assert same and isinstance(out, torch.Tensor), out
+    torch.testing.assert_close(out, sdpa(q, k, v), atol=1e-5, rtol=1e-5)
+    (row,) = snap["rows"]
+    assert row["served"] == "native"
+    reason = " ".join(row["reasons"])
+    assert repo.repo_id in reason and repo.commit in reason and "install.py" in reason
+    assert calls and calls[0] == (repo.repo_id, {"revision": repo.commit})  # pinned, never "latest"
+    err, _, same = hub_case("cachehub", "strict", q, k, v)
+    assert same and isinstance(err, BackendNotSupportedError) and "install.py" in str(err)
+    assert hub.loaded_kernels() == []
+    assert [s.name for s in dispatcher.list_backends()]  # listing still works
+
+
+def test_lock_file_pointing_at_a_missing_kernel(hub_env, monkeypatch, caplog):
+    repo_id = f"{ORG}/attn-fault-gone"
+    missing = hub_env / "hf-cache" / f"kernels--{ORG}--attn-fault-gone" / "snapshots" / ("d" * 40) / "build" / kr.VARIANT
+    lock = kr.write_lock(hub_env / "lock.json", [{"repo_id": repo_id, "version": 1, "revision": "d" * 40,
+                                                 "path": str(missing)}])
+    monkeypatch.setenv(env.KERNEL_LOCK, str(lock))
+    register_hub("gonehub", repo_id)
+    q, k, v = qkv()
+    with caplog.at_level("WARNING", logger="attention_dispatch"):
+        out, snap, same = hub_case("gonehub", "fallback", q, k, v)
+    assert same and isinstance(out, torch.Tensor), out
+    assert "no longer in the cache" in caplog.text
+    reason = " ".join(snap["rows"][0]["reasons"])
+    assert snap["rows"][0]["served"] == "native" and repo_id in reason and "rerun `python install.py`" in reason
+    err, _, same = hub_case("gonehub", "strict", q, k, v)
+    assert same and isinstance(err, BackendNotSupportedError) and "d" * 40 in str(err)
+    # The user reinstalls (a local checkout here): the next call loads it, the pin no longer applies to it.
+    good = kr.make_local_repo(hub_env / "good", repo_id)
+    monkeypatch.setenv("LOCAL_KERNELS", kr.local_kernels_value(good))
+    out, snap, same = hub_case("gonehub", "strict", q, k, v)
+    assert same and isinstance(out, torch.Tensor) and snap["rows"][0]["served"] == "gonehub"
+
+
+def test_unreadable_lock_file_falls_back(hub_env, monkeypatch):
+    (hub_env / "lock.json").write_text('{"kernels": [{"repo_id": ')
+    monkeypatch.setenv(env.KERNEL_LOCK, str(hub_env / "lock.json"))
+    register_hub("lockhub", f"{ORG}/attn-fault-lock")
+    out, snap, same = hub_case("lockhub", "fallback", *qkv())
+    assert same and isinstance(out, torch.Tensor)
+    assert any("unreadable" in r for r in snap["rows"][0]["reasons"])
+    err, _, same = hub_case("lockhub", "strict", *qkv())
+    assert same and isinstance(err, BackendNotSupportedError) and "unreadable" in str(err)
+
+
+# ------------------------------------------------------------------------- a ComfyUI model through the nodes
+
+@pytest.fixture
+def nodes(monkeypatch):
+    module = node_stub.install(monkeypatch)
+    pd = pack_dispatcher
+    before = set(pd.registry.names())
+    yield module
+    for name in pd.registry.names():
+        if name not in before and pd.registry.get(name).custom:
+            pd.unregister_backend(name)
+    pd.state.reset_default_backend()
+    pd.dispatch.forget_decisions()
+    pd.set_checks(None)
+
+
+def comfy_qkv(seed, b=1, lq=8, h=2, d=16):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, lq, h * d, generator=g) for _ in range(3))
+
+
+def sample(model, steps=3, calls=2, seed=0):
+    """What KSampler does with a patched model: the OUTER_SAMPLE wrappers around the steps, each step calling
+    the attention override with ComfyUI's convention; returns the outputs and ComfyUI's own results."""
+    to = model.model_options["transformer_options"]
+    override = to["optimized_attention_override"]
+    outs = []
+
+    def executor():
+        for step in range(steps):
+            sigmas = torch.linspace(1.0, 0.0, steps + 1)
+            options = {**to, "sample_sigmas": sigmas, "sigmas": sigmas[step:step + 1]}
+            for i in range(calls):
+                q, k, v = comfy_qkv(seed + 10 * step + i)
+                outs.append((override(comfy_func, q, k, v, 2, transformer_options=options),
+                             comfy_func(q, k, v, 2)))
+        return "latent"
+
+    run = executor
+    for wrapper in reversed(model.outer_wrappers()):
+        run = (lambda w, inner: (lambda: w(lambda *a, **kw: inner())))(wrapper, run)
+    return run(), outs
+
+
+@pytest.mark.parametrize("how", ["oom", "illegal", "nan"])
+@pytest.mark.parametrize("policy", ["fallback", "strict"])
+def test_patched_model_survives_a_fault_mid_sampling(nodes, how, policy):
+    pd = pack_dispatcher
+    reports = importlib.import_module(f"{PACK}.nodes.reports")
+    reports.clear()
+    fn = Faulty(how, fail_on=(3,))
+    pd.register_backend("faulty", fn, devices=("cpu",))
+    assert nodes.SetAttentionBackend.validate_inputs("faulty", policy, 0.0, 1.0) is True
+    original = node_stub.FakeModel({"transformer_options": {"marker": 1}, "extra": [1, 2]})
+    pristine = copy.deepcopy(original.model_options)
+    before = snapshot_state(pd)
+    (patched,) = nodes.SetAttentionBackend.execute(original, "faulty", policy, 0.0, 1.0, None).result
+    if how == "nan":  # NaN is only seen with checks on: the Attention Checks node after Set Attention Backend
+        (patched,) = nodes.AttentionChecks.execute(patched, "raise", False, 10).result
+    assert original.model_options == pristine and patched is not original
+    patched_options = copy.copy(patched.model_options["transformer_options"])
+    if policy == "fallback":
+        result, outs = sample(patched)
+        assert result == "latent"
+        for out, expected in outs:
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    else:
+        with pytest.raises((RuntimeError, AttentionInputError, pd.AttentionInputError)):
+            sample(patched)
+    assert snapshot_state(pd) == before
+    assert original.model_options == pristine  # the model the user loaded is untouched
+    assert patched.model_options["transformer_options"] == patched_options  # and the clone keeps its patch
+    report = [r for r in reports.latest()["reports"] if r["kind"] == "model"][-1]  # published even on failure
+    rows = report["recorder"]["rows"]
+    if policy == "fallback":
+        assert {r["served"]: r["calls"] for r in rows} == {"faulty": 2, "native": 4}
+        assert report["recorder"]["errors"][0]["backend"] == "faulty"
+    else:
+        assert {r["served"]: r["calls"] for r in rows} == {"faulty": 2}
+    # The next prompt with the same patched model works (and under strict is served by faulty again).
+    result, outs = sample(patched, seed=50)
+    assert result == "latent" and len(outs) == 6
+    for out, expected in outs:
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    report = [r for r in reports.latest()["reports"] if r["kind"] == "model"][-1]
+    counts = {r["served"]: r["calls"] for r in report["recorder"]["rows"]}
+    assert counts == ({"native": 6} if policy == "fallback" else {"faulty": 6})
+
+
+def test_patched_model_with_a_broken_hub_kernel(nodes, hub_env, monkeypatch):
+    pd = pack_dispatcher
+    bad = kr.make_local_repo(hub_env / "bad", f"{ORG}/attn-fault-node", broken="import")
+    monkeypatch.setenv("LOCAL_KERNELS", kr.local_kernels_value(bad))
+    register_hub("badhub", bad.repo_id, d=pd)
+    original = node_stub.FakeModel()
+    pristine = copy.deepcopy(original.model_options)
+    # strict: the queue-time check cannot know the kernel is broken (it loads nothing); the run says why
+    assert nodes.SetAttentionBackend.validate_inputs("badhub", "strict", 0.0, 1.0) is True
+    for policy in ("fallback", "strict"):
+        (patched,) = nodes.SetAttentionBackend.execute(original, "badhub", policy, 0.0, 1.0, None).result
+        if policy == "fallback":
+            _, outs = sample(patched)
+            for out, expected in outs:
+                torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        else:
+            with pytest.raises(pd.BackendNotSupportedError, match=bad.repo_id):
+                sample(patched)
+        assert original.model_options == pristine
+    assert pd.hub.loaded_kernels() == []
