@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 
@@ -44,8 +43,42 @@ def _causal_as_mask(q, k, attn_mask, is_causal, scale):
 _FLAGS = threading.RLock()
 
 
-def _flags_lock():
-    return contextlib.nullcontext() if torch.compiler.is_compiling() else _FLAGS
+try:  # flag name -> SDPBackend member name, as torch's own sdpa_kernel uses them
+    from torch.nn.attention import _backend_names as _SDPA_FLAGS
+except ImportError:  # pragma: no cover - older torch
+    _SDPA_FLAGS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "mem_efficient": "EFFICIENT_ATTENTION",
+                   "math": "MATH"}
+_FLAG_ACCESS = [(getattr(SDPBackend, member), getattr(torch._C, f"_get_{flag}_sdp_enabled"),
+                 getattr(torch._C, f"_set_sdp_use_{flag}")) for flag, member in _SDPA_FLAGS.items()]
+
+
+def _select(backends, priority: bool, call):
+    """`call()` with only `backends` enabled (priority=False) or with them tried first (priority=True).
+
+    torch's `sdpa_kernel` context manager costs ~37 us of CPU time per call, more than a small attention
+    kernel takes on an H200 (SDXL's 32x32 level ran at 0.38x ComfyUI's speed through it); flipping the
+    same process-wide flags directly costs ~2 us, under the same lock. Under torch.compile the context
+    manager is what dynamo understands, so it is used there."""
+    if torch.compiler.is_compiling():
+        with sdpa_kernel(list(backends), set_priority=priority):
+            return call()
+    with _FLAGS:
+        if priority:
+            previous = torch._C._get_sdp_priority_order()
+            wanted = [int(b) for b in backends]
+            torch._C._set_sdp_priority_order(wanted + [p for p in previous if p not in wanted])
+            try:
+                return call()
+            finally:
+                torch._C._set_sdp_priority_order(previous)
+        saved = [get() for _, get, _ in _FLAG_ACCESS]
+        try:
+            for member, _, set_flag in _FLAG_ACCESS:
+                set_flag(member in backends)
+            return call()
+        finally:
+            for (_, _, set_flag), was in zip(_FLAG_ACCESS, saved):
+                set_flag(was)
 
 
 def _sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, pinned=None):
@@ -55,8 +88,7 @@ def _sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return
         kwargs["enable_gqa"] = True
     if pinned is None:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    with _flags_lock(), sdpa_kernel(pinned):
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return _select((pinned,), False, lambda: F.scaled_dot_product_attention(q, k, v, **kwargs))
 
 
 def _math(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -80,9 +112,9 @@ def sdpa_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gq
     if q.device.type != "cuda":
         return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=enable_gqa, return_lse=False)
-    with _flags_lock(), sdpa_kernel(CUDA_PRIORITY, set_priority=True):
-        return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                     enable_gqa=enable_gqa, return_lse=False)
+    return _select(CUDA_PRIORITY, True, lambda: _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                      is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                                                      return_lse=False))
 
 
 def math_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):

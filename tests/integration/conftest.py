@@ -6,6 +6,7 @@ Needs COMFYUI_PATH (a ComfyUI checkout); COMFYUI_PYTHON is its interpreter (defa
 from __future__ import annotations
 
 import json
+import contextlib
 import os
 import shutil
 import socket
@@ -49,6 +50,7 @@ def _copy_pack(dest: Path) -> None:
     shutil.copy2(ROOT / "__init__.py", dest / "__init__.py")
     for folder in ("dispatcher", "nodes", "web"):
         shutil.copytree(ROOT / folder, dest / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / "cp_launch.py", dest / "cp_launch.py")
     if (ROOT / "pyproject.toml").exists():
         shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
 
@@ -94,11 +96,11 @@ class Comfy:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
 
 
-@pytest.fixture(scope="session")
-def comfy():
-    if not COMFYUI_PATH:
-        pytest.skip("COMFYUI_PATH is not set")
-    base = Path(tempfile.mkdtemp(prefix="attn-dispatch-comfy-"))
+@contextlib.contextmanager
+def serve_comfyui(prefix: str, command, ready, start_timeout: float = 120, stop_timeout: float = 20):
+    """A temp base dir with the pack, the test helpers and tiny models; `command(base, port)` started there
+    (cwd = COMFYUI_PATH) until `ready(server)`; stopped and removed afterwards."""
+    base = Path(tempfile.mkdtemp(prefix=prefix))
     try:
         custom = base / "custom_nodes"
         _copy_pack(custom / "attention_dispatch")
@@ -114,29 +116,43 @@ def comfy():
         port = _free_port()
         log = base / "comfyui.log"
         with open(log, "wb") as log_file:
-            proc = subprocess.Popen([COMFYUI_PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
-                                     "--disable-auto-launch", "--base-directory", str(base)],
-                                    cwd=COMFYUI_PATH, stdout=log_file, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(command(base, port), cwd=COMFYUI_PATH, stdout=log_file, stderr=subprocess.STDOUT)
         server = Comfy(f"http://127.0.0.1:{port}", base, log)
+        server.proc = proc
         try:
-            deadline = time.time() + 120
+            deadline = time.time() + start_timeout
             while True:
                 if proc.poll() is not None:
                     raise AssertionError(f"ComfyUI exited with {proc.returncode}\n{server.tail()}")
                 try:
-                    server.get("/object_info/SetAttentionBackend")
-                    break
+                    if ready(server):
+                        break
                 except (urllib.error.URLError, ConnectionError, OSError):
-                    if time.time() > deadline:
-                        raise AssertionError(f"ComfyUI did not start in 120 s\n{server.tail()}")
-                    time.sleep(0.5)
+                    pass
+                if time.time() > deadline:
+                    raise AssertionError(f"ComfyUI did not start in {start_timeout:g} s\n{server.tail()}")
+                time.sleep(0.5)
             yield server
         finally:
             proc.terminate()
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=stop_timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def main_py(base: Path, port: int) -> list[str]:
+    return [COMFYUI_PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch",
+            "--base-directory", str(base)]
+
+
+@pytest.fixture(scope="session")
+def comfy():
+    if not COMFYUI_PATH:
+        pytest.skip("COMFYUI_PATH is not set")
+    with serve_comfyui("attn-dispatch-comfy-", main_py,
+                       lambda server: server.get("/object_info/SetAttentionBackend") is not None) as server:
+        yield server

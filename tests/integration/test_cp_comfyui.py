@@ -9,17 +9,12 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
-import subprocess
-import tempfile
 import time
-import urllib.error
 from pathlib import Path
 
 import pytest
 
-from . import helper_pack
-from .conftest import COMFYUI_PATH, COMFYUI_PYTHON, ROOT, Comfy, _copy_pack, _free_port
+from .conftest import COMFYUI_PATH, COMFYUI_PYTHON, main_py, serve_comfyui
 from .test_comfyui import latent
 
 pytestmark = pytest.mark.integration
@@ -56,54 +51,17 @@ def cp_comfy():
     """Two ranks of ComfyUI (gloo, CPU) from cp_launch.py, with the pack and the test helpers."""
     if not COMFYUI_PATH:
         pytest.skip("COMFYUI_PATH is not set")
-    base = Path(tempfile.mkdtemp(prefix="attn-dispatch-cp-"))
-    try:
-        custom = base / "custom_nodes"
-        _copy_pack(custom / "attention_dispatch")
-        shutil.copy2(ROOT / "cp_launch.py", custom / "attention_dispatch" / "cp_launch.py")
-        (custom / "attn_dispatch_test_helpers").mkdir(parents=True)
-        (custom / "attn_dispatch_test_helpers" / "__init__.py").write_text(helper_pack.SOURCE)
-        models = base / "models" / "diffusion_models"
-        models.mkdir(parents=True)
-        script = base / "make_models.py"
-        script.write_text(helper_pack.MAKE_MODELS)
-        made = subprocess.run([COMFYUI_PYTHON, str(script), str(models)], cwd=COMFYUI_PATH, capture_output=True,
-                              text=True, timeout=300)
-        assert made.returncode == 0, f"making tiny models failed:\n{made.stderr[-4000:]}"
-        port = _free_port()
-        log = base / "launch.log"
-        launcher = os.path.relpath(custom / "attention_dispatch" / "cp_launch.py", COMFYUI_PATH)
-        with open(log, "wb") as log_file:
-            proc = subprocess.Popen(
-                [COMFYUI_PYTHON, launcher, "--nproc", "2", "--", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
-                 "--disable-auto-launch", "--base-directory", str(base)],
-                cwd=COMFYUI_PATH, stdout=log_file, stderr=subprocess.STDOUT)
-        server = Comfy(f"http://127.0.0.1:{port}", base, log)
-        try:
-            deadline = time.time() + 180
-            while True:
-                if proc.poll() is not None:
-                    raise AssertionError(f"the launch exited with {proc.returncode}\n{server.tail()}")
-                try:
-                    server.get("/object_info/ContextParallelAttention")
-                    if "rank 1 ready" in server.tail(200000):
-                        break
-                except (urllib.error.URLError, ConnectionError, OSError):
-                    pass
-                if time.time() > deadline:
-                    raise AssertionError(f"the launch did not start in 180 s\n{server.tail()}")
-                time.sleep(0.5)
-            server.proc = proc
-            yield server
-        finally:
-            proc.terminate()  # the launcher stops every rank and removes the workers' folders
-            try:
-                proc.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+
+    def launch(base, port):
+        launcher = os.path.relpath(base / "custom_nodes" / "attention_dispatch" / "cp_launch.py", COMFYUI_PATH)
+        return [COMFYUI_PYTHON, launcher, "--nproc", "2", "--"] + main_py(base, port)[2:]
+
+    def ready(server):
+        return server.get("/object_info/ContextParallelAttention") is not None and "rank 1 ready" in server.tail(200000)
+
+    # The launcher stops every rank and removes the workers' folders when it is terminated.
+    with serve_comfyui("attn-dispatch-cp-", launch, ready, start_timeout=180, stop_timeout=40) as server:
+        yield server
 
 
 def _report(server, entry):
