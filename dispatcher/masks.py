@@ -62,10 +62,6 @@ def to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask if mask.dtype == dtype else mask.to(dtype)
 
 
-def repeat_kv(t: torch.Tensor, groups: int, head_axis: int) -> torch.Tensor:
-    return t if groups == 1 else t.repeat_interleave(groups, dim=head_axis)
-
-
 # Mask formats a backend can ask for; each converter gets the canonical 4-D view (or a BlockMask)
 # and the dtype of the query, and returns what the kernel takes.
 def _native(mask, dtype):

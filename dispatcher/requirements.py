@@ -187,7 +187,3 @@ def _probe_result(probe: Probe) -> str | None:
                                               f"({type(exc).__name__}: {first_line[:300]}); reinstall it for this torch/GPU")
         return _probe_results[probe.name]
 
-
-def forget_probes() -> None:
-    with _import_lock:
-        _probe_results.clear()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import warnings
 import os
 import sys
 import types
@@ -258,8 +259,18 @@ _spawned: dict = {}
 def _results(world: int, tmp_path_factory) -> list[dict]:
     if world not in _spawned:
         import torch.multiprocessing as mp
-        where = tmp_path_factory.mktemp(f"rcp{world}")
-        mp.spawn(_worker, args=(world, str(where / "rendezvous"), str(where)), nprocs=world, join=True)
+        # One retry when a rank dies by a signal: seen once in a loaded CI run of 3 gloo ranks on 2 cores
+        # ("terminate called without an active exception" from gloo's threads), never reproduced alone.
+        # A failure that repeats, or any Python error in a rank, still fails the tests.
+        for attempt in range(2):
+            where = tmp_path_factory.mktemp(f"rcp{world}")
+            try:
+                mp.spawn(_worker, args=(world, str(where / "rendezvous"), str(where)), nprocs=world, join=True)
+                break
+            except mp.ProcessExitedException as exc:
+                if attempt or exc.signal_name is None:
+                    raise
+                warnings.warn(f"{world} gloo ranks: {exc}; spawning them once more")
         _spawned[world] = [json.loads((where / f"rank{r}.json").read_text()) for r in range(world)]
     return _spawned[world]
 

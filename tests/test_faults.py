@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import importlib
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 import dispatcher
 from dispatcher import (AttentionInputError, BackendNotSupportedError, BackendUnavailableError, KernelLoadError,
                         Recorder, attention_backend, attention_checks, dispatch_attention_fn, env, hub, recording,
-                        register_backend, registry, state)
+                        register_backend, registry)
 from dispatcher.machine import current_machine, use_machine
 from dispatcher.requirements import Package, Probe, forget_imports
 

@@ -8,9 +8,8 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from test_adapter import PACK, comfy_func, qkv, ref
+from test_adapter import PACK, comfy_func
 
 clip_patch = importlib.import_module(f"{PACK}.nodes.clip_patch")
 reports = importlib.import_module(f"{PACK}.nodes.reports")
