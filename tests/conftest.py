@@ -14,7 +14,8 @@ if str(ROOT) not in sys.path:  # `dispatcher` imports from the repo root without
 import torch  # noqa: E402
 
 import dispatcher  # noqa: E402
-from dispatcher import dispatch, registry, state  # noqa: E402
+from dispatcher import registry  # noqa: E402
+from dispatcher_state import remove_custom_backends, reset  # noqa: E402
 
 # Env vars the dispatcher reads; a developer's shell must not change what the suite sees.
 _DISPATCHER_ENV = ("DIFFUSERS_ATTN_BACKEND", "DIFFUSERS_ATTN_CHECKS", "DIFFUSERS_DISABLE_REMOTE_CODE",
@@ -39,20 +40,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def reset_dispatcher() -> None:
-    state.reset_default_backend()
-    dispatch.forget_decisions()
-    registry.forget_availability()
-    dispatcher.set_checks(None)
-    dispatcher.set_fallback_policy("fallback")
-
-
-def _remove_custom_backends(keep: set[str]) -> None:
-    for name in registry.names():
-        if name not in keep and registry.get(name).custom:
-            dispatcher.unregister_backend(name)
-
-
 @pytest.fixture(autouse=True)
 def clean_dispatcher(monkeypatch):
     """Every test starts from defaults, with no dispatcher env var set, and leaves no custom backend behind."""
@@ -61,7 +48,7 @@ def clean_dispatcher(monkeypatch):
     # `auto` decisions stay in memory: no test writes the user's tuning cache in ~/.cache.
     monkeypatch.setenv("ATTN_DISPATCH_TUNE_CACHE", "off")
     before = set(registry.names())
-    reset_dispatcher()
+    reset(dispatcher)
     yield
-    _remove_custom_backends(before)
-    reset_dispatcher()
+    remove_custom_backends(dispatcher, before)
+    reset(dispatcher)

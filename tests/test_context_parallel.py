@@ -13,13 +13,14 @@ import math
 import os
 import zlib
 from dataclasses import dataclass
-from datetime import timedelta
 
 import pytest
 import torch
 
 import dispatcher
 from dispatcher import parallel
+from gloo_ranks import join_gloo, spawn_ranks
+
 from dispatcher.parallel import ContextParallelConfig, ContextParallelError, context_parallel, head_plan
 
 TOL = 1e-5
@@ -198,14 +199,8 @@ def _run_case(c: Case) -> dict:
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    import warnings
-    warnings.filterwarnings("ignore")  # flex on the CPU warns it runs unfused
     import torch.distributed as dist
-    if os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on 127.0.0.1, never another interface
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    join_gloo(rank, world, init_file)
     results, broken = {}, None
     for case in CASES[world]:
         if broken:
@@ -231,10 +226,7 @@ _spawned: dict = {}
 
 def _results(world: int, tmp_path_factory) -> list[dict]:
     if world not in _spawned:
-        import torch.multiprocessing as mp
-        where = tmp_path_factory.mktemp(f"cp{world}")
-        mp.spawn(_worker, args=(world, str(where / "rendezvous"), str(where)), nprocs=world, join=True)
-        _spawned[world] = [json.loads((where / f"rank{r}.json").read_text()) for r in range(world)]
+        _spawned[world] = spawn_ranks(_worker, world, tmp_path_factory, "cp")
     return _spawned[world]
 
 

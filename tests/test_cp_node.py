@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import importlib
 import json
-import warnings
 import os
 import sys
 import types
 import zlib
 from dataclasses import dataclass
-from datetime import timedelta
 
 import pytest
 import torch
 
+from gloo_ranks import join_gloo, spawn_ranks
 from test_adapter import PACK, _load_pack, comfy_func
 
 adapter, dispatcher, _ = _load_pack()
@@ -229,14 +228,8 @@ def _run_case(c: Case, rank: int) -> dict:
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    import warnings
-    warnings.filterwarnings("ignore")
     import torch.distributed as dist
-    if os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    join_gloo(rank, world, init_file)
     results, broken = {}, None
     for case in CASES[world]:
         if broken:
@@ -258,20 +251,7 @@ _spawned: dict = {}
 
 def _results(world: int, tmp_path_factory) -> list[dict]:
     if world not in _spawned:
-        import torch.multiprocessing as mp
-        # One retry when a rank dies by a signal: seen once in a loaded CI run of 3 gloo ranks on 2 cores
-        # ("terminate called without an active exception" from gloo's threads), never reproduced alone.
-        # A failure that repeats, or any Python error in a rank, still fails the tests.
-        for attempt in range(2):
-            where = tmp_path_factory.mktemp(f"rcp{world}")
-            try:
-                mp.spawn(_worker, args=(world, str(where / "rendezvous"), str(where)), nprocs=world, join=True)
-                break
-            except mp.ProcessExitedException as exc:
-                if attempt or exc.signal_name is None:
-                    raise
-                warnings.warn(f"{world} gloo ranks: {exc}; spawning them once more")
-        _spawned[world] = [json.loads((where / f"rank{r}.json").read_text()) for r in range(world)]
+        _spawned[world] = spawn_ranks(_worker, world, tmp_path_factory, "rcp")
     return _spawned[world]
 
 

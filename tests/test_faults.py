@@ -26,6 +26,7 @@ from dispatcher.requirements import Package, Probe, forget_imports
 
 import kernel_repos as kr
 import node_stub
+from dispatcher_state import remove_custom_backends, reset
 from test_adapter import PACK, _load_pack, comfy_func
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -373,12 +374,8 @@ def nodes(monkeypatch):
     pd = pack_dispatcher
     before = set(pd.registry.names())
     yield module
-    for name in pd.registry.names():
-        if name not in before and pd.registry.get(name).custom:
-            pd.unregister_backend(name)
-    pd.state.reset_default_backend()
-    pd.dispatch.forget_decisions()
-    pd.set_checks(None)
+    remove_custom_backends(pd, before)
+    reset(pd)
 
 
 def comfy_qkv(seed, b=1, lq=8, h=2, d=16):

@@ -28,6 +28,7 @@ from dispatcher import env, hub, registry, trust
 
 import kernel_repos as kr
 import node_stub
+from dispatcher_state import remove_custom_backends, reset
 from test_adapter import PACK, _load_pack, comfy_func
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -82,12 +83,9 @@ def nodes(monkeypatch, repos, tmp_path):
                                    hub_kernel=pd.HubKernel(repo.repo_id, "flash_attn_func", version=1))
         pd.registry.add(dataclasses.replace(spec, preference=1000), replace=True)  # what `auto` would pick first
     yield module
-    for name in pd.registry.names():
-        if name not in before and pd.registry.get(name).custom:
-            pd.unregister_backend(name)
+    remove_custom_backends(pd, before)
     pd.hub.forget_loaded()
-    pd.dispatch.forget_decisions()
-    pd.registry.forget_availability()
+    reset(pd)
 
 
 def flat_qkv():
