@@ -1,8 +1,10 @@
-"""One WAN 2.1 diffusion step built with ComfyUI's own model class at real size, random weights:
+"""One diffusion step of a model built with ComfyUI's own classes at real size, random weights:
 ComfyUI's default attention against the pack's override (`auto` and single backends).
+WAN 2.1 1.3B at 480p x 81 frames (32760 tokens: large kernels) or the SDXL UNet at 1024x1024 with
+cfg batch 2 (kernels of 0.03-0.2 ms, where the per-call cost of the Python around them shows).
 
-    COMFYUI_PATH=/path/to/ComfyUI python bench/comfy_model_step.py --json out.json
-    (--tiny for a CPU smoke run)
+    COMFYUI_PATH=/path/to/ComfyUI python bench/comfy_model_step.py --model sdxl --json out.json
+    (--model tiny for a CPU smoke run)
 
 It imports ComfyUI from COMFYUI_PATH at run time (nothing of ComfyUI lives in this repository) and
 the pack from this checkout, and times the model's forward pass with CUDA events.
@@ -23,6 +25,14 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {  # WAN 2.1 t2v 1.3B at 480p x 81 frames: latent (16, 21, 60, 104) -> 32760 tokens
     "wan1.3b": dict(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30, latent=(16, 21, 60, 104)),
     "tiny": dict(dim=256, ffn_dim=512, num_heads=2, num_layers=2, latent=(16, 2, 8, 8)),
+    # ComfyUI's SDXL UNet config (model_detection.py), cond + uncond at 1024x1024 -> latent 128x128
+    "sdxl": dict(unet=dict(use_checkpoint=False, image_size=32, out_channels=4, use_spatial_transformer=True,
+                           legacy=False, num_classes="sequential", adm_in_channels=2816, in_channels=4,
+                           model_channels=320, num_res_blocks=[2, 2, 2], transformer_depth=[0, 0, 2, 2, 10, 10],
+                           channel_mult=[1, 2, 4], transformer_depth_middle=10, use_linear_in_transformer=True,
+                           context_dim=2048, num_head_channels=64,
+                           transformer_depth_output=[0, 0, 0, 2, 2, 2, 10, 10, 10], use_temporal_attention=False,
+                           use_temporal_resblock=False), latent=(2, 4, 128, 128)),
 }
 
 
@@ -37,10 +47,33 @@ def load_pack():
     return adapter, dispatcher
 
 
+def build_model(cfg: dict, device: str, dtype, operations):
+    """(model, positional inputs, keyword inputs) of one step, random weights and inputs."""
+    import torch
+    if "unet" in cfg:
+        from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+        model = UNetModel(**cfg["unet"], dtype=dtype, device=device, operations=operations)
+        batch = cfg["latent"][0]
+        inputs = (torch.randn(*cfg["latent"], device=device, dtype=dtype), torch.full((batch,), 500.0, device=device))
+        extra = {"context": torch.randn(batch, 77, cfg["unet"]["context_dim"], device=device, dtype=dtype),
+                 "y": torch.randn(batch, cfg["unet"]["adm_in_channels"], device=device, dtype=dtype)}
+    else:
+        from comfy.ldm.wan.model import WanModel
+        model = WanModel(model_type="t2v", dim=cfg["dim"], ffn_dim=cfg["ffn_dim"], num_heads=cfg["num_heads"],
+                         num_layers=cfg["num_layers"], device=device, dtype=dtype, operations=operations)
+        inputs = (torch.randn(1, *cfg["latent"], device=device, dtype=dtype), torch.tensor([500.0], device=device),
+                  torch.randn(1, 512, 4096, device=device, dtype=dtype))
+        extra = {}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    return model.eval(), inputs, extra
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=sorted(CONFIGS), default="wan1.3b")
-    parser.add_argument("--backends", default="auto,native,_native_cudnn,flex,sage,_native_flash")
+    parser.add_argument("--backends", default="auto,native,_native_cudnn,_flash_3,flex,sage,_native_flash")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -56,26 +89,18 @@ def main() -> int:
     import comfy.options
     comfy.options.enable_args_parsing()
     import comfy.ops
-    from comfy.ldm.wan.model import WanModel
 
     adapter, dispatcher = load_pack()
     cfg = CONFIGS[args.model]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
-    model = WanModel(model_type="t2v", dim=cfg["dim"], ffn_dim=cfg["ffn_dim"], num_heads=cfg["num_heads"],
-                     num_layers=cfg["num_layers"], device=device, dtype=dtype, operations=comfy.ops.disable_weight_init)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    model.eval()
-    x = torch.randn(1, *cfg["latent"], device=device, dtype=dtype)
-    t = torch.tensor([500.0], device=device)
-    context = torch.randn(1, 512, 4096, device=device, dtype=dtype)
+    forward_args = build_model(cfg, device, dtype, comfy.ops.disable_weight_init)
 
     def forward(transformer_options):
+        model, args_, kwargs = forward_args
         with torch.no_grad():
-            return model(x, t, context, transformer_options=dict(transformer_options))
+            return model(*args_, **kwargs, transformer_options=dict(transformer_options))
 
     def timed(transformer_options):
         forward(transformer_options)  # warm-up (and `auto` tuning, flex compilation)

@@ -18,6 +18,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -111,8 +112,9 @@ def comfy_attention_pytorch(q, k, v, heads, mask=None):
 
 def pack_attention(q, k, v, heads, backend):
     """What the pack's override does with the same (B, L, H·D) inputs: free views in, dispatcher, flatten out."""
-    dim = q.shape[-1] // heads
-    qs, ks, vs = q.unflatten(-1, (heads, dim)), k.unflatten(-1, (-1, dim)), v.unflatten(-1, (-1, dim))
+    b, lq, inner = q.shape
+    dim = inner // heads
+    qs, ks, vs = q.view(b, lq, heads, dim), k.view(b, k.shape[1], -1, dim), v.view(b, v.shape[1], -1, dim)
     return dispatch_attention_fn(qs, ks, vs, backend=backend, layout="BSHD").flatten(2)
 
 
@@ -142,9 +144,11 @@ def direct_call(name: str, q4, k4, v4):
     if name == "flex":
         from torch.nn.attention.flex_attention import flex_attention
 
-        from .backends.flex import _compiled_flex
-        fn = flex_attention if q.device.type == "cpu" else _compiled_flex()
-        return lambda: fn(q, k, v, enable_gqa=gqa)
+        from .backends.flex import compiled_flex
+        if q.device.type == "cpu":
+            return lambda: flex_attention(q, k, v, enable_gqa=gqa)
+        fn = compiled_flex(q, v, masked=False, blocked=False, enable_gqa=gqa, lse=False)
+        return lambda: fn(q, k, v, None, None, None, gqa)
     runner = registry.prepare(name)  # any other backend: its function, as the dispatcher would hand it
     return lambda: runner(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=gqa,
                           return_lse=False)
@@ -270,7 +274,7 @@ def _backends_for(shape: BenchShape, dtype, device, wanted: list[str] | None):
 
 
 def bench_shape(shape: BenchShape, *, dtype, device, backends=None, warmup=2, runs=7, target_s=0.02, rows=64,
-                auto=True, comfy=True, budget_s=None, log=print) -> dict:
+                auto=True, comfy=True, comfyui=None, budget_s=None, log=print) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     b, h, lq, lk, d = shape.batch, shape.heads, shape.len_q, shape.lk, shape.head_dim
     q3 = torch.randn(b, lq, h * d, generator=gen, device=device, dtype=dtype)
@@ -333,7 +337,8 @@ def bench_shape(shape: BenchShape, *, dtype, device, backends=None, warmup=2, ru
         if auto:
             result["auto"] = _bench_auto(shape, q4, k4, v4, best, device, warmup, runs, target_s, error_of, budget_s)
         if comfy:
-            result["comfy"] = _bench_comfy(shape, q3, k3, v3, device, warmup, runs, target_s, error_of, auto, budget_s)
+            result["comfy"] = _bench_comfy(shape, q3, k3, v3, device, warmup, runs, target_s, error_of, auto, budget_s,
+                                           comfyui)
     return result
 
 
@@ -368,12 +373,14 @@ def _bench_auto(shape, q4, k4, v4, best, device, warmup, runs, target_s, error_o
     return entry
 
 
-def _bench_comfy(shape, q3, k3, v3, device, warmup, runs, target_s, error_of, with_auto, budget_s) -> dict:
+def _bench_comfy(shape, q3, k3, v3, device, warmup, runs, target_s, error_of, with_auto, budget_s, comfyui) -> dict:
     h = shape.heads
     fns = {"comfy default": lambda: comfy_attention_pytorch(q3, k3, v3, h),
            "pack native": lambda: pack_attention(q3, k3, v3, h, "native")}
     if with_auto:
         fns["pack auto"] = lambda: pack_attention(q3, k3, v3, h, "auto")
+    if comfyui is not None:  # ComfyUI's own function, with its per-call SDPA priority block on CUDA
+        fns["comfyui"] = lambda: comfyui(q3, k3, v3, h)
     try:
         out = fns["comfy default"]()
         err, _ = error_of(out.unflatten(-1, (h, -1)))
@@ -387,7 +394,29 @@ def _bench_comfy(shape, q3, k3, v3, device, warmup, runs, target_s, error_of, wi
     if "pack auto" in times:
         entry["pack_auto_ms"] = times["pack auto"]
         entry["auto_vs_comfy"] = times["comfy default"] / times["pack auto"]
+    if "comfyui" in times:
+        entry["comfyui_ms"] = times["comfyui"]
+        entry["native_vs_comfyui"] = times["comfyui"] / times["pack native"]
+        if "pack auto" in times:
+            entry["auto_vs_comfyui"] = times["comfyui"] / times["pack auto"]
     return entry
+
+
+def load_comfyui_attention(path: str | None, log=print):
+    """ComfyUI's own `attention_pytorch`, imported from a checkout at `path` (nothing of it is copied here)."""
+    if not path:
+        return None
+    saved_argv, sys.argv = sys.argv, sys.argv[:1]  # ComfyUI's modules read their flags from sys.argv
+    sys.path.insert(0, path)
+    try:
+        from comfy.ldm.modules.attention import attention_pytorch
+        return attention_pytorch
+    except Exception as exc:
+        log(f"ComfyUI at {path} could not be imported ({type(exc).__name__}: {exc}); comparing with the "
+            "rewritten default path only")
+        return None
+    finally:
+        sys.argv = saved_argv
 
 
 # ----------------------------------------------------------------------------------------------- output
@@ -453,6 +482,10 @@ def render(data: dict) -> str:
             if "pack_auto_ms" in c:
                 text += f", with auto {c['pack_auto_ms']:.3f} ms (x{c['auto_vs_comfy']:.3f})"
             lines.append(text)
+            if "comfyui_ms" in c:
+                lines.append(f"  ComfyUI's own attention_pytorch (imported): {c['comfyui_ms']:.3f} ms; the pack with "
+                             f"native x{c['native_vs_comfyui']:.3f}" + (f", with auto x{c['auto_vs_comfyui']:.3f}"
+                                                                       if "auto_vs_comfyui" in c else ""))
         lines.append("")
     o = data.get("overhead")
     if o:
@@ -525,6 +558,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=64, help="query rows checked against exact attention")
     parser.add_argument("--no-auto", action="store_true", help="skip `auto`")
     parser.add_argument("--no-comfy", action="store_true", help="skip the ComfyUI default-path comparison")
+    parser.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH"), metavar="PATH",
+                        help="a ComfyUI checkout: also time its own attention_pytorch (default: $COMFYUI_PATH)")
     parser.add_argument("--no-overhead", action="store_true", help="skip the tiny-shape overhead measurement")
     parser.add_argument("--tune-budget", type=float, default=None, help="auto's seconds per signature (default 2; 0.5 CPU --small)")
     parser.add_argument("--tune-cache", default=None,
@@ -572,13 +607,15 @@ def main(args: argparse.Namespace) -> int:
             "small": small, "runs": runs, "warmup": warmup, "packages": dict(sorted(machine.packages.items())),
             "machine": tuner.machine_fingerprint(machine), "argv": sys.argv[1:]}
     bench_tuner = tuner.Tuner(cache_path=args.tune_cache, time_budget_s=budget)
+    comfyui = None if args.no_comfy else load_comfyui_attention(args.comfyui, log)
+    meta["comfyui"] = args.comfyui if comfyui is not None else None
     results = []
     with tuner.using(bench_tuner):
         for shape in shapes:
             log(f"{shape.label} {shape.dims()}")
             results.append(bench_shape(shape, dtype=dtype, device=device, backends=backends, warmup=warmup, runs=runs,
                                        target_s=target_s, rows=args.rows, auto=not args.no_auto,
-                                       comfy=not args.no_comfy, budget_s=per_backend, log=log))
+                                       comfy=not args.no_comfy, comfyui=comfyui, budget_s=per_backend, log=log))
             if gpu:
                 torch.cuda.empty_cache()
         overhead = None if args.no_overhead else measure_overhead(device, dtype, calls=1000, repeats=3)

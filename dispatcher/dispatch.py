@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from . import checks, masks, registry, state, trust, tuner
+from . import checks, compiled, masks, registry, state, trust, tuner
 from .hub import KernelLoadError
-from .inputs import AttentionInputs, describe_call
+from .inputs import describe_call
 from .machine import current_machine
 from .report import current_recorder
 
@@ -154,7 +154,7 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                           enable_gqa: bool = False, attention_kwargs: dict | None = None, *, backend: str | None = None,
                           layout: str = "BSHD", policy: str | None = None, return_lse: bool = False,
-                          call_site: str = "attention"):
+                          call_site: str = "attention", recorder=None):
     """Scaled dot-product attention through the selected backend.
 
     query (B, Sq, H, D), key/value (B, Sk, Hk, D) in the default layout 'BSHD' (diffusers'), or
@@ -162,6 +162,8 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     to (B, H, Sq, Sk) by ComfyUI's rank rule (2-D = (Sq, Sk), 3-D = (B, Sq, Sk)), or a BlockMask.
     Returns the output in the input layout, and with return_lse=True also the log-sum-exp,
     (B, Sq, H) for BSHD or (B, H, Sq) for BHSD, float32.
+    recorder: count this call in it (anything with Recorder's `record`/`record_error`) instead of in the
+    active `recording()` block's, without a context manager per call.
     """
     if _context_parallel_on:  # a dispatcher.parallel.context_parallel() block is open somewhere
         routed = _context_parallel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
@@ -169,8 +171,8 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
         if routed is not NotImplemented:
             return routed
     if torch.compiler.is_compiling():
-        return _dispatch_traced(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                attention_kwargs, backend, layout, policy, return_lse, call_site)
+        return compiled.dispatch_traced(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                        attention_kwargs, backend, layout, policy, return_lse, call_site, recorder)
     checks.check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                            attention_kwargs)
     requested = backend if backend is not None else state.active_backend()
@@ -196,7 +198,8 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if mode != "off":
         checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, requested)
     extra = attention_kwargs or {}
-    recorder = current_recorder()
+    if recorder is None:
+        recorder = current_recorder()
     # Backends that failed this call are demoted only once a later one serves it: a call that no backend can
     # run (a bad argument a kernel rejects, memory exhausted everywhere) raises and changes no decision.
     failed = []  # (name, why it is demoted, the error recorded)
@@ -266,74 +269,3 @@ def _demote(decision: Decision, name: str, reason: str) -> None:
         decision.skipped.append((name, [reason]))
         decision._reasons.clear()
     logger.warning("attention backend '%s' failed (%s); falling back for these inputs", name, reason)
-
-
-# torch.compile: dynamo cannot trace contextvars, locks or logging, which the eager path above uses.
-# A traced call makes its whole decision in `_traced_plan`, which dynamo runs once per trace and bakes
-# into the graph as a constant, so a compiled call has no graph break. What that means:
-# - the backend, policy, checks, trust scope and recorder active when the graph is traced are the ones
-#   the compiled graph keeps (arguments such as backend= and policy= are guarded by dynamo as usual);
-# - a Recorder counts a compiled call once per trace, not once per run;
-# - a backend that raises at run time is not demoted (no fallback inside a graph); bad inputs and
-#   unsupported calls are sent to the eager path, which raises the real error (one graph break).
-_traced_runners: dict[str, Any] = {}
-_FIELDS = tuple(f.name for f in fields(AttentionInputs))
-
-
-def _traced_plan(backend, policy, signature, call_site):
-    """Runs eagerly at trace time: (served backend, checks mode), or None when the eager path must raise."""
-    if "<eager>" not in _traced_runners:
-        _traced_runners["<eager>"] = torch.compiler.disable(dispatch_attention_fn)
-    if signature is None:
-        return None
-    try:
-        requested = backend if backend is not None else state.active_backend()
-        if requested != tuner.AUTO and requested not in registry.names():
-            return None
-        policy = state.validate_policy(policy) if policy is not None else state.active_policy()
-        inputs = AttentionInputs(*signature)
-        chosen = requested
-        if requested == tuner.AUTO:  # a decision made eagerly (or on disk) before, else the preference order
-            checks.check_structure(inputs)
-            chosen = tuner.choose(inputs, timing=False)[0]
-        decision = _decision_for(chosen, policy, inputs)
-    except Exception:
-        return None
-    name, spec, runner = decision.candidates[0]
-    _traced_runners[name] = (spec, runner)
-    reasons = decision.reasons_for(name) if name != decision.requested else ()
-    if reasons:
-        _log_once(decision.requested, name, reasons)
-    recorder = current_recorder()
-    if recorder is not None:
-        recorder.record(call_site, requested, name, reasons)
-    return name, state.active_checks()
-
-
-# What torch.compiler.assume_constant_result sets, without importing torch._dynamo (1+ s) with the package.
-_traced_plan._dynamo_marked_constant = True
-
-
-def _dispatch_traced(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
-                     backend, layout, policy, return_lse, call_site):
-    inputs = None
-    if query.dim() == key.dim() == value.dim() == 4 and layout in ("BSHD", "BHSD"):
-        checks.check_shapes(query, key, value, layout)
-        inputs = describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                               layout)
-    # Plain constants (dynamo hands an assume_constant_result function no real dataclass instance).
-    signature = None if inputs is None else tuple(getattr(inputs, f) for f in _FIELDS)
-    plan = _traced_plan(backend, policy, signature, call_site)
-    if plan is None:
-        return _traced_runners["<eager>"](query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                          attention_kwargs, backend=backend, layout=layout, policy=policy,
-                                          return_lse=return_lse, call_site=call_site)
-    name, mode = plan
-    spec, runner = _traced_runners[name]
-    if mode != "off":
-        checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, name)
-    out = _run(spec, runner, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-               layout, attention_kwargs or {})
-    if mode != "off":
-        checks.check_values({"output": out[0] if return_lse else out}, mode, name)
-    return out

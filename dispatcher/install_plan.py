@@ -16,7 +16,7 @@ from typing import Callable
 
 from . import env, hub, registry, trust
 from .machine import Machine, current_machine, use_machine
-from .requirements import CudaCapability, EnvOptIn, OnDevice, Package, Probe, RocmArch, TorchVersion
+from .requirements import CudaCapability, EnvOptIn, OneOf, OnDevice, Package, Probe, RocmArch, TorchVersion
 from .versions import at_least
 
 # Statuses, most usable first.
@@ -210,6 +210,8 @@ def _package_step(req: Package, machine: Machine) -> tuple[str, Step | None, str
                                   "installs device stacks, they must match torch)"
     if req.dist in PROTECTED:
         return UNSUPPORTED, None, f"needs {req.describe()}; install.py never installs or changes {req.dist}"
+    if req.torch and not at_least(machine.torch_version, req.torch):  # install.py never changes torch
+        return UNSUPPORTED, None, req.reason(machine)
     hint = req.install_hint
     if version is None:
         command, status = hint, PIP
@@ -219,6 +221,18 @@ def _package_step(req: Package, machine: Machine) -> tuple[str, Step | None, str
         command, status = _with_flags(hint, "--force-reinstall --no-deps"), BROKEN
     argv = _pip_words(command)
     return status, Step("pip" if argv else "manual", command, req.dist), None
+
+
+def _installable(req, machine: Machine) -> Package:
+    """The package to install for a requirement: itself, or of alternatives the first one pip can install
+    (a wheel rather than a source build), else the first."""
+    if isinstance(req, Package):
+        return req
+    for package in req.packages:
+        step = _package_step(package, machine)[1]
+        if step is not None and step.kind == "pip":
+            return package
+    return req.packages[0]
 
 
 def _pip_words(command: str) -> list[str] | None:
@@ -254,8 +268,8 @@ def _classify(name: str, machine: Machine, reasons: list[str]) -> tuple[str, lis
         explained += 1
         if isinstance(req, _MACHINE_REQUIREMENTS):
             found.setdefault(UNSUPPORTED, []).append(reason)
-        elif isinstance(req, Package):
-            status, step, deciding = _package_step(req, machine)
+        elif isinstance(req, (Package, OneOf)):
+            status, step, deciding = _package_step(_installable(req, machine), machine)
             found.setdefault(status, []).append(deciding or reason)
             if step is not None:
                 steps.append(step)

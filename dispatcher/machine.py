@@ -21,6 +21,7 @@ TRACKED_DISTRIBUTIONS = (
     "torch",
     "flash-attn",
     "flash-attn-3",
+    "fa3-fwd",
     "flash-attn-4",
     "sageattention",
     "xformers",

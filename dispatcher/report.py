@@ -4,8 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import threading
+import weakref
 from collections import Counter
+
+# Recorders by serial number: a compiled graph cannot hold a recorder object, so it names one by its
+# `serial` (a plain int dynamo can bake in) and the call looks it up (see dispatch.py's traced paths).
+_by_serial: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_serials = itertools.count(1)
+
+
+def register(recorder) -> int:
+    """Give `recorder` (a Recorder, or any object with its record/record_error) a serial number."""
+    serial = next(_serials)
+    _by_serial[serial] = recorder
+    recorder.serial = serial
+    return serial
+
+
+def by_serial(serial: int):
+    """The recorder registered under `serial` (0 or a collected one: None)."""
+    return _by_serial.get(serial) if serial else None
 
 
 class Recorder:
@@ -13,6 +33,7 @@ class Recorder:
 
     def __init__(self, label: str = ""):
         self.label = label
+        register(self)
         self._lock = threading.Lock()
         self._calls: Counter = Counter()  # (site, requested, served) -> calls
         self._reasons: dict[tuple[str, str, str], list[str]] = {}

@@ -42,6 +42,7 @@ class Package:
     min_version: str | None = None
     module: str | None = None  # the import that must work, e.g. "flash_attn.flash_attn_interface"
     pip: str | None = None  # the install command when it differs from `pip install dist>=min`
+    torch: str | None = None  # the oldest torch its compiled code loads on (a wheel built for torch's stable ABI)
 
     @property
     def install_hint(self) -> str:
@@ -54,6 +55,8 @@ class Package:
         return f"{self.dist}>={self.min_version}" if self.min_version else self.dist
 
     def reason(self, machine: Machine) -> str | None:
+        if self.torch and not at_least(machine.torch_version, self.torch):
+            return f"{self.dist} needs torch>={self.torch}; this torch is {machine.torch_version}"
         version = machine.package_version(self.dist)
         if version is None:
             return f"{self.dist} is not installed: {self.install_hint}"
@@ -64,6 +67,29 @@ class Package:
             if error:
                 return f"{self.dist} {version} is installed but `import {self.module}` fails ({error}); reinstall it for this torch"
         return None
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """Packages that each provide the same kernel (FlashAttention-3 from a source build, or a wheel):
+    met when any one is; the reason lists what each one lacks, so every fix is named."""
+
+    packages: tuple[Package, ...]
+
+    def describe(self) -> str:
+        return " or ".join(p.describe() for p in self.packages)
+
+    def provider(self, machine: Machine) -> Package | None:
+        return next((p for p in self.packages if p.reason(machine) is None), None)
+
+    def reason(self, machine: Machine) -> str | None:
+        reasons = []
+        for package in self.packages:
+            why = package.reason(machine)
+            if why is None:
+                return None
+            reasons.append(why)
+        return "; or ".join(reasons)
 
 
 @dataclass(frozen=True)

@@ -131,13 +131,16 @@ def _check_mode(mode) -> str:
     return mode
 
 
+_checks_from_env = env.flag_reader(env.ATTN_CHECKS)  # read on every call: a change applies to the next call
+
+
 def active_checks() -> str:
     scoped = _active_checks.get()
     if scoped is not None:
         return scoped
     if _checks_override is not None:
         return _checks_override
-    return "raise" if env.flag(env.ATTN_CHECKS) else "off"
+    return "raise" if _checks_from_env() else "off"
 
 
 @contextlib.contextmanager

@@ -26,9 +26,10 @@ import contextlib
 import torch
 
 from ..dispatcher import (attention_checks, backend_names, dispatch_attention_fn, fallback_order, get_backend_spec,
-                          recording, trusted_publishers, tuner)
+                          trusted_publishers, tuner)
 from ..dispatcher import checks as _checks
 from ..dispatcher.inputs import describe_call
+from ..dispatcher.report import register as register_recorder
 from .window import in_window
 
 AUTO = "auto"
@@ -54,6 +55,7 @@ class _Relabel:
 
     def __init__(self, target, requested: str, notes: tuple[str, ...] = ()):
         self.target, self.requested, self.notes = target, requested, notes
+        register_recorder(self)
 
     def record(self, site, requested, served, reasons=()):
         self.target.record(site, self.requested, served, self.notes + tuple(reasons))
@@ -118,6 +120,26 @@ def _check_heads(q, k, v, heads) -> None:
                                           f"{k.shape[-1] // dim} key/value heads")
 
 
+class _Plan:
+    """What a repeat call of one signature does, worked out on its first call: a delegation (its reason), or
+    the views to take, the backend name to pass and how to shape the output. Plain attributes, read per call."""
+
+    __slots__ = ("reason", "view_q", "view_k", "view_v", "layout", "upcast", "name", "notes", "relabel", "site",
+                 "scale", "gqa", "exact_auto", "output")
+
+    def __init__(self, reason=None, **fields):
+        self.reason = reason
+        for name in self.__slots__[1:]:
+            setattr(self, name, fields.get(name))
+
+
+def _signature(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs, to):
+    """Everything a plan depends on; AttributeError/TypeError (not tensors, unhashable options) = no plan."""
+    return (q.shape, k.shape, v.shape, q.dtype, heads, None if mask is None else mask.dtype,
+            attn_precision, skip_reshape, skip_output_reshape, kwargs.get("scale"), kwargs.get("enable_gqa", False),
+            kwargs.get("low_precision_attention", True), to.get("block_type"), to.get("block"))
+
+
 def make_override(backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
                   compare=None, previous=None):
     """An `optimized_attention_override` closure for one Set Attention Backend node.
@@ -126,9 +148,15 @@ def make_override(backend: str, policy: str = "fallback", recorder=None, window=
     recorder: a `Recorder` (shared across clones); window: (start_percent, end_percent) or None;
     trust: publishers allowed for Hub kernels; checks: None | "raise" | "warn";
     compare: a `Comparison` or None; previous: the override that was installed before this one.
+
+    Per call signature (shapes, dtype, mask kind, flags, block) the first call validates and plans; repeat
+    calls cost a dict lookup, the views and the dispatcher's own lookup (see `_Plan`).
     """
     trust = frozenset(trust or ())
     window = tuple(window) if window is not None else None
+    plans: dict[tuple, _Plan] = {}  # shared by every clone of the model (deepcopy keeps the closure)
+    # Made here, not in a traced call (torch.compile cannot trace registering one); others on first use.
+    relabels: dict[tuple, _Relabel] = {} if recorder is None else {(): _Relabel(recorder, backend)}
 
     def record(site, requested, served, reasons):
         if recorder is not None:
@@ -149,81 +177,130 @@ def make_override(backend: str, policy: str = "fallback", recorder=None, window=
             compare.add(site, _to_bhsd(out, skip_output_reshape, h), qb, kb, vb, mask, scale, gqa)
         return out
 
-    def override(func, q, k, v, heads=None, mask=None, attn_precision=None, skip_reshape=False,
-                 skip_output_reshape=False, **kwargs):
-        q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
+    def delegate(reason, func, q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs, site,
+                 to_func=False):
+        target_is_previous = previous is not None and not to_func
+        served = "previous override" if target_is_previous else f"comfy:{getattr(func, '__name__', 'func')}"
+        # "comfy default" asked for ComfyUI's attention: that is what served it, not a fallback.
+        record(site, served if backend == COMFY_DEFAULT else backend, served, (reason,) if reason else ())
+        if checks:
+            _checks.check_values({"query": q, "key": k, "value": v, "attn_mask": mask}, checks, served)
+        call = (lambda *a, **kw: previous(func, *a, **kw)) if target_is_previous else func
+        out = call(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
+                   skip_output_reshape=skip_output_reshape, **kwargs)
+        return finish(out, site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, kwargs.get("scale"),
+                      bool(kwargs.get("enable_gqa", False)), served)
+
+    def relabel(notes):
+        if recorder is None:
+            return None
+        if notes not in relabels:
+            relabels[notes] = _Relabel(recorder, backend, notes)
+        return relabels[notes]
+
+    def plan_for(q, k, v, heads, mask, skip_reshape, skip_output_reshape, attn_precision, kwargs, to) -> _Plan:
+        """The first call of a signature: validate, then decide the delegation or the dispatch."""
         _check_call(q, k, v, mask, skip_reshape)
-        to = kwargs.get("transformer_options") or {}
-        scale = kwargs.get("scale")
-        gqa = bool(kwargs.get("enable_gqa", False))
-        low_precision_ok = kwargs.get("low_precision_attention", True) is not False
         len_q, len_k = (q.shape[2], k.shape[2]) if skip_reshape else (q.shape[1], k.shape[1])
         site = call_site(to, len_q, len_k)
-
-        def delegate(reason, to_func=False):
-            target_is_previous = previous is not None and not to_func
-            served = "previous override" if target_is_previous else f"comfy:{getattr(func, '__name__', 'func')}"
-            # "comfy default" asked for ComfyUI's attention: that is what served it, not a fallback.
-            record(site, served if backend == COMFY_DEFAULT else backend, served, (reason,) if reason else ())
-            if checks:
-                _checks.check_values({"query": q, "key": k, "value": v, "attn_mask": mask}, checks, served)
-            call = (lambda *a, **kw: previous(func, *a, **kw)) if target_is_previous else func
-            out = call(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
-                       skip_output_reshape=skip_output_reshape, **kwargs)
-            return finish(out, site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, scale, gqa, served)
-
-        if backend == COMFY_DEFAULT:
-            return delegate("", to_func=True)
-        if backend == PASS_THROUGH:
-            return delegate("")
-        if not in_window(to, window):
-            return delegate(f"outside the step window {window[0]:.2f}..{window[1]:.2f}")
         if mask is not None and not (mask.dtype == torch.bool or mask.is_floating_point()):
-            return delegate(f"attn_mask has dtype {str(mask.dtype).replace('torch.', '')}, which ComfyUI's own "
-                            "backend interprets; passed through unchanged")
+            return _Plan(f"attn_mask has dtype {str(mask.dtype).replace('torch.', '')}, which ComfyUI's own "
+                         "backend interprets; passed through unchanged", site=site)
         if not skip_reshape and not heads:
-            return delegate("heads was not given for (B, L, H*D) inputs")
-
+            return _Plan("heads was not given for (B, L, H*D) inputs", site=site)
+        plan = _Plan(site=site, scale=kwargs.get("scale"), gqa=bool(kwargs.get("enable_gqa", False)),
+                     upcast=attn_precision == torch.float32 and q.dtype in _HALF)
         if skip_reshape:  # (B, H, L, D), possibly non-contiguous: strides are kept, the dispatcher copes
-            layout, qs, ks, vs = "BHSD", q, k, v
+            plan.layout = "BHSD"
+            plan.output = "keep" if skip_output_reshape else "transpose_flatten"
         else:  # (B, L, H*D) -> free views (B, L, H, D)
             _check_heads(q, k, v, heads)
             dim = q.shape[-1] // heads
             kv_heads = k.shape[-1] // dim
-            layout = "BSHD"
-            qs, ks, vs = q.unflatten(-1, (heads, dim)), k.unflatten(-1, (kv_heads, dim)), v.unflatten(-1, (kv_heads, -1))
-        out_dtype = q.dtype
-        if attn_precision == torch.float32 and q.dtype in _HALF:
-            qs, ks, vs = qs.float(), ks.float(), vs.float()
+            plan.layout = "BSHD"
+            plan.view_q = (*q.shape[:-1], heads, dim)
+            plan.view_k = (*k.shape[:-1], kv_heads, dim)
+            plan.view_v = (*v.shape[:-1], kv_heads, v.shape[-1] // kv_heads)
+            plan.output = "transpose" if skip_output_reshape else "flatten"
+        low_precision_ok = kwargs.get("low_precision_attention", True) is not False
+        plan.name, plan.notes = backend, ()
+        if backend != AUTO and not low_precision_ok and get_backend_spec(backend).family in QUANTISED_FAMILIES:
+            replacement = _non_quantised(backend)
+            plan.notes = (f"low_precision_attention=False: quantised '{backend}' replaced by '{replacement}'",)
+            plan.name = replacement
+        plan.exact_auto = backend == AUTO and not low_precision_ok
+        plan.relabel = relabel(plan.notes)
+        return plan
 
-        name, notes = backend, ()
-        if backend != AUTO and not low_precision_ok and get_backend_spec(name).family in QUANTISED_FAMILIES:
-            replacement = _non_quantised(name)
-            notes = (f"low_precision_attention=False: quantised '{name}' replaced by '{replacement}'",)
-            name = replacement
-        with contextlib.ExitStack() as stack:
-            if recorder is not None:
-                stack.enter_context(recording(_Relabel(recorder, backend, notes)))
-            if trust:
-                stack.enter_context(trusted_publishers(trust))
-            if checks:
-                stack.enter_context(attention_checks(checks))
-            if backend == AUTO and not low_precision_ok:
-                # This call's choice from a tuner without quantised backends. Not tuner.using(): it swaps the
-                # process-wide default tuner (threads interleaving it leave the wrong one installed for good)
-                # and clears every cached dispatch decision on each call.
-                _checks.check_shapes(qs, ks, vs, layout, mask)
-                inputs = describe_call(qs, ks, vs, mask, 0.0, False, scale, gqa, False, layout)
-                _checks.check_structure(inputs)
-                name = _non_quantised_tuner().choose(inputs, layout=layout, tensors=(qs, ks, vs, mask))[0]
-            out = dispatch_attention_fn(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa, backend=name,
-                                        layout=layout, policy=policy, call_site=site)
-        out = out.to(out_dtype)
-        if layout == "BSHD":
-            out = out.transpose(1, 2) if skip_output_reshape else out.flatten(2)
-        elif not skip_output_reshape:
+    def override(func, q, k, v, heads=None, mask=None, attn_precision=None, skip_reshape=False,
+                 skip_output_reshape=False, **kwargs):
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
+        to = kwargs.get("transformer_options") or {}
+        args = (q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs)
+        if backend == COMFY_DEFAULT or backend == PASS_THROUGH:
+            _check_call(q, k, v, mask, skip_reshape)
+            site = call_site(to, *((q.shape[2], k.shape[2]) if skip_reshape else (q.shape[1], k.shape[1])))
+            return delegate("", func, *args, site, to_func=backend == COMFY_DEFAULT)
+        if torch.compiler.is_compiling():  # traced once per graph; hashing symbolic sizes would specialise them
+            signature = plan = None
+        else:
+            try:
+                signature = _signature(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape,
+                                       kwargs, to)
+                plan = plans.get(signature)
+            except (AttributeError, TypeError):  # not tensors (plan_for raises the clear error), unhashable options
+                signature = plan = None
+        if plan is None:
+            plan = plan_for(q, k, v, heads, mask, skip_reshape, skip_output_reshape, attn_precision, kwargs, to)
+            if signature is not None:
+                plans[signature] = plan
+        if window is not None and not in_window(to, window):
+            return delegate(f"outside the step window {window[0]:.2f}..{window[1]:.2f}", func, *args, plan.site)
+        if plan.reason is not None:
+            return delegate(plan.reason, func, *args, plan.site)
+
+        if plan.view_q is not None:
+            qs, ks, vs = q.view(*plan.view_q), k.view(*plan.view_k), v.view(*plan.view_v)
+        else:
+            qs, ks, vs = q, k, v
+        if plan.upcast:
+            qs, ks, vs = qs.float(), ks.float(), vs.float()
+        name, layout = plan.name, plan.layout
+        if plan.exact_auto:
+            # This call's choice from a tuner without quantised backends. Not tuner.using(): it swaps the
+            # process-wide default tuner (threads interleaving it leave the wrong one installed for good)
+            # and clears every cached dispatch decision on each call.
+            _checks.check_shapes(qs, ks, vs, layout, mask)
+            inputs = describe_call(qs, ks, vs, mask, 0.0, False, plan.scale, plan.gqa, False, layout)
+            _checks.check_structure(inputs)
+            name = _non_quantised_tuner().choose(inputs, layout=layout, tensors=(qs, ks, vs, mask))[0]
+        if trust or checks:
+            with contextlib.ExitStack() as stack:
+                if trust:
+                    stack.enter_context(trusted_publishers(trust))
+                if checks:
+                    stack.enter_context(attention_checks(checks))
+                out = dispatch_attention_fn(qs, ks, vs, attn_mask=mask, scale=plan.scale, enable_gqa=plan.gqa,
+                                            backend=name, layout=layout, policy=policy, call_site=plan.site,
+                                            recorder=plan.relabel)
+        else:
+            out = dispatch_attention_fn(qs, ks, vs, attn_mask=mask, scale=plan.scale, enable_gqa=plan.gqa,
+                                        backend=name, layout=layout, policy=policy, call_site=plan.site,
+                                        recorder=plan.relabel)
+        if plan.upcast:
+            out = out.to(q.dtype)
+        output = plan.output
+        if output == "flatten":
+            out = out.flatten(2)
+        elif output == "transpose":
+            out = out.transpose(1, 2)
+        elif output == "transpose_flatten":
             out = out.transpose(1, 2).flatten(2)
-        return finish(out, site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, scale, gqa, name)
+        if checks or compare is not None:
+            return finish(out, plan.site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, plan.scale,
+                          plan.gqa, name)
+        return out
 
     # Read by the Attention Checks node to rebuild this override with checks on (functions keep attributes
     # through deepcopy, since deepcopy returns the same function object).

@@ -57,11 +57,12 @@ def assert_same(compiled, eager, atol=1e-5):
 
 
 def test_assume_constant_result_marker_is_what_torch_sets():
-    """dispatch.py marks its trace-time plan by hand (to keep torch._dynamo out of the import)."""
+    """compiled.py marks its trace-time functions by hand (to keep torch._dynamo out of the import)."""
     def probe():
         return 0
     assert torch.compiler.assume_constant_result(probe)._dynamo_marked_constant is True
-    assert dispatcher.dispatch._traced_plan._dynamo_marked_constant is True
+    assert dispatcher.compiled._traced_plan._dynamo_marked_constant is True
+    assert dispatcher.compiled._symbolic_sizes._dynamo_marked_constant is True
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -222,6 +223,106 @@ def test_dynamic_shapes_match_eager():
     for length in (8, 12, 20, 33):
         q, k, v = tiny(s=length, seed=length)
         assert_same(compiled(q, k, v), fn(q, k, v))
+
+
+def dynamic(*tensors, dim=1):
+    for t in tensors:
+        torch._dynamo.mark_dynamic(t, dim)
+    return tensors
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_dynamic_sizes_trace_without_break(backend):
+    """Symbolic sizes (torch.compile makes them so once a length changes) take the runtime op, not a break."""
+    q, k, v = dynamic(*tiny(s=24))
+    count, reasons = breaks(model(backend=backend), q, k, v)
+    assert count == 0, reasons
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_dynamic_sizes_match_eager_on_inductor(return_lse):
+    fn = model(backend="native", return_lse=return_lse, layout="BHSD")
+    compiled = torch.compile(fn, dynamic=True)
+    for length in (8, 13, 40):
+        q, k, v = (t.transpose(1, 2) for t in tiny(s=length, seed=length))
+        assert_same(compiled(q, k, v), fn(q, k, v))
+
+
+def test_dynamic_sizes_decide_each_call_with_its_real_lengths():
+    """A backend that takes even key lengths only: with symbolic sizes every compiled call is decided with its
+    own length (served by it, or by native with the reason), and every call is counted, not once per trace."""
+    from dispatcher.backends.native import sdpa_attention
+    dispatcher.register_backend("test_even_keys", sdpa_attention, layout="BHSD")
+    spec = dispatcher.get_backend_spec("test_even_keys")
+    dispatcher.registry.add(type(spec)(**{**{f: getattr(spec, f) for f in spec.__dataclass_fields__},
+                                         "extra_reasons": lambda i: [] if i.len_kv % 2 == 0 else ["odd key length"]}),
+                            replace=True)
+    try:
+        recorder = Recorder()
+        fn = model(backend="test_even_keys", recorder=recorder)
+        compiled = torch.compile(fn, backend="eager", dynamic=True)
+        for length in (8, 13, 20, 33):
+            q, k, v = tiny(s=length, seed=length)
+            assert_same(compiled(q, k, v), fn(q, k, v))
+        served = {}
+        for row in recorder.snapshot()["rows"]:
+            served[row["served"]] = served.get(row["served"], 0) + row["calls"]
+            if row["served"] == "native":
+                assert any("odd key length" in r for r in row["reasons"])
+        assert served == {"test_even_keys": 4, "native": 4}  # 4 compiled + 4 eager calls
+    finally:
+        dispatcher.unregister_backend("test_even_keys")
+
+
+def test_comfyui_override_traces_without_break_static_and_dynamic():
+    """The pack's ComfyUI override inside a compiled model (TorchCompileModel): no break, calls recorded."""
+    import importlib
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    if "compile_pack" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("compile_pack", root / "__init__.py",
+                                                      submodule_search_locations=[str(root)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["compile_pack"] = module
+        spec.loader.exec_module(module)
+    adapter = importlib.import_module("compile_pack.nodes.adapter")
+    pack_dispatcher = importlib.import_module("compile_pack.dispatcher")
+    recorder = pack_dispatcher.Recorder()
+    override = adapter.make_override("native", recorder=recorder)
+
+    def comfy_func(*args, **kwargs):
+        raise AssertionError("the override must not hand the call back to ComfyUI")
+
+    def block(q, k, v):
+        return override(comfy_func, q * 2, k, v, 2, transformer_options={"block": ("input", 1)},
+                        _inside_attn_wrapper=True) + 1
+
+    for symbolic in (False, True):
+        torch._dynamo.reset()
+        q, k, v = (torch.randn(1, 16, 32) for _ in range(3))
+        if symbolic:
+            dynamic(q, k, v)
+        count, reasons = breaks(block, q, k, v)
+        assert count == 0, reasons
+    rows = recorder.snapshot()["rows"]
+    assert [(r["site"], r["served"]) for r in rows] == [("input.self", "native")]
+
+
+def test_compiled_flex_keeps_one_code_object_per_static_signature():
+    """Dynamo's recompile limit (8) counts per code object: on the H200 the bench's other models used up the
+    one compiled flex_attention had, and flex then ran unfused at Wan's 32k tokens (48-160 GiB asked for).
+    Each static signature gets its own wrapper code object, so no signature can use up another's entries."""
+    from dispatcher.backends.flex import compiled_flex
+    runs = {}
+    for d in (8, 16, 32, 40, 64, 80, 96, 128, 160, 256):
+        q = torch.empty(1, 2, 4, d)
+        runs[d] = compiled_flex(q, q, masked=False, blocked=False, enable_gqa=False, lse=False)
+        assert compiled_flex(q, q, masked=False, blocked=False, enable_gqa=False, lse=False) is runs[d]
+    q = torch.empty(1, 2, 4, 64)
+    assert compiled_flex(q, q, masked=True, blocked=False, enable_gqa=False, lse=False) is not runs[64]
+    codes = {id(getattr(run, "_torchdynamo_orig_callable", run).__code__) for run in runs.values()}
+    assert len(codes) == len(runs)
 
 
 def test_eager_calls_are_unchanged_after_compiling():

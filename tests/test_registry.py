@@ -118,6 +118,31 @@ def test_simulated_h200_with_old_and_new_flash_attn():
     assert new["flash"].available and new["flash_varlen"].available
 
 
+def test_flash3_from_either_provider():
+    """FlashAttention-3 comes from a source build or the forward-only fa3-fwd wheel: either makes _flash_3
+    available; neither names both fixes; the wheel needs torch's stable ABI of 2.10."""
+    neither = statuses(H200)["_flash_3"]
+    assert not neither.available
+    assert any("flash-attn-3 is not installed" in r and "pip install fa3-fwd" in r for r in neither.reasons)
+    for packages in ({"flash_attn_3": "3.0.0b1"}, {"fa3_fwd": "0.0.3"}):
+        assert statuses(H200.with_packages(**packages))["_flash_3"].available, packages
+    old_torch = dataclasses.replace(H200.with_packages(fa3_fwd="0.0.3"), torch_version="2.9.1")
+    assert any("fa3-fwd needs torch>=2.10" in r for r in statuses(old_torch)["_flash_3"].reasons)
+
+
+def test_every_package_a_backend_needs_is_looked_up():
+    """machine.py reads the versions of a fixed list of distributions: each one a requirement names."""
+    from dispatcher.machine import TRACKED_DISTRIBUTIONS
+    from dispatcher.registry import get, names
+    from dispatcher.requirements import OneOf, Package
+    needed = set()
+    for name in names():
+        for req in get(name).requires:
+            needed.update(p.dist for p in (req.packages if isinstance(req, OneOf) else (req,))
+                          if isinstance(p, Package))
+    assert needed <= set(TRACKED_DISTRIBUTIONS), needed - set(TRACKED_DISTRIBUTIONS)
+
+
 def test_hub_backends_with_kernels_installed():
     found = statuses(H200.with_packages(kernels="0.17.2"))
     for name in ("flash_hub", "flash_varlen_hub", "_flash_3_hub", "_flash_3_varlen_hub", "flash_4_hub"):

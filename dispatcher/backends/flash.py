@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from ..inputs import AttentionInputs
 from ..registry import add, kernels_requirement
-from ..requirements import CudaCapability, OnDevice, Package, RocmArch
+from ..requirements import CudaCapability, OneOf, OnDevice, Package, RocmArch, import_error
 from ..spec import BF16, HALF, BackendSpec, HeadDims, HubKernel
 
 CUDA = frozenset({"cuda"})
@@ -20,8 +21,12 @@ HOPPER_AMPERE = CudaCapability(exact=((8, 0), (8, 6), (8, 7), (8, 9), (9, 0)))
 HOPPER_BLACKWELL = CudaCapability(exact=((9, 0), (10, 0), (10, 3)))
 FA2 = Package("flash-attn", "2.6.3", module="flash_attn.flash_attn_interface",
               pip="pip install 'flash-attn>=2.6.3' --no-build-isolation")
-FA3 = Package("flash-attn-3", module="flash_attn_interface",
-              pip="build FlashAttention-3 from source (the hopper/ folder of flash-attention: python setup.py install)")
+FA3_SOURCE = Package("flash-attn-3", module="flash_attn_interface",
+                     pip="build FlashAttention-3 from source (the hopper/ folder of flash-attention: python setup.py install)")
+# A prebuilt wheel of FlashAttention-3's forward kernels (torch's stable ABI: it loads on newer torch too),
+# built without float16 and backward. Measured on the H200: bench/results/README.md.
+FA3_FORWARD_WHEEL = Package("fa3-fwd", module="fa3_fwd_interface", pip="pip install fa3-fwd", torch="2.10")
+FA3 = OneOf((FA3_SOURCE, FA3_FORWARD_WHEEL))
 
 FLASH_2_HUB = HubKernel("kernels-community/flash-attn2", "flash_attn_func", version=3)
 FLASH_2_VARLEN_HUB = HubKernel("kernels-community/flash-attn2", "flash_attn_varlen_func", version=3)
@@ -51,14 +56,32 @@ def _fa2_varlen_pip():
     return flash_attn_varlen_func
 
 
+def _fa3_module():
+    """FlashAttention-3's interface: the full source build when it imports, else the forward-only wheel."""
+    import importlib
+    return importlib.import_module(FA3_SOURCE.module if import_error(FA3_SOURCE.module) is None
+                                   else FA3_FORWARD_WHEEL.module)
+
+
 def _fa3_pip():
-    from flash_attn_interface import flash_attn_func
-    return flash_attn_func
+    return _fa3_module().flash_attn_func
 
 
 def _fa3_varlen_pip():
-    from flash_attn_interface import flash_attn_varlen_func
-    return flash_attn_varlen_func
+    return _fa3_module().flash_attn_varlen_func
+
+
+def _fa3_wheel_limits(inputs: AttentionInputs) -> list[str]:
+    """What the forward-only wheel lacks, when it is the FlashAttention-3 in use."""
+    if import_error(FA3_SOURCE.module) is None or import_error(FA3_FORWARD_WHEEL.module) is not None:
+        return []
+    reasons = []
+    if inputs.dtype == torch.float16:
+        reasons.append("fa3-fwd is built without float16 kernels (bfloat16 only); build flash-attn-3 from source "
+                       "for float16")
+    if inputs.requires_grad:
+        reasons.append("fa3-fwd is built without the backward pass; build flash-attn-3 from source to train")
+    return reasons
 
 
 def dense(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, kernel=None, style="fa2"):
@@ -123,12 +146,14 @@ add(BackendSpec(name="flash_varlen_hub", family="flash2", description="FlashAtte
                 fn=_style(varlen, style="fa2"), dropout=True, capability=SM80, preference=64, masks=KEY_PADDING,
                 mask_format="key_padding", hub=FLASH_2_VARLEN_HUB,
                 requires=(kernels_requirement(FLASH_2_VARLEN_HUB), ON_CUDA, SM80), **COMMON))
-add(BackendSpec(name="_flash_3", family="flash3", description="FlashAttention-3 (Hopper; built from source)",
+add(BackendSpec(name="_flash_3", family="flash3",
+                description="FlashAttention-3 (Hopper; a source build, or the forward-only fa3-fwd wheel)",
                 fn=_style(dense, style="fa3"), capability=HOPPER_AMPERE, preference=90, requires=(FA3, ON_CUDA, HOPPER_AMPERE),
-                backward=True, **COMMON))
+                backward=True, extra_reasons=_fa3_wheel_limits, **COMMON))
 add(BackendSpec(name="_flash_varlen_3", family="flash3", description="FlashAttention-3 varlen (Hopper)",
                 fn=_style(varlen, style="fa3"), capability=HOPPER_AMPERE, preference=85, masks=KEY_PADDING,
-                mask_format="key_padding", requires=(FA3, ON_CUDA, HOPPER_AMPERE), **COMMON))
+                mask_format="key_padding", requires=(FA3, ON_CUDA, HOPPER_AMPERE), extra_reasons=_fa3_wheel_limits,
+                **COMMON))
 add(BackendSpec(name="_flash_3_hub", family="flash3", description="FlashAttention-3 from the Hub (sm_80, sm_90)",
                 fn=_style(dense, style="fa3"), capability=HOPPER_AMPERE, preference=89, hub=FLASH_3_HUB,
                 requires=(kernels_requirement(FLASH_3_HUB), ON_CUDA, HOPPER_AMPERE), **COMMON))

@@ -49,12 +49,27 @@ def causal_block_mask(len_q: int, len_kv: int, device: str):
     return create_block_mask(_causal, None, None, len_q, len_kv, device=device)
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-    # Automatic dynamic shapes: a new sequence length marks the axis dynamic instead of recompiling until
-    # dynamo's recompile limit, past which it silently runs the unfused eager kernel.
-    return torch.compile(flex_attention)
+_compiled: dict[tuple, object] = {}
+
+
+def compiled_flex(q, v, *, masked: bool, blocked: bool, enable_gqa: bool, lse: bool):
+    """The compiled flex_attention for one static signature (head dims, dtype, device, mask use, GQA, LSE).
+
+    Dynamo keeps compiled entries, and its recompile limit (8), per code object; past the limit it silently
+    runs flex unfused, which materialises the scores (48 and 160 GiB asked for at Wan's 32k tokens on the
+    H200 after the bench's other models had used up the shared entries). So each signature compiles its
+    own copy of a small wrapper, with its own entries; lengths, batch and heads become dynamic within it."""
+    key = (q.shape[-1], v.shape[-1], q.dtype, q.device, masked, blocked, enable_gqa, lse)
+    run = _compiled.get(key)
+    if run is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        def flex(q, k, v, score_mod, block_mask, scale, enable_gqa, **aux):
+            return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                  enable_gqa=enable_gqa, **aux)
+        flex.__code__ = flex.__code__.replace(co_name=f"flex_attention_{len(_compiled)}")
+        run = _compiled.setdefault(key, torch.compile(flex))
+    return run
 
 
 def flex_attention_backend(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
@@ -68,11 +83,12 @@ def flex_attention_backend(q, k, v, *, attn_mask, dropout_p, is_causal, scale, e
     if is_causal:
         block_mask = causal_block_mask(q.shape[-2], k.shape[-2], str(q.device))
     # Flex is only fast compiled; eager on the CPU (compiling there costs tens of seconds per shape).
-    eager = q.device.type == "cpu" or torch.compiler.is_compiling()
-    run = flex_attention if eager else _compiled_flex()
-    if not eager:
-        # Dynamo guards on the strides of a view's base: ComfyUI's many view layouts used up the recompile
-        # limit on the H200 bench, after which flex silently ran unfused and asked for 160 GiB (Wan 14B).
+    if q.device.type == "cpu" or torch.compiler.is_compiling():
+        run = flex_attention
+    else:
+        run = compiled_flex(q, v, masked=score_mod is not None, blocked=block_mask is not None,
+                            enable_gqa=enable_gqa, lse=return_lse)
+        # Dynamo guards on the strides of a view's base: ComfyUI's many view layouts would each compile anew.
         q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (q, k, v))
     if not return_lse:
         return run(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)

@@ -52,6 +52,9 @@ _FLAG_ACCESS = [(getattr(SDPBackend, member), getattr(torch._C, f"_get_{flag}_sd
                  getattr(torch._C, f"_set_sdp_use_{flag}")) for flag, member in _SDPA_FLAGS.items()]
 
 
+_priority_orders: dict[tuple, list[int]] = {}  # (backends, order in force) -> the order to set
+
+
 def _select(backends, priority: bool, call):
     """`call()` with only `backends` enabled (priority=False) or with them tried first (priority=True).
 
@@ -65,8 +68,13 @@ def _select(backends, priority: bool, call):
     with _FLAGS:
         if priority:
             previous = torch._C._get_sdp_priority_order()
-            wanted = [int(b) for b in backends]
-            torch._C._set_sdp_priority_order(wanted + [p for p in previous if p not in wanted])
+            wanted = _priority_orders.get((backends, tuple(previous)))
+            if wanted is None:
+                first = [int(b) for b in backends]
+                wanted = _priority_orders[(backends, tuple(previous))] = first + [p for p in previous if p not in first]
+            if wanted == previous:  # already in force (e.g. inside ComfyUI's own priority block): nothing to flip
+                return call()
+            torch._C._set_sdp_priority_order(wanted)
             try:
                 return call()
             finally:
@@ -104,12 +112,14 @@ def _math(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa):
 # SDPA's own order on NVIDIA GPUs picks its flash kernel for the strided (B, H, L, D) views that
 # ComfyUI's (B, L, H*D) tensors become, where cuDNN is ~1.4x faster on Hopper (measured: WAN 1.3B
 # step 788 ms vs 576 ms). ComfyUI sets this same priority for its own SDPA path.
-CUDA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                 SDPBackend.MATH]
+CUDA_PRIORITY = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH)
 
 
 def sdpa_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     if q.device.type != "cuda":
+        if not (is_causal or enable_gqa):  # the common call, without the keyword dict of _sdpa
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
         return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=enable_gqa, return_lse=False)
     return _select(CUDA_PRIORITY, True, lambda: _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,

@@ -1,0 +1,168 @@
+"""`dispatch_attention_fn` inside torch.compile: no graph break, static or dynamic shapes.
+
+Dynamo cannot trace contextvars, locks or logging, which the eager path uses. So a traced call takes
+one of two routes:
+- static sizes: the whole decision is made by `_traced_plan`, which dynamo runs once per trace (an
+  `assume_constant_result` function) and bakes into the graph: the chosen kernel is traced in, at no
+  cost per call. The backend, policy, checks, trust scope and recorder active when the graph is traced
+  are the ones the graph keeps; a Recorder counts such a call once per trace, not once per run; a backend
+  that raises at run time is not demoted (no fallback inside a graph).
+- symbolic sizes (dynamic shapes, which torch.compile turns on once a size changes): a decision depends
+  on the lengths (the tuner's choice, a kernel's length rules), which a constant cannot hold. The call
+  becomes one opaque op whose body is the eager dispatcher, deciding with the real sizes on every run
+  (a dict lookup), counting every call, falling back as usual.
+Bad inputs and calls no route can take (a BlockMask with dynamic sizes, attention_kwargs, a recorder
+without a serial, gradients with dynamic sizes) run the eager path, which raises the real error or
+serves the call (one graph break).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from typing import Any, Optional
+
+import torch
+
+from . import checks, dispatch, registry, state, tuner
+from .inputs import AttentionInputs, describe_call
+from .report import by_serial, current_recorder
+
+_traced_runners: dict[str, Any] = {}
+_FIELDS = tuple(f.name for f in fields(AttentionInputs))
+
+
+def _eager():
+    if "<eager>" not in _traced_runners:
+        _traced_runners["<eager>"] = torch.compiler.disable(dispatch.dispatch_attention_fn)
+    return _traced_runners["<eager>"]
+
+
+def _traced_plan(backend, policy, signature, call_site, recorder_serial):
+    """Runs eagerly at trace time: (served backend, checks mode), or None when the eager path must raise."""
+    _eager()
+    if signature is None:
+        return None
+    try:
+        requested = backend if backend is not None else state.active_backend()
+        if requested != tuner.AUTO and requested not in registry.names():
+            return None
+        policy = state.validate_policy(policy) if policy is not None else state.active_policy()
+        inputs = AttentionInputs(*signature)
+        chosen = requested
+        if requested == tuner.AUTO:  # a decision made eagerly (or on disk) before, else the preference order
+            checks.check_structure(inputs)
+            chosen = tuner.choose(inputs, timing=False)[0]
+        decision = dispatch._decision_for(chosen, policy, inputs)
+    except Exception:
+        return None
+    name, spec, runner = decision.candidates[0]
+    _traced_runners[name] = (spec, runner)
+    reasons = decision.reasons_for(name) if name != decision.requested else ()
+    if reasons:
+        dispatch._log_once(decision.requested, name, reasons)
+    recorder = by_serial(recorder_serial) if recorder_serial else current_recorder()
+    if recorder is not None:
+        recorder.record(call_site, requested, name, reasons)
+    return name, state.active_checks()
+
+
+def _symbolic_sizes() -> bool:
+    """Runs eagerly at trace time: whether the graph being traced has symbolic sizes.
+
+    Dynamo answers int for isinstance(size, SymInt) in traced code, so this asks the trace's shape
+    environment instead; the inputs' symbols exist once the tensors have been touched. When it cannot
+    tell, it says True: the runtime op is right for any sizes, only slower for small kernels."""
+    try:
+        from torch._guards import TracingContext
+        shape_env = TracingContext.get().fake_mode.shape_env
+    except Exception:
+        _runtime_op()
+        return True
+    values = getattr(shape_env, "backed_var_to_val", None)  # torch >= 2.10 (var_to_val before)
+    if not (values if values is not None else shape_env.var_to_val):
+        return False
+    _runtime_op()  # registered here, eagerly: registering inside traced code would break the graph
+    return True
+
+
+# What torch.compiler.assume_constant_result sets, without importing torch._dynamo (1+ s) with the package.
+_traced_plan._dynamo_marked_constant = True
+_symbolic_sizes._dynamo_marked_constant = True
+
+_op = None
+
+
+def _runtime_op():
+    """The dispatcher as one custom op (registered on first use, once per copy of this module)."""
+    global _op
+    if _op is not None:
+        return _op
+    base = "call_" + re.sub(r"\W", "_", __name__)
+    for suffix in range(100):  # a module loaded twice under one name (reload) registers a second op
+        try:
+            _op = _define(f"attention_dispatch::{base}{suffix or ''}")
+            return _op
+        except RuntimeError:
+            continue
+    raise RuntimeError("could not register the attention dispatch op")
+
+
+def _define(name: str):
+    @torch.library.custom_op(name, mutates_args=())
+    def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+             dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, backend: Optional[str],
+             layout: str, policy: Optional[str], return_lse: bool, call_site: str,
+             recorder_serial: int) -> tuple[torch.Tensor, torch.Tensor]:
+        result = dispatch.dispatch_attention_fn(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=backend, layout=layout,
+            policy=policy, return_lse=return_lse, call_site=call_site, recorder=by_serial(recorder_serial))
+        out, lse = result if return_lse else (result, query.new_empty(0, dtype=torch.float32))
+        # An op's outputs are fresh, dense tensors, as the fake below promises the compiler.
+        return out.contiguous(), lse.contiguous()
+
+    @call.register_fake
+    def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, layout, policy,
+          return_lse, call_site, recorder_serial):
+        out = query.new_empty((*query.shape[:-1], value.shape[-1]))
+        # The LSE is (B, Sq, H) in BSHD and (B, H, Sq) in BHSD: the query's shape without its last axis.
+        return out, query.new_empty(query.shape[:-1] if return_lse else (0,), dtype=torch.float32)
+    return call
+
+
+def _serial_of(recorder) -> int | None:
+    return 0 if recorder is None else getattr(recorder, "serial", None)
+
+
+def dispatch_traced(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
+                    backend, layout, policy, return_lse, call_site, recorder):
+    serial = _serial_of(recorder)
+    shaped = serial is not None and query.dim() == key.dim() == value.dim() == 4 and layout in ("BSHD", "BHSD")
+    if shaped and _symbolic_sizes():
+        if (not attention_kwargs and (attn_mask is None or isinstance(attn_mask, torch.Tensor))
+                and not (query.requires_grad or key.requires_grad or value.requires_grad)):
+            out, lse = _runtime_op()(query, key, value, attn_mask, float(dropout_p), is_causal, scale, enable_gqa,
+                                     backend, layout, policy, return_lse, call_site, serial)
+            return (out, lse) if return_lse else out
+        shaped = False
+    inputs = None
+    if shaped:
+        checks.check_shapes(query, key, value, layout)
+        inputs = describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                               layout)
+    # Plain constants (dynamo hands an assume_constant_result function no real dataclass instance).
+    signature = None if inputs is None else tuple(getattr(inputs, f) for f in _FIELDS)
+    plan = _traced_plan(backend, policy, signature, call_site, serial)
+    if plan is None:
+        return _eager()(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
+                        backend=backend, layout=layout, policy=policy, return_lse=return_lse, call_site=call_site,
+                        recorder=recorder)
+    name, mode = plan
+    spec, runner = _traced_runners[name]
+    if mode != "off":
+        checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, name)
+    out = dispatch._run(spec, runner, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                        return_lse, layout, attention_kwargs or {})
+    if mode != "off":
+        checks.check_values({"output": out[0] if return_lse else out}, mode, name)
+    return out
