@@ -59,6 +59,8 @@ MODELS = (
     BenchShape("sd15", "SD1.5 512x512", 2, 8, 4096, 40),
     BenchShape("sdxl", "SDXL 1024x1024, 64x64 level", 2, 10, 4096, 64),
     BenchShape("sdxl-32", "SDXL 1024x1024, 32x32 level", 2, 20, 1024, 64),
+    BenchShape("sdxl-cross", "SDXL 1024x1024, 64x64 level, text cross-attention", 2, 10, 4096, 64, 77),
+    BenchShape("sdxl-32-cross", "SDXL 1024x1024, 32x32 level, text cross-attention", 2, 20, 1024, 64, 77),
     BenchShape("flux", "Flux 1024x1024 (4096 image + 512 text)", 1, 24, 4608, 128),
     BenchShape("qwen-image", "Qwen-Image 1024x1024 (4096 image + 256 text)", 1, 24, 4352, 128),
     BenchShape("wan-1.3b", "Wan 2.1 1.3B 480p, 81 frames", 1, 12, 32760, 128),

@@ -73,10 +73,13 @@ def _symbolic_sizes() -> bool:
     Dynamo answers int for isinstance(size, SymInt) in traced code, so this asks the trace's shape
     environment instead; the inputs' symbols exist once the tensors have been touched. When it cannot
     tell, it says True: the runtime op is right for any sizes, only slower for small kernels."""
+    from torch._guards import TracingContext
+    context = TracingContext.try_get()
+    if context is None:
+        return False
     try:
-        from torch._guards import TracingContext
-        shape_env = TracingContext.get().fake_mode.shape_env
-    except Exception:
+        shape_env = context.fake_mode.shape_env
+    except AttributeError:
         _runtime_op()
         return True
     values = getattr(shape_env, "backed_var_to_val", None)  # torch >= 2.10 (var_to_val before)
@@ -114,9 +117,9 @@ def _define(name: str):
              dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, backend: Optional[str],
              layout: str, policy: Optional[str], return_lse: bool, call_site: str,
              recorder_serial: int) -> tuple[torch.Tensor, torch.Tensor]:
-        result = dispatch.dispatch_attention_fn(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=backend, layout=layout,
-            policy=policy, return_lse=return_lse, call_site=call_site, recorder=by_serial(recorder_serial))
+        # The eager path itself (this body also runs when the op is traced by make_fx or export).
+        result = dispatch.dispatch_eager(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, None,
+                                         backend, layout, policy, return_lse, call_site, by_serial(recorder_serial))
         out, lse = result if return_lse else (result, query.new_empty(0, dtype=torch.float32))
         # An op's outputs are fresh, dense tensors, as the fake below promises the compiler.
         return out.contiguous(), lse.contiguous()

@@ -170,9 +170,18 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
                                    attention_kwargs, backend, layout, policy, return_lse, call_site)
         if routed is not NotImplemented:
             return routed
-    if torch.compiler.is_compiling():
+    # Not is_compiling(): that flag is process-wide, so it is also true in threads that merely run while another
+    # thread traces (eager flex_attention traces itself); this one is true only in the frame dynamo traces.
+    if torch.compiler.is_dynamo_compiling():
         return compiled.dispatch_traced(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                         attention_kwargs, backend, layout, policy, return_lse, call_site, recorder)
+    return dispatch_eager(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
+                          backend, layout, policy, return_lse, call_site, recorder)
+
+
+def dispatch_eager(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend,
+                   layout, policy, return_lse, call_site, recorder):
+    """The eager path: decide (a dict lookup once decided), run, fall back, record."""
     checks.check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                            attention_kwargs)
     requested = backend if backend is not None else state.active_backend()

@@ -242,7 +242,7 @@ def make_override(backend: str, policy: str = "fallback", recorder=None, window=
             _check_call(q, k, v, mask, skip_reshape)
             site = call_site(to, *((q.shape[2], k.shape[2]) if skip_reshape else (q.shape[1], k.shape[1])))
             return delegate("", func, *args, site, to_func=backend == COMFY_DEFAULT)
-        if torch.compiler.is_compiling():  # traced once per graph; hashing symbolic sizes would specialise them
+        if torch.compiler.is_dynamo_compiling():  # traced once per graph; hashing symbolic sizes would specialise them
             signature = plan = None
         else:
             try:

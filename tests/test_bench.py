@@ -76,7 +76,7 @@ def test_bench_rejects_a_bad_shape_and_dtype(capsys):
 
 
 def test_small_lengths():
-    assert [bench.small_length(m.len_q) for m in bench.MODELS] == [16, 16, 16, 24, 24, 128, 128, 120]
+    assert [bench.small_length(m.len_q) for m in bench.MODELS] == [16, 16, 16, 16, 16, 24, 24, 128, 128, 120]
     assert bench.smaller(bench.MODELS[0]).head_dim == 40
 
 

@@ -7,6 +7,7 @@ wins is decided by the test, not by the machine's built-in kernels, and nothing 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import pytest
@@ -83,6 +84,22 @@ def test_the_fast_backend_wins_over_a_slow_one(cache):
     assert by["t_fast"].status == "chosen" and by["t_slow"].status == "valid"
     assert by["t_slow"].median_ms >= 25 > by["t_fast"].median_ms
     assert by["t_fast"].rel_error < 1e-5 and record.seconds > 0
+
+
+@pytest.mark.parametrize("preferred, other, chosen", [
+    ([1.00, 1.01, 1.00, 0.99, 1.00], [0.90, 0.91, 0.90, 0.89, 0.90], "other"),  # 10% faster: beyond the noise
+    ([1.00, 1.05, 0.95, 1.04, 0.96], [0.98, 0.98, 0.98, 0.98, 0.98], "preferred"),  # 2% apart, 5% spread: a tie
+    ([1.02, 1.02, 1.02, 1.02, 1.02], [1.00, 1.00, 1.00, 1.00, 1.00], "other"),  # 2% apart, no spread: faster
+    ([1.20, 1.40, 1.00, 1.30, 1.10], [1.00, 1.00, 1.00, 1.00, 1.00], "other"),  # noise past the 3% cap
+])
+def test_a_preferred_backend_keeps_ties_within_the_timing_noise(preferred, other, chosen):
+    from dispatcher.tuner import CandidateResult, pick
+    results = []
+    for name, times in (("preferred", preferred), ("other", other)):
+        result = CandidateResult(name, "valid", 0, 1e-2)
+        result.times_ms, result.median_ms = times, statistics.median(times)
+        results.append(result)
+    assert pick(results, tie_margin=0.03).name == chosen
 
 
 @pytest.mark.parametrize("wrong", [noise, zeros], ids=["noise", "zeros"])

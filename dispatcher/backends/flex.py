@@ -83,7 +83,7 @@ def flex_attention_backend(q, k, v, *, attn_mask, dropout_p, is_causal, scale, e
     if is_causal:
         block_mask = causal_block_mask(q.shape[-2], k.shape[-2], str(q.device))
     # Flex is only fast compiled; eager on the CPU (compiling there costs tens of seconds per shape).
-    if q.device.type == "cpu" or torch.compiler.is_compiling():
+    if q.device.type == "cpu" or torch.compiler.is_dynamo_compiling():
         run = flex_attention
     else:
         run = compiled_flex(q, v, masked=score_mod is not None, blocked=block_mask is not None,

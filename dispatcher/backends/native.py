@@ -62,7 +62,7 @@ def _select(backends, priority: bool, call):
     kernel takes on an H200 (SDXL's 32x32 level ran at 0.38x ComfyUI's speed through it); flipping the
     same process-wide flags directly costs ~2 us, under the same lock. Under torch.compile the context
     manager is what dynamo understands, so it is used there."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         with sdpa_kernel(list(backends), set_priority=priority):
             return call()
     with _FLAGS:
