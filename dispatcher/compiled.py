@@ -75,13 +75,15 @@ def _symbolic_sizes() -> bool:
     tell, it says True: the runtime op is right for any sizes, only slower for small kernels."""
     from torch._guards import TracingContext
     context = TracingContext.try_get()
-    if context is None:
+    if context is None:  # not traced by dynamo: nothing is symbolic
         return False
     try:
         shape_env = context.fake_mode.shape_env
     except AttributeError:
         _runtime_op()
         return True
+    if shape_env is None:  # no shape environment, no symbols
+        return False
     values = getattr(shape_env, "backed_var_to_val", None)  # torch >= 2.10 (var_to_val before)
     if not (values if values is not None else shape_env.var_to_val):
         return False

@@ -7,6 +7,7 @@ changes are views (a transpose of strides), never copies, unless the kernel need
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from . import checks, compiled, masks, registry, state, trust, tuner
 from .hub import KernelLoadError
 from .inputs import describe_call
 from .machine import current_machine
-from .report import current_recorder
+from .report import current_recorder, recording
 
 logger = logging.getLogger("attention_dispatch")
 
@@ -166,8 +167,10 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     active `recording()` block's, without a context manager per call.
     """
     if _context_parallel_on:  # a dispatcher.parallel.context_parallel() block is open somewhere
-        routed = _context_parallel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                   attention_kwargs, backend, layout, policy, return_lse, call_site)
+        # The routed call's local calls count in the active recorder: make it the one given by argument.
+        with recording(recorder) if recorder is not None else contextlib.nullcontext():
+            routed = _context_parallel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                       attention_kwargs, backend, layout, policy, return_lse, call_site)
         if routed is not NotImplemented:
             return routed
     # Not is_compiling(): that flag is process-wide, so it is also true in threads that merely run while another

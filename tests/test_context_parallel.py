@@ -348,3 +348,13 @@ def test_compiled_callers_route_inside_a_block_and_not_after(monkeypatch):
     outside = f(q, k, v)  # the block is closed: the compiled caller must not keep routing
     assert routed == [one]
     torch.testing.assert_close(inside, outside)
+
+
+def test_a_recorder_passed_by_argument_counts_routed_calls():
+    """The ComfyUI override hands the dispatcher its recorder by argument: a call routed through a
+    context-parallel block (here one rank, plain local attention) is counted there too."""
+    q, k, v = (torch.randn(1, 16, 2, 8) for _ in range(3))
+    recorder = dispatcher.Recorder()
+    with context_parallel(ContextParallelConfig()):
+        dispatcher.dispatch_attention_fn(q, k, v, backend="native", recorder=recorder, call_site="cp")
+    assert [(r["site"], r["served"], r["calls"]) for r in recorder.snapshot()["rows"]] == [("cp", "native", 1)]
