@@ -149,7 +149,7 @@ def direct_call(name: str, q4, k4, v4):
         from .backends.flex import compiled_flex
         if q.device.type == "cpu":
             return lambda: flex_attention(q, k, v, enable_gqa=gqa)
-        fn = compiled_flex(q, v, masked=False, blocked=False, enable_gqa=gqa, lse=False)
+        fn = compiled_flex(q, k, v, masked=False, blocked=False, enable_gqa=gqa, lse=False)
         return lambda: fn(q, k, v, None, None, None, gqa)
     runner = registry.prepare(name)  # any other backend: its function, as the dispatcher would hand it
     return lambda: runner(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=gqa,

@@ -317,10 +317,14 @@ def test_compiled_flex_keeps_one_code_object_per_static_signature():
     runs = {}
     for d in (8, 16, 32, 40, 64, 80, 96, 128, 160, 256):
         q = torch.empty(1, 2, 4, d)
-        runs[d] = compiled_flex(q, q, masked=False, blocked=False, enable_gqa=False, lse=False)
-        assert compiled_flex(q, q, masked=False, blocked=False, enable_gqa=False, lse=False) is runs[d]
+        runs[d] = compiled_flex(q, q, q, masked=False, blocked=False, enable_gqa=False, lse=False)
+        longer = torch.empty(2, 3, 9, d)  # other sizes, same layout: the same compiled function
+        assert compiled_flex(longer, longer, longer, masked=False, blocked=False, enable_gqa=False, lse=False) is runs[d]
     q = torch.empty(1, 2, 4, 64)
-    assert compiled_flex(q, q, masked=True, blocked=False, enable_gqa=False, lse=False) is not runs[64]
+    assert compiled_flex(q, q, q, masked=True, blocked=False, enable_gqa=False, lse=False) is not runs[64]
+    comfy_view = torch.empty(1, 4, 2 * 64).view(1, 4, 2, 64).transpose(1, 2)  # (B, H, L, D) over (B, L, H*D)
+    assert compiled_flex(comfy_view, comfy_view, comfy_view, masked=False, blocked=False, enable_gqa=False,
+                         lse=False) is not runs[64]
     codes = {id(getattr(run, "_torchdynamo_orig_callable", run).__code__) for run in runs.values()}
     assert len(codes) == len(runs)
 
