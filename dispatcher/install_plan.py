@@ -219,13 +219,13 @@ def _package_step(req: Package, machine: Machine) -> tuple[str, Step | None, str
         command, status = _with_flags(hint, "--upgrade"), PIP
     else:  # installed, new enough, but `import` fails: a build for another torch/GPU
         command, status = _with_flags(hint, "--force-reinstall --no-deps"), BROKEN
-    argv = _pip_words(command)
+    argv = _pip_words(command) if req.vetted else None  # an unvetted build is the user's call, never ours
     return status, Step("pip" if argv else "manual", command, req.dist), None
 
 
 def _installable(req, machine: Machine) -> Package:
-    """The package to install for a requirement: itself, or of alternatives the first one pip can install
-    (a wheel rather than a source build), else the first."""
+    """The package to install for a requirement: itself, or of alternatives the first one install.py can
+    install with pip, else the first (whose instruction is printed)."""
     if isinstance(req, Package):
         return req
     for package in req.packages:

@@ -43,6 +43,7 @@ class Package:
     module: str | None = None  # the import that must work, e.g. "flash_attn.flash_attn_interface"
     pip: str | None = None  # the install command when it differs from `pip install dist>=min`
     torch: str | None = None  # the oldest torch its compiled code loads on (a wheel built for torch's stable ABI)
+    vetted: bool = True  # False: a build from a publisher we cannot vouch for; install.py prints it, never runs it
 
     @property
     def install_hint(self) -> str:
