@@ -225,13 +225,14 @@ def _package_step(req: Package, machine: Machine) -> tuple[str, Step | None, str
 
 def _installable(req, machine: Machine) -> Package:
     """The package to install for a requirement: itself, or of alternatives the first one install.py can
-    install with pip, else the first (whose instruction is printed)."""
+    install with pip, else the first with an instruction to print (one that fits this torch)."""
     if isinstance(req, Package):
         return req
-    for package in req.packages:
-        step = _package_step(package, machine)[1]
-        if step is not None and step.kind == "pip":
-            return package
+    steps = [(package, _package_step(package, machine)[1]) for package in req.packages]
+    for kind in ("pip", "manual"):
+        for package, step in steps:
+            if step is not None and step.kind == kind:
+                return package
     return req.packages[0]
 
 

@@ -10,7 +10,7 @@ import weakref
 from collections import Counter
 
 # Recorders by serial number: a compiled graph cannot hold a recorder object, so it names one by its
-# `serial` (a plain int dynamo can bake in) and the call looks it up (see dispatch.py's traced paths).
+# `serial` (a plain int dynamo can bake in) and the call looks it up (see compiled.py).
 _by_serial: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _serials = itertools.count(1)
 

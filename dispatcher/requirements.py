@@ -80,9 +80,6 @@ class OneOf:
     def describe(self) -> str:
         return " or ".join(p.describe() for p in self.packages)
 
-    def provider(self, machine: Machine) -> Package | None:
-        return next((p for p in self.packages if p.reason(machine) is None), None)
-
     def reason(self, machine: Machine) -> str | None:
         reasons = []
         for package in self.packages:

@@ -363,6 +363,13 @@ def test_pip_with_consent_pins_torch(capsys):
     assert "the pack works without it" in capsys.readouterr().out
 
 
+def test_flash3_on_a_torch_too_old_for_the_wheel_names_the_source_build():
+    old = ip.build(replace(ip.simulated("h200"), torch_version="2.8.0"), lock={})
+    (entry,) = [e for e in old.backends if e.name == "_flash_3"]
+    assert [s.kind for s in entry.steps] == ["manual"] and "from source" in entry.steps[0].command
+    assert any("fa3-fwd needs torch>=2.10" in r for r in entry.reasons)
+
+
 # ========================================================================================= signatures
 
 def test_signature_of_an_unsigned_build(tmp_path):

@@ -25,7 +25,7 @@ FA3_SOURCE = Package("flash-attn-3", module="flash_attn_interface",
                      pip="build FlashAttention-3 from source (the hopper/ folder of flash-attention: python setup.py install)")
 # A prebuilt wheel of FlashAttention-3's forward kernels (torch's stable ABI: it loads on newer torch too),
 # built without float16 and backward. Measured on the H200: bench/results/README.md. Its metadata names no
-# author or project page, so it is offered, first, but install.py never installs it on its own.
+# author or project page, so install.py names it first but never installs it on its own.
 FA3_FORWARD_WHEEL = Package("fa3-fwd", module="fa3_fwd_interface", torch="2.10", vetted=False,
                             pip="pip install fa3-fwd (a community build of FlashAttention-3's forward kernels whose "
                                 "metadata names no author: install it yourself if you trust it)")
