@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,6 +90,7 @@ def main() -> int:
     import comfy.ops
 
     adapter, dispatcher = load_pack()
+    from attention_dispatch_pack.dispatcher.bench import sample_ms  # CUDA events on GPUs, a clock on the CPU
     cfg = CONFIGS[args.model]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -101,18 +101,6 @@ def main() -> int:
         model, args_, kwargs = forward_args
         with torch.no_grad():
             return model(*args_, **kwargs, transformer_options=dict(transformer_options))
-
-    def timed(transformer_options) -> float:
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            forward(transformer_options)
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        forward(transformer_options)
-        return (time.perf_counter() - t0) * 1e3
 
     configs = {"comfy default": ({}, None)}
     for backend in [b for b in args.backends.split(",") if b]:
@@ -128,7 +116,7 @@ def main() -> int:
     times = {name: [] for name in configs}
     for _ in range(args.runs):
         for name, (options, _) in configs.items():
-            times[name].append(timed(options))
+            times[name].append(sample_ms(lambda: forward(options), torch.device(device), 1))
     base_ms = statistics.median(times["comfy default"])
     baseline = outputs["comfy default"]
     rows = []

@@ -172,7 +172,7 @@ def _inner_count(fn, device, target_s: float) -> int:
     return max(1, min(100, int(target_s / once)))
 
 
-def _sample(fn, device, inner: int) -> float:
+def sample_ms(fn, device, inner: int) -> float:
     """Milliseconds per call over `inner` back-to-back calls (CUDA events on GPUs)."""
     if device.type == "cuda":
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -200,7 +200,7 @@ def time_interleaved(fns, device, warmup: int, runs: int, target_s: float, budge
     inner = [_inner_count(fn, device, target_s) for fn in fns]
     if budget_s is not None:
         t0 = time.perf_counter()
-        first = [[_sample(fn, device, n)] for fn, n in zip(fns, inner)]
+        first = [[sample_ms(fn, device, n)] for fn, n in zip(fns, inner)]
         per_run = time.perf_counter() - t0
         runs = max(0, min(runs, int(budget_s / max(per_run, 1e-9))) - 1)
     else:
@@ -208,7 +208,7 @@ def time_interleaved(fns, device, warmup: int, runs: int, target_s: float, budge
     samples = first
     for _ in range(runs):
         for i, fn in enumerate(fns):
-            samples[i].append(_sample(fn, device, inner[i]))
+            samples[i].append(sample_ms(fn, device, inner[i]))
     return [statistics.median(s) for s in samples]
 
 

@@ -17,8 +17,12 @@ TRUST_REMOTE_KERNELS = "DIFFUSERS_TRUST_REMOTE_KERNELS"
 KERNEL_LOCK = "ATTN_DISPATCH_KERNEL_LOCK"
 
 
+def _truthy(text: str) -> bool:
+    return text.strip().upper() in TRUE_VALUES
+
+
 def flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in TRUE_VALUES
+    return _truthy(os.environ.get(name, ""))
 
 
 def flag_reader(name: str):
@@ -33,7 +37,7 @@ def flag_reader(name: str):
         raw = data.get(encoded)
         result = parsed.get(raw)
         if result is None:
-            result = parsed[raw] = raw is not None and decode(raw).strip().upper() in TRUE_VALUES
+            result = parsed[raw] = raw is not None and _truthy(decode(raw))
         return result
     return read
 

@@ -223,17 +223,17 @@ def _package_step(req: Package, machine: Machine) -> tuple[str, Step | None, str
     return status, Step("pip" if argv else "manual", command, req.dist), None
 
 
-def _installable(req, machine: Machine) -> Package:
-    """The package to install for a requirement: itself, or of alternatives the first one install.py can
-    install with pip, else the first with an instruction to print (one that fits this torch)."""
+def _requirement_step(req, machine: Machine) -> tuple[str, Step | None, str | None]:
+    """`_package_step` of a Package, or of alternatives the first one install.py can install with pip, else
+    the first with an instruction to print (one that fits this torch), else the first."""
     if isinstance(req, Package):
-        return req
-    steps = [(package, _package_step(package, machine)[1]) for package in req.packages]
+        return _package_step(req, machine)
+    results = [_package_step(package, machine) for package in req.packages]
     for kind in ("pip", "manual"):
-        for package, step in steps:
-            if step is not None and step.kind == kind:
-                return package
-    return req.packages[0]
+        for result in results:
+            if result[1] is not None and result[1].kind == kind:
+                return result
+    return results[0]
 
 
 def _pip_words(command: str) -> list[str] | None:
@@ -270,7 +270,7 @@ def _classify(name: str, machine: Machine, reasons: list[str]) -> tuple[str, lis
         if isinstance(req, _MACHINE_REQUIREMENTS):
             found.setdefault(UNSUPPORTED, []).append(reason)
         elif isinstance(req, (Package, OneOf)):
-            status, step, deciding = _package_step(_installable(req, machine), machine)
+            status, step, deciding = _requirement_step(req, machine)
             found.setdefault(status, []).append(deciding or reason)
             if step is not None:
                 steps.append(step)

@@ -49,6 +49,12 @@ def call_site(transformer_options: dict | None, len_q: int, len_k: int) -> str:
     return f"{block}.{kind}" if block else kind
 
 
+def _site(transformer_options, q, k, skip_reshape: bool) -> str:
+    """`call_site` of a call in either of ComfyUI's layouts ((B, H, L, D) with skip_reshape, else (B, L, H*D))."""
+    axis = 2 if skip_reshape else 1
+    return call_site(transformer_options, q.shape[axis], k.shape[axis])
+
+
 class _Relabel:
     """Duck-typed recorder: the dispatcher reports the name we passed; the report should show the
     name the user asked for ("auto", or sage before a low-precision swap) and why it changed."""
@@ -201,8 +207,7 @@ def make_override(backend: str, policy: str = "fallback", recorder=None, window=
     def plan_for(q, k, v, heads, mask, skip_reshape, skip_output_reshape, attn_precision, kwargs, to) -> _Plan:
         """The first call of a signature: validate, then decide the delegation or the dispatch."""
         _check_call(q, k, v, mask, skip_reshape)
-        len_q, len_k = (q.shape[2], k.shape[2]) if skip_reshape else (q.shape[1], k.shape[1])
-        site = call_site(to, len_q, len_k)
+        site = _site(to, q, k, skip_reshape)
         if mask is not None and not (mask.dtype == torch.bool or mask.is_floating_point()):
             return _Plan(f"attn_mask has dtype {str(mask.dtype).replace('torch.', '')}, which ComfyUI's own "
                          "backend interprets; passed through unchanged", site=site)
@@ -240,7 +245,7 @@ def make_override(backend: str, policy: str = "fallback", recorder=None, window=
         args = (q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs)
         if backend == COMFY_DEFAULT or backend == PASS_THROUGH:
             _check_call(q, k, v, mask, skip_reshape)
-            site = call_site(to, *((q.shape[2], k.shape[2]) if skip_reshape else (q.shape[1], k.shape[1])))
+            site = _site(to, q, k, skip_reshape)
             return delegate("", func, *args, site, to_func=backend == COMFY_DEFAULT)
         if torch.compiler.is_dynamo_compiling():  # traced once per graph; hashing symbolic sizes would specialise them
             signature = plan = None
@@ -275,19 +280,19 @@ def make_override(backend: str, policy: str = "fallback", recorder=None, window=
             inputs = describe_call(qs, ks, vs, mask, 0.0, False, plan.scale, plan.gqa, False, layout)
             _checks.check_structure(inputs)
             name = _non_quantised_tuner().choose(inputs, layout=layout, tensors=(qs, ks, vs, mask))[0]
-        if trust or checks:
+        def attend():
+            return dispatch_attention_fn(qs, ks, vs, attn_mask=mask, scale=plan.scale, enable_gqa=plan.gqa,
+                                         backend=name, layout=layout, policy=policy, call_site=plan.site,
+                                         recorder=plan.relabel)
+        if trust or checks:  # scopes only when the node asks for them: entering one costs ~1 us per call
             with contextlib.ExitStack() as stack:
                 if trust:
                     stack.enter_context(trusted_publishers(trust))
                 if checks:
                     stack.enter_context(attention_checks(checks))
-                out = dispatch_attention_fn(qs, ks, vs, attn_mask=mask, scale=plan.scale, enable_gqa=plan.gqa,
-                                            backend=name, layout=layout, policy=policy, call_site=plan.site,
-                                            recorder=plan.relabel)
+                out = attend()
         else:
-            out = dispatch_attention_fn(qs, ks, vs, attn_mask=mask, scale=plan.scale, enable_gqa=plan.gqa,
-                                        backend=name, layout=layout, policy=policy, call_site=plan.site,
-                                        recorder=plan.relabel)
+            out = attend()
         if plan.upcast:
             out = out.to(q.dtype)
         output = plan.output
