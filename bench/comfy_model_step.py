@@ -90,7 +90,7 @@ def main() -> int:
     import comfy.ops
 
     adapter, dispatcher = load_pack()
-    from attention_dispatch_pack.dispatcher.bench import sample_ms  # CUDA events on GPUs, a clock on the CPU
+    from attention_dispatch_pack.dispatcher.tools.bench import sample_ms  # CUDA events on GPUs, a clock on the CPU
     cfg = CONFIGS[args.model]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import dispatcher
-from dispatcher import bench, dispatch_attention_fn, tuner
+from dispatcher import dispatch_attention_fn, tuner
+from dispatcher.tools import bench
 from dispatcher.__main__ import main as cli
 
 ROOT = Path(__file__).resolve().parent.parent

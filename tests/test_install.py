@@ -28,7 +28,8 @@ import kernel_repos as kr  # noqa: E402
 from fake_hub import FakeHub  # noqa: E402
 
 import dispatcher  # noqa: E402
-from dispatcher import doctor, env, fetch, hub, install_plan as ip, installer, registry  # noqa: E402
+from dispatcher import env, hub, registry  # noqa: E402
+from dispatcher.tools import doctor, fetch, install_plan as ip, installer  # noqa: E402
 from dispatcher.machine import current_machine, detect, use_machine  # noqa: E402
 from dispatcher.requirements import EnvOptIn, Package, Probe, TorchVersion  # noqa: E402
 from dispatcher.spec import HubKernel  # noqa: E402

@@ -411,7 +411,7 @@ IMPORT_ALL = textwrap.dedent(f'''
     import importlib, importlib.util, sys, types
     sys.path.insert(0, {str(ROOT)!r})
     sys.path.insert(0, {str(ROOT / "tests")!r})
-    import dispatcher, dispatcher.tuner, dispatcher.doctor, dispatcher.bench, dispatcher.installer
+    import dispatcher, dispatcher.tuner, dispatcher.tools.doctor, dispatcher.tools.bench, dispatcher.tools.installer
     spec = importlib.util.spec_from_file_location("packundertest", {str(ROOT / "__init__.py")!r},
                                                   submodule_search_locations=[{str(ROOT)!r}])
     pack = importlib.util.module_from_spec(spec)

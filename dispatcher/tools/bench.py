@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import registry, tuner
-from .dispatch import dispatch_attention_fn
-from .machine import current_machine
+from .. import registry, tuner
+from ..dispatch import dispatch_attention_fn
+from ..machine import current_machine
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ def direct_call(name: str, q4, k4, v4):
     if name == "flex":
         from torch.nn.attention.flex_attention import flex_attention
 
-        from .backends.flex import compiled_flex
+        from ..backends.flex import compiled_flex
         if q.device.type == "cpu":
             return lambda: flex_attention(q, k, v, enable_gqa=gqa)
         fn = compiled_flex(q, k, v, masked=False, blocked=False, enable_gqa=gqa, lse=False)

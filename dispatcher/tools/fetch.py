@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import env, hub, trust
+from .. import env, hub, trust
 from .install_plan import PROTECTED, FetchTarget, Plan, Step, pip_argv
-from .versions import at_least
+from ..versions import at_least
 
 PREFIX = "[attention-dispatch]"
 
@@ -435,7 +435,7 @@ def install_packages(plan: Plan, *, yes: bool = False, dry_run: bool = False, on
         after = _constraints()
         if after != before:  # cannot happen through the constraint; say so loudly if it ever does
             _say(out, f"WARNING: torch packages changed during pip installs: {before.split()} -> {after.split()}")
-    from . import machine, registry, requirements
+    from .. import machine, registry, requirements
     requirements.forget_imports()
     registry.forget_availability()
     machine.refresh()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import textwrap
 
-from . import hub
-from .machine import current_machine
-from .registry import list_backends
+from .. import hub
+from ..machine import current_machine
+from ..registry import list_backends
 
 
 def report() -> dict:
@@ -31,7 +31,7 @@ def report() -> dict:
 def hub_kernels(lock: dict, backends: list[dict] | None = None) -> list[dict]:
     """Each Hub kernel a backend uses: fetched by install.py (pinned in the lock and still cached) or not."""
     usable = {b["name"] for b in backends or [] if b["available"]}
-    from .registry import get, names
+    from ..registry import get, names
     kernels: dict[tuple, dict] = {}
     for name in names():
         spec = get(name).hub

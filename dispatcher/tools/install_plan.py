@@ -14,10 +14,10 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from . import env, hub, registry, trust
-from .machine import Machine, current_machine, use_machine
-from .requirements import CudaCapability, EnvOptIn, OneOf, OnDevice, Package, Probe, RocmArch, TorchVersion
-from .versions import at_least
+from .. import env, hub, registry, trust
+from ..machine import Machine, current_machine, use_machine
+from ..requirements import CudaCapability, EnvOptIn, OneOf, OnDevice, Package, Probe, RocmArch, TorchVersion
+from ..versions import at_least
 
 # Statuses, most usable first.
 READY = "ready"  # runs now (a Hub backend whose kernel is already fetched and cached is also ready)

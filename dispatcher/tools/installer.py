@@ -18,7 +18,8 @@ import argparse
 import json
 import sys
 
-from . import fetch, hub, install_plan
+from .. import hub
+from . import fetch, install_plan
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     only = {n.strip() for n in args.only.split(",") if n.strip()} if args.only else None
     if only:
-        from . import registry
+        from .. import registry
         unknown = sorted(n for n in only if n not in registry.names())
         if unknown:
             print(f"install.py: unknown backend(s) {', '.join(unknown)}; valid: {', '.join(registry.names())}",
