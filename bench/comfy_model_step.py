@@ -132,8 +132,8 @@ def main() -> int:
         rows.append(row)
         print(f"{name:16} {ms:9.1f} {base_ms / ms:8.3f} {diff:9.2e}  {', '.join(row.get('served', []))}")
     if "auto" in configs:  # what it measured per attention signature of the model, and why it chose
-        next(r for r in rows if r["attention"] == "auto")["tuning"] = dispatcher.tuner.report()
-        print(dispatcher.tuner.explain())
+        next(r for r in rows if r["attention"] == "auto")["tuning"] = dispatcher.auto.report()
+        print(dispatcher.auto.explain())
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "config": cfg, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",

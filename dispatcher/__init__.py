@@ -6,13 +6,18 @@
 """
 
 from . import backends as _backends  # noqa: F401  (registers the built-in backends)
+from . import auto  # noqa: F401  (registers `auto` and `auto_exact`: auto.tune / report / explain / clear_cache)
+from .call import AttentionCall
 from .checks import AttentionInputError
-from .dispatch import BackendNotSupportedError, dispatch_attention_fn, fallback_order
+from .decisions import BackendNotSupportedError, fallback_order
+from .dispatch import dispatch_attention_fn
+from .inputs import AttentionInputs
 from .hub import KernelLoadError, LoadedKernel, loaded_kernels
 from .machine import Machine, current_machine, detect, use_machine
 from .masks import register_mask_format
-from .registry import (BUILTIN_NAMES, BackendStatus, BackendUnavailableError, UnknownBackendError,
-                       availability_reasons, list_backends, register_backend)
+from .registry import (BackendStatus, BackendUnavailableError, UnknownBackendError, availability_reasons,
+                       list_backends, register_backend)
+from . import registry as _registry
 from .registry import get as get_backend_spec
 from .registry import names as backend_names
 from .registry import remove as unregister_backend
@@ -21,14 +26,15 @@ from .spec import BackendSpec, HeadDims, HubKernel
 from .state import (active_backend, active_checks, active_policy, attention_backend, attention_checks, fallback_policy,
                     set_attention_backend, set_checks, set_fallback_policy, validate_backend)
 from .trust import TRUSTED_PUBLISHERS, trusted_publishers
-from . import tuner  # noqa: E402  (`auto`: tuner.tune / report / explain / clear_cache)
+
+BUILTIN_NAMES = _registry.builtin_names()  # in priority order
 
 __all__ = [
-    "AttentionInputError", "BUILTIN_NAMES", "BackendNotSupportedError", "BackendSpec", "BackendStatus",
+    "AttentionCall", "AttentionInputError", "AttentionInputs", "BUILTIN_NAMES", "BackendNotSupportedError", "BackendSpec", "BackendStatus",
     "BackendUnavailableError", "HeadDims", "HubKernel", "KernelLoadError", "LoadedKernel", "Machine", "Recorder",
     "TRUSTED_PUBLISHERS", "UnknownBackendError", "active_backend", "active_checks", "active_policy",
     "attention_backend", "attention_checks", "availability_reasons", "backend_names", "current_machine", "detect",
     "dispatch_attention_fn", "fallback_order", "fallback_policy", "get_backend_spec", "list_backends",
     "loaded_kernels", "recording", "register_backend", "register_mask_format", "set_attention_backend", "set_checks",
-    "set_fallback_policy", "trusted_publishers", "tuner", "unregister_backend", "use_machine", "validate_backend",
+    "set_fallback_policy", "trusted_publishers", "auto", "unregister_backend", "use_machine", "validate_backend",
 ]

@@ -8,7 +8,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dispatcher", description=__doc__)
+    parser = argparse.ArgumentParser(prog=f"python -m {__package__ or 'dispatcher'}", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     doctor = commands.add_parser("doctor", help="show every attention backend, available or not and why")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")

@@ -24,43 +24,51 @@ from typing import Any, Optional
 
 import torch
 
-from . import checks, dispatch, registry, state, tuner
+from . import checks, decisions, registry, state
+from .call import AttentionCall
+from .eager import dispatch_eager
+from .execute import run
 from .inputs import AttentionInputs, describe_call
 from .report import by_serial, current_recorder
 
-_traced_runners: dict[str, Any] = {}
+_traced_candidates: dict[tuple, Any] = {}
 _FIELDS = tuple(f.name for f in fields(AttentionInputs))
 
 
 def _eager():
-    if "<eager>" not in _traced_runners:
-        _traced_runners["<eager>"] = torch.compiler.disable(dispatch.dispatch_attention_fn)
-    return _traced_runners["<eager>"]
+    if "<eager>" not in _traced_candidates:
+        _traced_candidates["<eager>"] = torch.compiler.disable(dispatch_eager)
+    return _traced_candidates["<eager>"]
 
 
-def _traced_plan(backend, policy, signature, call_site, recorder_serial):
+def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial, attention_kwargs_keys=()):
     """Runs eagerly at trace time: (served backend, checks mode), or None when the eager path must raise."""
     _eager()
     if signature is None:
         return None
     try:
         requested = backend if backend is not None else state.active_backend()
-        if requested != tuner.AUTO and requested not in registry.names():
+        if not registry.is_known(requested):
             return None
         policy = state.validate_policy(policy) if policy is not None else state.active_policy()
         inputs = AttentionInputs(*signature)
         chosen = requested
-        if requested == tuner.AUTO:  # a decision made eagerly (or on disk) before, else the preference order
+        resolve = registry.resolver(requested)
+        if resolve is not None:  # a choice made eagerly (or on disk) before, else the priority order
             checks.check_structure(inputs)
-            chosen = tuner.choose(inputs, timing=False)[0]
-        decision = dispatch._decision_for(chosen, policy, inputs)
+            chosen = resolve(inputs, None, timing=False)[0]
+        decision = decisions.decision_for(chosen, policy, inputs, layout)
     except Exception:
         return None
-    name, spec, runner = decision.candidates[0]
-    _traced_runners[name] = (spec, runner)
+    candidate = decision.candidates[0]
+    if attention_kwargs_keys:
+        candidate = checks.candidates_for_attention_kwargs(decision.requested, policy, decision.candidates,
+                                                           dict.fromkeys(attention_kwargs_keys))[0]
+    name = candidate.name
+    _traced_candidates[(name, layout)] = candidate
     reasons = decision.reasons_for(name) if name != decision.requested else ()
     if reasons:
-        dispatch._log_once(decision.requested, name, reasons)
+        decisions.log_once(decision.requested, name, reasons)
     recorder = by_serial(recorder_serial) if recorder_serial else current_recorder()
     if recorder is not None:
         recorder.record(call_site, requested, name, reasons)
@@ -120,8 +128,9 @@ def _define(name: str):
              layout: str, policy: Optional[str], return_lse: bool, call_site: str,
              recorder_serial: int) -> tuple[torch.Tensor, torch.Tensor]:
         # The eager path itself (this body also runs when the op is traced by make_fx or export).
-        result = dispatch.dispatch_eager(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, None,
-                                         backend, layout, policy, return_lse, call_site, by_serial(recorder_serial))
+        result = dispatch_eager(AttentionCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                              None, backend, layout, policy, return_lse, call_site,
+                                              by_serial(recorder_serial)))
         out, lse = result if return_lse else (result, query.new_empty(0, dtype=torch.float32))
         # An op's outputs are fresh, dense tensors, as the fake below promises the compiler.
         return out.contiguous(), lse.contiguous()
@@ -139,8 +148,9 @@ def _serial_of(recorder) -> int | None:
     return 0 if recorder is None else getattr(recorder, "serial", None)
 
 
-def dispatch_traced(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
-                    backend, layout, policy, return_lse, call_site, recorder):
+def dispatch_traced(call: AttentionCall):
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, \
+        policy, return_lse, call_site, recorder = call
     serial = _serial_of(recorder)
     shaped = serial is not None and query.dim() == key.dim() == value.dim() == 4 and layout in ("BSHD", "BHSD")
     if shaped and _symbolic_sizes():
@@ -157,17 +167,15 @@ def dispatch_traced(query, key, value, attn_mask, dropout_p, is_causal, scale, e
                                layout)
     # Plain constants (dynamo hands an assume_constant_result function no real dataclass instance).
     signature = None if inputs is None else tuple(getattr(inputs, f) for f in _FIELDS)
-    plan = _traced_plan(backend, policy, signature, call_site, serial)
+    plan = _traced_plan(backend, policy, signature, layout, call_site, serial,
+                        tuple(sorted(attention_kwargs)) if attention_kwargs else ())
     if plan is None:
-        return _eager()(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
-                        backend=backend, layout=layout, policy=policy, return_lse=return_lse, call_site=call_site,
-                        recorder=recorder)
+        return _eager()(call)
     name, mode = plan
-    spec, runner = _traced_runners[name]
+    candidate = _traced_candidates[(name, layout)]
     if mode != "off":
         checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, name)
-    out = dispatch._run(spec, runner, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                        return_lse, layout, attention_kwargs or {})
+    out = run(candidate, call)
     if mode != "off":
         checks.check_values({"output": out[0] if return_lse else out}, mode, name)
     return out

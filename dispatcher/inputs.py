@@ -6,7 +6,8 @@ per-signature decision cache on the hot path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -39,6 +40,40 @@ class AttentionInputs:
     value_dtype: torch.dtype | None = None
     key_device: torch.device | None = None
     value_device: torch.device | None = None
+    batch_kv: int | None = None  # the key/value batch: 1 broadcasts over the query's batch, as SDPA does
+
+    @classmethod
+    def of(cls, batch: int, heads_q: int, len_q: int, head_dim: int, *, len_kv: int | None = None,
+           heads_kv: int | None = None, head_dim_v: int | None = None, dtype="bfloat16", device="cuda",
+           mask_kind: str = "none", mask_shape=None, is_causal: bool = False, enable_gqa: bool | None = None,
+           custom_scale: bool = False, dropout: bool = False, return_lse: bool = False,
+           requires_grad: bool = False) -> "AttentionInputs":
+        """A signature written by hand (the tuner's API, tests): lengths, heads and dims default to the query's,
+        dtype may be a name ("bfloat16"), enable_gqa follows the head counts."""
+        dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+        device = normal_device(device)
+        heads_kv = heads_q if heads_kv is None else heads_kv
+        return cls(batch=batch, heads_q=heads_q, heads_kv=heads_kv, len_q=len_q,
+                   len_kv=len_q if len_kv is None else len_kv, head_dim=head_dim,
+                   head_dim_v=head_dim if head_dim_v is None else head_dim_v, dtype=dtype, device=device,
+                   mask_kind=mask_kind, mask_shape=None if mask_shape is None else tuple(int(s) for s in mask_shape),
+                   is_causal=is_causal, dropout=dropout, custom_scale=custom_scale,
+                   enable_gqa=heads_kv != heads_q if enable_gqa is None else enable_gqa, return_lse=return_lse,
+                   requires_grad=requires_grad, key_dtype=dtype, value_dtype=dtype, key_device=device,
+                   value_device=device, batch_kv=batch)
+
+    def as_dict(self) -> dict:
+        """Plain data (JSON): the signature's own fields, dtypes and devices as text."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name not in _PER_TENSOR}
+
+    def key(self) -> str:
+        """Stable text for the disk cache."""
+        return json.dumps(self.as_dict(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def flops(self) -> int:
+        """4·B·H·Lq·Lk·D (QKᵀ and PV, multiply-add = 2)."""
+        return 2 * self.batch * self.heads_q * self.len_q * self.len_kv * (self.head_dim + self.head_dim_v)
 
     @property
     def device_kind(self) -> str:
@@ -54,6 +89,24 @@ class AttentionInputs:
                 f"k/v (Lk={self.len_kv}, H={self.heads_kv}, Dv={self.head_dim_v}), {str(self.dtype).replace('torch.', '')} "
                 f"on {self.device}, mask {mask}, causal={self.is_causal}, dropout={self.dropout}, "
                 f"scale={'custom' if self.custom_scale else 'default'}, gqa={self.enable_gqa}, lse={self.return_lse}")
+
+
+_DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+_PER_TENSOR = ("key_dtype", "value_dtype", "key_device", "value_device")  # equal to the query's in valid calls
+
+
+def normal_device(device) -> torch.device:
+    """'cuda' and 'cuda:0' are one device: one signature."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return device
+
+
+def _plain(value):
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value).replace("torch.", "")
+    return list(value) if isinstance(value, tuple) else value
 
 
 def split_dims(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
@@ -72,7 +125,7 @@ def split_dims(t: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
 
 def describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, layout) -> AttentionInputs:
     b, lq, hq, d = split_dims(query, layout)
-    _, lk, hk, _ = split_dims(key, layout)
+    bk, lk, hk, _ = split_dims(key, layout)
     _, _, _, dv = split_dims(value, layout)
     kind = mask_kind(attn_mask)
     return AttentionInputs(
@@ -83,4 +136,5 @@ def describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         enable_gqa=bool(enable_gqa), return_lse=bool(return_lse),
         requires_grad=torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
         key_dtype=key.dtype, value_dtype=value.dtype, key_device=key.device, value_device=value.device,
+        batch_kv=bk,
     )

@@ -15,21 +15,23 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-# Distributions whose versions decide backend availability. A distribution can be installed while
-# its import fails (ABI mismatch), which is why requirements also probe the import and a real call.
-TRACKED_DISTRIBUTIONS = (
-    "torch",
-    "flash-attn",
-    "flash-attn-3",
-    "fa3-fwd",
-    "flash-attn-4",
-    "sageattention",
-    "xformers",
-    "kernels",
-    "torch-npu",
-    "torch-xla",
-    "triton",
-)
+# Distributions whose versions decide backend availability: torch and triton, plus every package a
+# registered backend requires (the registry adds them: `track`). A distribution can be installed while its
+# import fails (ABI mismatch), which is why requirements also probe the import and a real call.
+_tracked: list[str] = ["torch", "triton"]
+
+
+def track(*distributions: str) -> None:
+    """Look up these distributions' versions too (from the next detection on)."""
+    global _detected
+    new = [d for d in distributions if d not in _tracked]
+    if new:
+        _tracked.extend(new)
+        _detected = None
+
+
+def tracked_distributions() -> tuple[str, ...]:
+    return tuple(_tracked)
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class Machine:
 
 def _installed_packages() -> dict[str, str]:
     found = {}
-    for dist in TRACKED_DISTRIBUTIONS:
+    for dist in tuple(_tracked):
         try:
             found[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:

@@ -2,7 +2,11 @@
 
 Canonical form inside the dispatcher: a tensor broadcastable to (B, H, Lq, Lk), either bool
 (True = attend) or an additive float bias (0 = keep, -inf / -max = drop). Rank rule (ComfyUI's):
-2-D is (Lq, Lk), 3-D is (B, Lq, Lk), 4-D is (B, H, Lq, Lk); any size-1 axis broadcasts.
+2-D is (Lq, Lk), 3-D is (B, Lq, Lk), 4-D is (B, H, Lq, Lk); any size-1 axis broadcasts. A 2-D mask
+that diffusers' `native` would read as (B, Lk) key padding (first axis == B != 1) is refused with the
+reshape to use, since the two readings differ (silently, when B == Lq): see `key_padding_hint`.
+An additive mask keeps its float32 precision wherever the kernel adds it in float32 ("native" on the CPU,
+"precise"): it is cast to a half query dtype only for kernels that demand it.
 Backends ask for the form they take: additive, bool, FlexAttention `BlockMask`/`score_mod`,
 or varlen key lengths.
 """
@@ -40,10 +44,34 @@ def to_4d(mask: torch.Tensor) -> torch.Tensor:
                      f"got shape {tuple(mask.shape)}")
 
 
+def key_padding_hint(mask_shape: tuple[int, ...], batch: int, len_q: int, len_kv: int) -> str | None:
+    """Why a 2-D mask is refused when diffusers' `native` would read it as (B, Lk) key padding, or None.
+
+    A 2-D mask is (Lq, Lk) here (ComfyUI's rank rule, and SDPA's right-aligned broadcasting); diffusers'
+    `native` reads a 2-D mask whose first axis equals B as (B, Lk) key padding instead. When that axis
+    equals B but not Lq, diffusers would run it and we would fail to broadcast it; when it equals both
+    (B == Lq > 1) the two readings silently give different results. Both are refused with the fix: say
+    which one is meant with a 4-D mask.
+    """
+    if len(mask_shape) != 2 or mask_shape[1] != len_kv or mask_shape[0] == 1 or mask_shape[0] != batch:
+        return None
+    fix = (f"pass attn_mask[:, None, None, :] (shape ({batch}, 1, 1, {len_kv})) for key padding per batch element"
+           f", or attn_mask[None, None] (shape (1, 1, {mask_shape[0]}, {len_kv})) for one (Lq, Lk) mask")
+    if mask_shape[0] == len_q:
+        return (f"attn_mask of shape {tuple(mask_shape)} is ambiguous: with B == Lq == {batch} it is either "
+                f"(Lq, Lk), as this dispatcher and SDPA read a 2-D mask, or (B, Lk) key padding, as diffusers' "
+                f"native backend reads it, and the two give different results; {fix}")
+    return (f"attn_mask of shape {tuple(mask_shape)} is (B, Lk) key padding as diffusers' native backend reads "
+            f"it, but a 2-D mask is (Lq, Lk) here (Lq = {len_q}); {fix}")
+
+
 def broadcast_problem(mask_shape: tuple[int, ...], batch: int, heads: int, len_q: int, len_kv: int) -> str | None:
     """Why a mask of this shape cannot broadcast to (B, H, Lq, Lk), or None."""
     if not 2 <= len(mask_shape) <= 4:
         return f"attn_mask has {len(mask_shape)} dimensions; expected 2 to 4"
+    hint = key_padding_hint(tuple(mask_shape), batch, len_q, len_kv)
+    if hint:
+        return hint
     shape = (1,) * (4 - len(mask_shape)) + tuple(mask_shape)
     if len(mask_shape) == 3:
         shape = (mask_shape[0], 1, mask_shape[1], mask_shape[2])
@@ -62,12 +90,37 @@ def to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask if mask.dtype == dtype else mask.to(dtype)
 
 
+def precise_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an additive mask keeps for a kernel that adds it in float32 or wider: float32 for half and
+    float32 inputs, float64 for float64 ones. Casting a float32 mask to bfloat16 first rounds every bias to
+    8 bits of mantissa: with a bias of std 10 the result was ~5x less accurate than SDPA's on the same call."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 # Mask formats a backend can ask for; each converter gets the canonical 4-D view (or a BlockMask)
 # and the dtype of the query, and returns what the kernel takes.
 def _native(mask, dtype):
-    # SDPA takes a bool mask or an additive one of the query's dtype: an additive mask of another float
-    # dtype (float32 with half inputs, or with attn_precision's float32 upcast) is cast, not rejected.
-    return mask if mask.dtype == torch.bool or mask.dtype == dtype else mask.to(dtype)
+    """For SDPA (public, or one of its kernels pinned). SDPA takes a bool mask, an additive mask of the
+    query's dtype, or a float32 one with any query. On the CPU both of its kernels (flash and math) add a
+    float32 mask in float32, so a float32 mask is kept there (any other float mask becomes float32 for half
+    inputs). On GPUs its memory-efficient kernel refuses a bias of another dtype than the query's ("invalid
+    dtype for bias - should match query's dtype"), so there the mask is cast to the query's dtype."""
+    if mask.dtype == torch.bool or mask.dtype == dtype:
+        return mask
+    if mask.device.type == "cpu":
+        target = precise_dtype(dtype)
+        return mask if mask.dtype == target else mask.to(target)
+    return mask.to(dtype)
+
+
+def _precise(mask, dtype):
+    """For kernels that add the mask to float32 (or float64) scores on every device (SDPA's math kernel, which
+    upcasts half inputs; FlexAttention's score_mod): a bool mask as given, an additive one kept in float32
+    (float64 for float64 inputs), never rounded to the query's half dtype first."""
+    if mask.dtype == torch.bool:
+        return mask
+    target = precise_dtype(dtype)
+    return mask if mask.dtype == target else mask.to(target)
 
 
 def _bool(mask, dtype):
@@ -80,7 +133,7 @@ def _key_padding(mask, dtype):
     return _bool(mask, dtype)[:, 0, 0, :]  # (B|1, Lk)
 
 
-_FORMATS = {"native": _native, "additive": lambda m, dtype: to_additive(m, dtype), "bool": _bool,
+_FORMATS = {"native": _native, "precise": _precise, "additive": lambda m, dtype: to_additive(m, dtype), "bool": _bool,
             "key_padding": _key_padding}
 
 

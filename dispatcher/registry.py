@@ -8,8 +8,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import hub
-from .machine import Machine, current_machine
+from . import caches, hub
+from .machine import Machine, current_machine, track
 from .requirements import Package
 from .spec import FLOATS, BackendSpec, HeadDims, HubKernel
 
@@ -17,14 +17,12 @@ _specs: dict[str, BackendSpec] = {}
 _lock = threading.RLock()
 # (name, id(machine)) -> (machine, reasons): the machine is kept so its id cannot be reused by another one.
 _availability: dict[tuple[str, int], tuple[Machine, tuple[str, ...]]] = {}
-
-BUILTIN_NAMES = (
-    "native", "flex", "_native_cudnn", "_native_efficient", "_native_flash", "_native_math", "_native_npu",
-    "_native_xla", "flash", "flash_hub", "flash_varlen", "flash_varlen_hub", "aiter_fa2_hub", "aiter_sage_hub",
-    "flash_4_hub", "_flash_3", "_flash_varlen_3", "_flash_3_hub", "_flash_3_varlen_hub", "sage", "sage_hub",
-    "sage_blackwell_hub", "sage_varlen", "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90",
-    "_sage_qk_int8_pv_fp16_cuda", "_sage_qk_int8_pv_fp16_triton", "xformers",
-)
+# The one priority list (dispatcher/backends/__init__.py sets it): listings and `auto` follow it; backends
+# it does not name come after, in registration order.
+_priority: dict[str, int] = {}
+# Names that are not kernels but choose one per call (`auto`, `auto_exact`): name -> resolver(inputs, call)
+# returning (backend name, whether the choice depends on trust settings). Registered by their wing.
+_resolvers: dict[str, Callable] = {}
 
 
 class UnknownBackendError(ValueError):
@@ -44,8 +42,9 @@ def add(spec: BackendSpec, *, replace: bool = False) -> BackendSpec:
                              "pass replace=True to override it")
         _specs[spec.name] = spec
         _availability.clear()
-        from . import dispatch  # the decision cache depends on the registry
-        dispatch.forget_decisions()
+    for requirement in spec.requirements:  # their versions become part of the machine's description
+        track(*getattr(requirement, "distributions", ()))
+    caches.forget()  # decisions depend on the registry
     return spec
 
 
@@ -56,16 +55,49 @@ def remove(name: str) -> None:
             raise ValueError(f"only custom backends can be removed; '{name}' is {'built in' if spec else 'not registered'}")
         del _specs[name]
         _availability.clear()
-        from . import dispatch
-        dispatch.forget_decisions()
+    caches.forget()
+
+
+def set_priority(order) -> None:
+    """The one priority list of built-in backends, best first."""
+    with _lock:
+        _priority.clear()
+        _priority.update((name, i) for i, name in enumerate(order))
+    caches.forget()
 
 
 def names() -> list[str]:
-    """Built-in backends in their canonical order, then custom ones in registration order."""
+    """Built-in backends in priority order, then custom ones in registration order."""
     with _lock:  # another thread may be registering one (iterating a changing dict raises)
-        current = list(_specs)
-    builtin = [n for n in BUILTIN_NAMES if n in current]
-    return builtin + [n for n in current if n not in BUILTIN_NAMES]
+        current = list(_specs.values())
+    builtin = [s.name for s in current if not s.custom]
+    last = len(_priority)
+    builtin.sort(key=lambda n: _priority.get(n, last))  # stable: unlisted ones keep registration order
+    return builtin + [s.name for s in current if s.custom]
+
+
+def builtin_names() -> tuple[str, ...]:
+    return tuple(n for n in names() if not _specs[n].custom)
+
+
+def add_resolver(name: str, resolve: Callable) -> None:
+    """A pseudo-backend: `resolve(inputs, call)` -> (backend name, trust-sensitive), decided per signature."""
+    with _lock:
+        _resolvers[name] = resolve
+    caches.forget()
+
+
+def resolver(name: str) -> Callable | None:
+    return _resolvers.get(name)
+
+
+def resolver_names() -> list[str]:
+    return list(_resolvers)
+
+
+def is_known(name) -> bool:
+    """A registered backend or a pseudo-backend that picks one."""
+    return isinstance(name, str) and (name in _specs or name in _resolvers)
 
 
 def get(name: str) -> BackendSpec:
@@ -76,7 +108,7 @@ def get(name: str) -> BackendSpec:
 
 
 def unknown_message(name) -> str:
-    valid = names()
+    valid = resolver_names() + names()
     close = difflib.get_close_matches(str(name), valid, n=1)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     return f"unknown attention backend {name!r}.{hint} Valid backends: {', '.join(valid)}"
@@ -92,7 +124,7 @@ def availability_reasons(name: str, machine: Machine | None = None) -> list[str]
         cached = entry[1] if entry is not None and entry[0] is machine else None
         if cached is None:
             found = []
-            for req in spec.requires:
+            for req in spec.requirements:
                 if found and type(req).__name__ == "Probe":
                     continue  # a real call is only worth making once everything else is there
                 reason = req.reason(machine)
@@ -167,7 +199,8 @@ def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD",
     """
     if not name or not isinstance(name, str):
         raise ValueError("a custom attention backend needs a non-empty string name")
-    if name in BUILTIN_NAMES:
+    existing = _specs.get(name)
+    if (existing is not None and not existing.custom) or name in _resolvers:
         raise ValueError(f"'{name}' is a built-in backend name; choose another name for a custom backend")
     if not callable(fn):
         raise TypeError(f"fn must be callable; got {type(fn).__name__}")

@@ -55,6 +55,10 @@ class Package:
     def describe(self) -> str:
         return f"{self.dist}>={self.min_version}" if self.min_version else self.dist
 
+    @property
+    def distributions(self) -> tuple[str, ...]:
+        return (self.dist,)
+
     def reason(self, machine: Machine) -> str | None:
         if self.torch and not at_least(machine.torch_version, self.torch):
             return f"{self.dist} needs torch>={self.torch}; this torch is {machine.torch_version}"
@@ -79,6 +83,10 @@ class OneOf:
 
     def describe(self) -> str:
         return " or ".join(p.describe() for p in self.packages)
+
+    @property
+    def distributions(self) -> tuple[str, ...]:
+        return tuple(p.dist for p in self.packages)
 
     def reason(self, machine: Machine) -> str | None:
         reasons = []

@@ -89,10 +89,16 @@ class BackendSpec:
     fallback: tuple[str, ...] = ("native",)
     # A kernel whose result may differ from exact attention by more than bf16 rounding (int8 Sage).
     error_bound: float = 2e-2
-    preference: int = 0  # the order of `auto` before measurement: higher first
+    quantised: bool = False  # computes in reduced precision (int8/fp8): never chosen by `auto_exact`
     extra_reasons: Callable[[AttentionInputs], list[str]] | None = field(default=None, compare=False, repr=False)
     custom: bool = False
     mask_format: str = "additive"  # what the kernel is handed: additive | bool | blockmask | key_padding
+
+    @property
+    def requirements(self) -> tuple:
+        """What the machine must have: the declared requirements, then the GPU generations the spec names
+        (stated once, as `capability` / `rocm`, and checked here as requirements too)."""
+        return self.requires + tuple(r for r in (self.capability, self.rocm) if r is not None and r not in self.requires)
 
     def not_supported_reasons(self, inputs: AttentionInputs) -> list[str]:
         reasons: list[str] = []
@@ -155,7 +161,7 @@ class BackendSpec:
             "devices": sorted(self.devices),
             "dtypes": sorted(_dtype_name(d) for d in self.dtypes),
             "head_dims": self.head_dims.describe(),
-            "requires": [r.describe() for r in self.requires],
+            "requires": [r.describe() for r in self.requirements],
             "capability": self.capability.describe() if self.capability else None,
             "rocm_archs": list(self.rocm.archs) if self.rocm else None,
             "supports": {"mask": sorted(m for m in self.masks if m != "none"), "causal": self.causal,
@@ -166,5 +172,6 @@ class BackendSpec:
             "fallback": list(self.fallback),
             "context_parallel": list(self.context_parallel_modes),
             "error_bound": self.error_bound,
+            "quantised": self.quantised,
             "custom": self.custom,
         }

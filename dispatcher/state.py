@@ -33,7 +33,7 @@ def validate_backend(name: str) -> str:
     """Check a name and its requirements, and load its Hub kernel, so a first call cannot fail half-initialised."""
     if not isinstance(name, str):
         raise TypeError(f"backend must be a string name; got {type(name).__name__}")
-    if name == "auto":  # the tuner's pseudo-backend: resolved per call signature (dispatcher.tuner)
+    if registry.resolver(name) is not None:  # a pseudo-backend (`auto`): resolved per call signature
         return name
     spec = registry.get(name)
     reasons = registry.availability_reasons(spec.name)
@@ -55,7 +55,7 @@ def default_backend() -> str:
         with _lock:
             if _default_backend is None:
                 wanted = env.value(env.ATTN_BACKEND, "native")
-                if wanted not in registry.names() and wanted != "auto":
+                if not registry.is_known(wanted):
                     logger.error("%s=%s: %s; using 'native'", env.ATTN_BACKEND, wanted, registry.unknown_message(wanted))
                     wanted = "native"
                 _default_backend = wanted

@@ -1,9 +1,9 @@
 """The ComfyUI attention override: ComfyUI's call convention in, `dispatch_attention_fn` out.
 
 ComfyUI calls `transformer_options["optimized_attention_override"](func, q, k, v, heads, ...)` with
-`func` = its own (unwrapped) default backend. `make_override` returns a *closure* because
-`ModelPatcher.clone()` deep-copies model_options: plain functions are copied by reference, callable
-instances would be duplicated on every clone (and fail on locks). Nothing here imports ComfyUI.
+`func` = its own (unwrapped) default backend. `AttentionOverride` is that callable: `ModelPatcher.clone()`
+deep-copies model_options, and the override's `__deepcopy__` returns itself, so every clone shares one
+override (its plans and its recorder). Nothing here imports ComfyUI.
 
 Decisions, documented once:
 - Calls this override does not handle (outside the step window, integer masks, unknown heads) go to
@@ -13,10 +13,10 @@ Decisions, documented once:
   compute softmax in fp32. We keep that promise by running the dispatcher on fp32 copies and casting
   the output back; a backend without fp32 support then falls back (policy "fallback") or fails ("strict").
 - `low_precision_attention=False` (newer ComfyUI, e.g. WAN I2V image cross-attention) with a quantised
-  backend (family "sage"): the first non-quantised backend in that backend's fallback chain runs instead.
-- "auto": the dispatcher's tuner (times and validates every backend that supports the call, caches the
-  winner per signature on disk); with `low_precision_attention=False` a tuner limited to non-quantised
-  backends. It never downloads code: Hub kernels count once fetched (install.py) and trusted.
+  backend (`spec.quantised`): the first non-quantised backend in that backend's fallback chain runs instead.
+- "auto": the dispatcher's `auto` (times and validates every backend that supports the call, caches the
+  winner per signature on disk); with `low_precision_attention=False` the dispatcher's `auto_exact`, which
+  never picks a quantised kernel. It never downloads code: Hub kernels count once fetched and trusted.
 """
 
 from __future__ import annotations
@@ -25,17 +25,15 @@ import contextlib
 
 import torch
 
-from ..dispatcher import (attention_checks, backend_names, dispatch_attention_fn, fallback_order, get_backend_spec,
-                          trusted_publishers, tuner)
+from ..dispatcher import attention_checks, dispatch_attention_fn, fallback_order, get_backend_spec, trusted_publishers
 from ..dispatcher import checks as _checks
-from ..dispatcher.inputs import describe_call
 from ..dispatcher.report import register as register_recorder
 from .window import in_window
 
 AUTO = "auto"
+AUTO_EXACT = "auto_exact"  # the dispatcher's `auto` without quantised kernels
 COMFY_DEFAULT = "comfy default"
 PASS_THROUGH = "pass through"  # checks/compare only: every call goes to `previous` (or `func`)
-QUANTISED_FAMILIES = frozenset({"sage"})
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -81,21 +79,9 @@ def _to_bhsd(out: torch.Tensor, skip_output_reshape: bool, heads: int) -> torch.
     return out.unflatten(-1, (heads, -1)).transpose(1, 2)
 
 
-_exact_tuner = None
-
-
-def _non_quantised_tuner():
-    """A tuner that never picks a quantised backend (for calls that asked for full precision)."""
-    global _exact_tuner
-    names = tuple(n for n in backend_names() if get_backend_spec(n).family not in QUANTISED_FAMILIES)
-    if _exact_tuner is None or _exact_tuner.backends != names:
-        _exact_tuner = tuner.Tuner(backends=names)
-    return _exact_tuner
-
-
 def _non_quantised(name: str) -> str:
     for candidate in fallback_order(name):
-        if get_backend_spec(candidate).family not in QUANTISED_FAMILIES:
+        if not get_backend_spec(candidate).quantised:
             return candidate
     return "native"
 
@@ -131,7 +117,7 @@ class _Plan:
     the views to take, the backend name to pass and how to shape the output. Plain attributes, read per call."""
 
     __slots__ = ("reason", "view_q", "view_k", "view_v", "layout", "upcast", "name", "notes", "relabel", "site",
-                 "scale", "gqa", "exact_auto", "output")
+                 "scale", "gqa", "output")
 
     def __init__(self, reason=None, **fields):
         self.reason = reason
@@ -146,9 +132,8 @@ def _signature(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_r
             kwargs.get("low_precision_attention", True), to.get("block_type"), to.get("block"))
 
 
-def make_override(backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
-                  compare=None, previous=None):
-    """An `optimized_attention_override` closure for one Set Attention Backend node.
+class AttentionOverride:
+    """The `optimized_attention_override` of one Set Attention Backend node (or Attention Checks node).
 
     backend: a dispatcher backend name, "auto" or "comfy default"; policy: "fallback" | "strict";
     recorder: a `Recorder` (shared across clones); window: (start_percent, end_percent) or None;
@@ -158,19 +143,97 @@ def make_override(backend: str, policy: str = "fallback", recorder=None, window=
     Per call signature (shapes, dtype, mask kind, flags, block) the first call validates and plans; repeat
     calls cost a dict lookup, the views and the dispatcher's own lookup (see `_Plan`).
     """
-    trust = frozenset(trust or ())
-    window = tuple(window) if window is not None else None
-    plans: dict[tuple, _Plan] = {}  # shared by every clone of the model (deepcopy keeps the closure)
-    # Made here, not in a traced call (torch.compile cannot trace registering one); others on first use.
-    relabels: dict[tuple, _Relabel] = {} if recorder is None else {(): _Relabel(recorder, backend)}
 
-    def record(site, requested, served, reasons):
-        if recorder is not None:
-            recorder.record(site, requested, served, tuple(reasons))
+    def __init__(self, backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
+                 compare=None, previous=None):
+        self.backend, self.policy, self.recorder = backend, policy, recorder
+        self.window = tuple(window) if window is not None else None
+        self.trust = frozenset(trust or ())
+        self.checks, self.compare, self.previous = checks, compare, previous
+        self._plans: dict[tuple, _Plan] = {}
+        # Made here, not in a traced call (torch.compile cannot trace registering one); others on first use.
+        self._relabels: dict[tuple, _Relabel] = {} if recorder is None else {(): _Relabel(recorder, backend)}
+        # Read by the Attention Checks node to rebuild this override with checks on, and by the report.
+        self.attention_dispatch = {"backend": backend, "policy": policy, "recorder": recorder, "window": self.window,
+                                   "trust": tuple(sorted(self.trust)), "checks": checks, "compare": compare,
+                                   "previous": previous}
 
-    def finish(out, site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, scale, gqa, label):
-        if checks:
-            _checks.check_values({"output": out}, checks, label)
+    def __deepcopy__(self, memo):  # ModelPatcher.clone() deep-copies model_options: every clone shares this one
+        return self
+
+    def __call__(self, func, q, k, v, heads=None, mask=None, attn_precision=None, skip_reshape=False,
+                 skip_output_reshape=False, **kwargs):
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
+        to = kwargs.get("transformer_options") or {}
+        args = (q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs)
+        backend = self.backend
+        if backend == COMFY_DEFAULT or backend == PASS_THROUGH:
+            _check_call(q, k, v, mask, skip_reshape)
+            return self._delegate("", func, *args, _site(to, q, k, skip_reshape), to_func=backend == COMFY_DEFAULT)
+        if torch.compiler.is_dynamo_compiling():  # traced once per graph; hashing symbolic sizes would specialise them
+            signature = plan = None
+        else:
+            try:
+                signature = _signature(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape,
+                                       kwargs, to)
+                plan = self._plans.get(signature)
+            except (AttributeError, TypeError):  # not tensors (_plan raises the clear error), unhashable options
+                signature = plan = None
+        if plan is None:
+            plan = self._plan(q, k, v, heads, mask, skip_reshape, skip_output_reshape, attn_precision, kwargs, to)
+            if signature is not None:
+                self._plans[signature] = plan
+        window = self.window
+        if window is not None and not in_window(to, window):
+            return self._delegate(f"outside the step window {window[0]:.2f}..{window[1]:.2f}", func, *args, plan.site)
+        if plan.reason is not None:
+            return self._delegate(plan.reason, func, *args, plan.site)
+
+        if plan.view_q is not None:
+            qs, ks, vs = q.view(*plan.view_q), k.view(*plan.view_k), v.view(*plan.view_v)
+        else:
+            qs, ks, vs = q, k, v
+        if plan.upcast:
+            qs, ks, vs = qs.float(), ks.float(), vs.float()
+        if self.trust or self.checks:  # scopes only when the node asks for them: entering one costs ~1 us per call
+            with contextlib.ExitStack() as stack:
+                if self.trust:
+                    stack.enter_context(trusted_publishers(self.trust))
+                if self.checks:
+                    stack.enter_context(attention_checks(self.checks))
+                out = self._attend(plan, qs, ks, vs, mask)
+        else:
+            out = self._attend(plan, qs, ks, vs, mask)
+        if plan.upcast:
+            out = out.to(q.dtype)
+        output = plan.output
+        if output == "flatten":
+            out = out.flatten(2)
+        elif output == "transpose":
+            out = out.transpose(1, 2)
+        elif output == "transpose_flatten":
+            out = out.transpose(1, 2).flatten(2)
+        if self.checks or self.compare is not None:
+            return self._finish(out, plan.site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, plan.scale,
+                                plan.gqa, plan.name)
+        return out
+
+    def _attend(self, plan, qs, ks, vs, mask):
+        if mask is not None and mask.dim() == 2:  # ComfyUI's 2-D mask is (Lq, Lk): say so (a view), since the
+            mask = mask[None, None]                # dispatcher refuses a bare 2-D mask with B == Lq as ambiguous
+        return dispatch_attention_fn(qs, ks, vs, attn_mask=mask, scale=plan.scale, enable_gqa=plan.gqa,
+                                     backend=plan.name, layout=plan.layout, policy=self.policy, call_site=plan.site,
+                                     recorder=plan.relabel)
+
+    def _record(self, site, requested, served, reasons):
+        if self.recorder is not None:
+            self.recorder.record(site, requested, served, tuple(reasons))
+
+    def _finish(self, out, site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, scale, gqa, label):
+        if self.checks:
+            _checks.check_values({"output": out}, self.checks, label)
+        compare = self.compare
         comparable = mask is None or mask.dtype == torch.bool or mask.is_floating_point()
         if compare is not None and comparable and (skip_reshape or heads) and compare.wants():
             if skip_reshape:
@@ -183,28 +246,30 @@ def make_override(backend: str, policy: str = "fallback", recorder=None, window=
             compare.add(site, _to_bhsd(out, skip_output_reshape, h), qb, kb, vb, mask, scale, gqa)
         return out
 
-    def delegate(reason, func, q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs, site,
-                 to_func=False):
+    def _delegate(self, reason, func, q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs,
+                  site, to_func=False):
+        previous = self.previous
         target_is_previous = previous is not None and not to_func
         served = "previous override" if target_is_previous else f"comfy:{getattr(func, '__name__', 'func')}"
         # "comfy default" asked for ComfyUI's attention: that is what served it, not a fallback.
-        record(site, served if backend == COMFY_DEFAULT else backend, served, (reason,) if reason else ())
-        if checks:
-            _checks.check_values({"query": q, "key": k, "value": v, "attn_mask": mask}, checks, served)
+        self._record(site, served if self.backend == COMFY_DEFAULT else self.backend, served,
+                     (reason,) if reason else ())
+        if self.checks:
+            _checks.check_values({"query": q, "key": k, "value": v, "attn_mask": mask}, self.checks, served)
         call = (lambda *a, **kw: previous(func, *a, **kw)) if target_is_previous else func
         out = call(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
                    skip_output_reshape=skip_output_reshape, **kwargs)
-        return finish(out, site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, kwargs.get("scale"),
-                      bool(kwargs.get("enable_gqa", False)), served)
+        return self._finish(out, site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, kwargs.get("scale"),
+                            bool(kwargs.get("enable_gqa", False)), served)
 
-    def relabel(notes):
-        if recorder is None:
+    def _relabel(self, notes):
+        if self.recorder is None:
             return None
-        if notes not in relabels:
-            relabels[notes] = _Relabel(recorder, backend, notes)
-        return relabels[notes]
+        if notes not in self._relabels:
+            self._relabels[notes] = _Relabel(self.recorder, self.backend, notes)
+        return self._relabels[notes]
 
-    def plan_for(q, k, v, heads, mask, skip_reshape, skip_output_reshape, attn_precision, kwargs, to) -> _Plan:
+    def _plan(self, q, k, v, heads, mask, skip_reshape, skip_output_reshape, attn_precision, kwargs, to) -> _Plan:
         """The first call of a signature: validate, then decide the delegation or the dispatch."""
         _check_call(q, k, v, mask, skip_reshape)
         site = _site(to, q, k, skip_reshape)
@@ -227,90 +292,20 @@ def make_override(backend: str, policy: str = "fallback", recorder=None, window=
             plan.view_k = (*k.shape[:-1], kv_heads, dim)
             plan.view_v = (*v.shape[:-1], kv_heads, v.shape[-1] // kv_heads)
             plan.output = "transpose" if skip_output_reshape else "flatten"
-        low_precision_ok = kwargs.get("low_precision_attention", True) is not False
+        backend = self.backend
         plan.name, plan.notes = backend, ()
-        if backend != AUTO and not low_precision_ok and get_backend_spec(backend).family in QUANTISED_FAMILIES:
-            replacement = _non_quantised(backend)
-            plan.notes = (f"low_precision_attention=False: quantised '{backend}' replaced by '{replacement}'",)
-            plan.name = replacement
-        plan.exact_auto = backend == AUTO and not low_precision_ok
-        plan.relabel = relabel(plan.notes)
+        if kwargs.get("low_precision_attention", True) is False:  # the model asked for full precision here
+            if backend == AUTO:
+                plan.name = AUTO_EXACT
+            elif backend != AUTO_EXACT and get_backend_spec(backend).quantised:
+                replacement = _non_quantised(backend)
+                plan.notes = (f"low_precision_attention=False: quantised '{backend}' replaced by '{replacement}'",)
+                plan.name = replacement
+        plan.relabel = self._relabel(plan.notes)
         return plan
 
-    def override(func, q, k, v, heads=None, mask=None, attn_precision=None, skip_reshape=False,
-                 skip_output_reshape=False, **kwargs):
-        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-            q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
-        to = kwargs.get("transformer_options") or {}
-        args = (q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs)
-        if backend == COMFY_DEFAULT or backend == PASS_THROUGH:
-            _check_call(q, k, v, mask, skip_reshape)
-            site = _site(to, q, k, skip_reshape)
-            return delegate("", func, *args, site, to_func=backend == COMFY_DEFAULT)
-        if torch.compiler.is_dynamo_compiling():  # traced once per graph; hashing symbolic sizes would specialise them
-            signature = plan = None
-        else:
-            try:
-                signature = _signature(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape,
-                                       kwargs, to)
-                plan = plans.get(signature)
-            except (AttributeError, TypeError):  # not tensors (plan_for raises the clear error), unhashable options
-                signature = plan = None
-        if plan is None:
-            plan = plan_for(q, k, v, heads, mask, skip_reshape, skip_output_reshape, attn_precision, kwargs, to)
-            if signature is not None:
-                plans[signature] = plan
-        if window is not None and not in_window(to, window):
-            return delegate(f"outside the step window {window[0]:.2f}..{window[1]:.2f}", func, *args, plan.site)
-        if plan.reason is not None:
-            return delegate(plan.reason, func, *args, plan.site)
 
-        if plan.view_q is not None:
-            qs, ks, vs = q.view(*plan.view_q), k.view(*plan.view_k), v.view(*plan.view_v)
-        else:
-            qs, ks, vs = q, k, v
-        if plan.upcast:
-            qs, ks, vs = qs.float(), ks.float(), vs.float()
-        name, layout = plan.name, plan.layout
-        if plan.exact_auto:
-            # This call's choice from a tuner without quantised backends. Not tuner.using(): it swaps the
-            # process-wide default tuner (threads interleaving it leave the wrong one installed for good)
-            # and clears every cached dispatch decision on each call.
-            _checks.check_shapes(qs, ks, vs, layout, mask)
-            inputs = describe_call(qs, ks, vs, mask, 0.0, False, plan.scale, plan.gqa, False, layout)
-            _checks.check_structure(inputs)
-            name = _non_quantised_tuner().choose(inputs, layout=layout, tensors=(qs, ks, vs, mask))[0]
-        def attend():
-            return dispatch_attention_fn(qs, ks, vs, attn_mask=mask, scale=plan.scale, enable_gqa=plan.gqa,
-                                         backend=name, layout=layout, policy=policy, call_site=plan.site,
-                                         recorder=plan.relabel)
-        if trust or checks:  # scopes only when the node asks for them: entering one costs ~1 us per call
-            with contextlib.ExitStack() as stack:
-                if trust:
-                    stack.enter_context(trusted_publishers(trust))
-                if checks:
-                    stack.enter_context(attention_checks(checks))
-                out = attend()
-        else:
-            out = attend()
-        if plan.upcast:
-            out = out.to(q.dtype)
-        output = plan.output
-        if output == "flatten":
-            out = out.flatten(2)
-        elif output == "transpose":
-            out = out.transpose(1, 2)
-        elif output == "transpose_flatten":
-            out = out.transpose(1, 2).flatten(2)
-        if checks or compare is not None:
-            return finish(out, plan.site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, plan.scale,
-                          plan.gqa, name)
-        return out
-
-    # Read by the Attention Checks node to rebuild this override with checks on (functions keep attributes
-    # through deepcopy, since deepcopy returns the same function object).
-    override.attention_dispatch = {"backend": backend, "policy": policy, "recorder": recorder, "window": window,
-                                   "trust": tuple(sorted(trust)), "checks": checks, "compare": compare,
-                                   "previous": previous}
-    return override
-
+def make_override(backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
+                  compare=None, previous=None) -> AttentionOverride:
+    """An `optimized_attention_override` for one Set Attention Backend node (see `AttentionOverride`)."""
+    return AttentionOverride(backend, policy, recorder, window, trust, checks, compare, previous)

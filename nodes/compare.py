@@ -1,5 +1,7 @@
-"""Compare a sample of attention calls against PyTorch SDPA and keep the largest relative error.
+"""Compare a sample of attention calls against exact attention and keep the largest relative error.
 
+The reference is the pack's one exact attention (float64, `dispatcher.auto.reference`) on a sample of query
+rows, and the error is its relative Frobenius error, the measure every accuracy check of the pack uses.
 Why a sample: the reference costs a second attention call, so only every `every`-th call pays it.
 The object is shared between ModelPatcher clones (`__deepcopy__` returns self), like the Recorder.
 """
@@ -10,6 +12,9 @@ import threading
 
 import torch
 
+from ..dispatcher.auto.reference import exact_attention, relative_error, sample_rows
+
+ROWS = 64  # query rows compared per sampled call
 
 class Comparison:
     def __init__(self, every: int = 10):
@@ -34,20 +39,15 @@ class Comparison:
             return (self._seen - 1) % self.every == 0
 
     def add(self, site: str, out_bhsd: torch.Tensor, q, k, v, mask, scale=None, enable_gqa=False) -> float:
-        """Reference in float32 (B, H, L, D); relative error = max|out - ref| / max|ref|."""
-        if mask is not None:
-            if mask.dtype == torch.bool:
-                mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
-            while mask.dim() < 4:  # ComfyUI's rank rule: (Lq,Lk) -> (1,1,Lq,Lk), (B,Lq,Lk) -> (B,1,Lq,Lk)
-                mask = mask.unsqueeze(0) if mask.dim() == 2 else mask.unsqueeze(1)
-            mask = mask.float()
+        """out and q, k, v in (B, H, L, D); the relative error of `out` on sampled query rows."""
+        rows = sample_rows(q.shape[2], ROWS)
         with torch.no_grad():
-            ref = torch.nn.functional.scaled_dot_product_attention(
-                q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=bool(enable_gqa))
-            err = float((out_bhsd.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+            ref, _ = exact_attention(q, k, v, mask, scale=scale, layout="BHSD", rows=rows)
+            picked = out_bhsd if rows is None else out_bhsd[:, :, rows.to(out_bhsd.device)]
+            err = relative_error(picked, ref)
         with self._lock:
             self.samples += 1
-            if err >= self.max_rel_error:
+            if not err < self.max_rel_error:  # NaN is the worst error there is
                 self.max_rel_error, self.worst_site = err, site
         return err
 

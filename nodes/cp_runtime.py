@@ -1,48 +1,70 @@
-"""The ComfyUI side of a context-parallel launch (cp_launch.py): process group, and prompts in lockstep.
+"""The ComfyUI side of context parallelism: ComfyUI started by torchrun, every rank in lockstep with rank 0.
 
-Under the launcher every rank is a whole ComfyUI with the same arguments: rank 0 serves HTTP as usual;
-ranks > 0 are headless workers (cp_launch.py starts ComfyUI's own `main.start_comfyui()` without the
-server). Every attention call that Context Parallel Attention splits is a collective, so every rank
-must execute the same prompts in the same order. `setup_from_env()` (run once when ComfyUI loads the
-pack, on every rank) makes that so, with ComfyUI's own prompt worker and executor on every rank:
+    torchrun --nproc-per-node 2 main.py --listen 127.0.0.1 --port 8188        # from the ComfyUI folder
 
-- it joins the default process group (env:// from the launcher; NCCL on GPUs, gloo on CPUs) and a
-  gloo "control" group with a long timeout (workers wait there between prompts);
-- rank 0: its PromptQueue's `get` broadcasts each prompt the moment its prompt worker takes it (so a
-  prompt deleted from the queue before it runs never reaches the workers), and `get_flags` broadcasts
-  the /free flags it hands out (they clear the executor's cache: the caches must stay alike);
-- ranks > 0: their PromptQueue's `get` waits for the next broadcast and hands the prompt (renumbered,
-  so the heap keeps the broadcast order) or the flags to their own prompt worker.
+torchrun starts one whole ComfyUI per rank and sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT. When ComfyUI loads the pack, `setup_from_env()` (every rank, once) sees that environment and:
 
-Every prompt runs on every rank (ones without the node too: it cannot know in advance which nodes
-run). Workers write their outputs to a temporary folder of their own (the launcher sets it).
-Nothing here imports ComfyUI at import time.
+- joins the default process group (env://; NCCL on GPUs, each rank on GPU LOCAL_RANK; gloo with --cpu or
+  without CUDA) and three gloo groups: "control" (prompts, long timeout: workers wait there between
+  prompts), "sync" (interrupt checks and prompt ends) and "health" (dead-rank detection);
+- rank 0 serves HTTP as usual. Its PromptQueue's `get` broadcasts each prompt the moment its prompt
+  worker takes it (a prompt deleted before it runs never reaches the others), `get_flags` the /free
+  flags it hands out (they clear the executor's cache: the caches must stay alike);
+- ranks > 0 serve nothing (their server's `start_multi_address` binds no port, so every rank can get
+  the same --port), write outputs and temp files to a folder of their own (removed at exit) and a
+  database of their own there; their PromptQueue's `get` waits for rank 0's next broadcast;
+- every rank's `comfy.model_management.throw_exception_if_processing_interrupted` (ComfyUI checks it
+  before each node and at each sampler step) becomes one tiny all-gather of (interrupted?, prompt
+  ended?) during a prompt. A Cancel on rank 0 is so seen by every rank at the same check, where every
+  rank raises ComfyUI's InterruptProcessingException. A rank whose prompt ends early (an error only it
+  hit, outside an attention call) makes the others stop the prompt at their next check. The queue's
+  `task_done` waits there until every rank has ended the prompt;
+- a rank that dies (its gloo connections close) stops the others at once, with a message naming it:
+  rank 0 watches every rank, every rank watches rank 0 (torchrun then stops the rest of its node).
+
+Nothing here imports ComfyUI or torch.distributed at import time.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
+import sys
+import tempfile
 import threading
 from datetime import timedelta
-from pathlib import Path
 
 logger = logging.getLogger("attention_dispatch")
 
-ENV_LAUNCH = "ATTN_DISPATCH_CP"            # "1": started by cp_launch.py
-ENV_BACKEND = "ATTN_DISPATCH_CP_BACKEND"   # nccl | gloo
-ENV_TIMEOUT = "ATTN_DISPATCH_CP_TIMEOUT"   # seconds a collective of the attention group may wait (600)
+ENV_TIMEOUT = "ATTN_DISPATCH_CP_TIMEOUT"   # seconds a collective between ranks may wait (600)
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 CONTROL_TIMEOUT = timedelta(days=365)      # workers wait this long for the next prompt
-_HERE = Path(__file__).resolve().parent
-# The pack root's cp_launch.py (what users run); a copy of the pack without it still has this one.
-LAUNCHER = _HERE.parent / "cp_launch.py" if (_HERE.parent / "cp_launch.py").exists() else _HERE / "cp_launch.py"
+LAUNCH_HINT = ("torchrun --nproc-per-node {n} main.py <your usual main.py arguments>   "
+               "(from the ComfyUI folder; add --cpu for CPU ranks over gloo)")
 
 _lock = threading.Lock()
-_state: dict = {"ready": False, "control": None, "error": None}
+_state: dict = {"ready": False, "error": None, "control": None, "sync": None, "health": None, "rank": 0,
+                "world": 1, "prompt_thread": None, "checks": 0, "workdir": None}
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) from torchrun's environment, or None when it is not there."""
+    if not all(os.environ.get(name) for name in TORCHRUN_ENV):
+        return None
+    try:
+        rank, world, local = (int(os.environ[name]) for name in TORCHRUN_ENV)
+    except ValueError:
+        return None
+    return rank, world, local
 
 
 def launched() -> bool:
-    return os.environ.get(ENV_LAUNCH) == "1"
+    """Started by torchrun (or another launcher setting its variables) with more than one rank."""
+    env = torchrun_env()
+    return env is not None and env[1] > 1
 
 
 def distributed() -> tuple[bool, int, int]:
@@ -55,11 +77,7 @@ def distributed() -> tuple[bool, int, int]:
 
 def launch_command(nproc: int = 2) -> str:
     """The command that starts this ComfyUI context-parallel, as run from the ComfyUI folder."""
-    try:
-        launcher = os.path.relpath(LAUNCHER, os.getcwd())
-    except ValueError:  # another drive on Windows
-        launcher = str(LAUNCHER)
-    return f"python {launcher} --nproc {nproc} -- <your usual main.py arguments>"
+    return LAUNCH_HINT.format(n=nproc)
 
 
 def validation_message(mode: str, degree: int) -> bool | str:
@@ -70,17 +88,15 @@ def validation_message(mode: str, degree: int) -> bool | str:
     if not up or world == 1:
         why = (_state["error"] or "torch.distributed is not initialized in this ComfyUI") if not up else \
             "this launch has a single rank"
-        return (f"Context Parallel Attention (mode '{mode}') needs one ComfyUI process per GPU, started by the "
-                f"context-parallel launcher: from the ComfyUI folder run `{launch_command()}` (one rank per "
-                f"GPU; add --backend gloo with --cpu for CPU ranks). Here: {why}. Set mode to 'off' to run "
-                "without it.")
+        return (f"Context Parallel Attention (mode '{mode}') needs one ComfyUI process per GPU, started by torchrun: "
+                f"{launch_command()}. Here: {why}. Set mode to 'off' to run without it.")
     if degree and (degree > world or world % degree):
         return f"degree {degree} must be 0 (all {world} ranks) or a divisor of the world size {world}"
     return True
 
 
 def setup_from_env() -> bool:
-    """Join the launch's process groups and put the prompt queue in lockstep (once; no-op when not launched)."""
+    """Join the torchrun launch and put this ComfyUI in lockstep with rank 0 (once; no-op without torchrun)."""
     if not launched():
         return False
     with _lock:
@@ -88,41 +104,106 @@ def setup_from_env() -> bool:
             return True
         try:
             _init()
-        except Exception as exc:  # noqa: BLE001 - ComfyUI keeps loading; the node explains at queue time
-            _state["error"] = f"joining the context-parallel launch failed: {type(exc).__name__}: {exc}"
-            logger.error("attention_dispatch: %s", _state["error"])
-            return False
+        except Exception as exc:  # noqa: BLE001 - a rank that cannot join must not run on alone
+            rank = os.environ.get("RANK", "?")
+            _state["error"] = f"joining the context-parallel launch failed on rank {rank}: {type(exc).__name__}: {exc}"
+            _fatal(f"{_state['error']}. The other ranks cannot go on without this one; fix the cause and "
+                   "start the launch again.")
         _state["ready"] = True
     return True
 
 
+def _fatal(message: str) -> None:
+    logger.critical("attention_dispatch: %s", message)
+    print(f"attention_dispatch: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
 def _init() -> None:
+    import torch
     import torch.distributed as dist
-    backend = os.environ.get(ENV_BACKEND, "gloo")
+    from comfy.cli_args import args  # ComfyUI's parsed arguments (the same on every rank)
+
+    rank, world, local = torchrun_env()
     timeout = timedelta(seconds=float(os.environ.get(ENV_TIMEOUT, "600")))
+    cuda = not args.cpu and torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        count = torch.cuda.device_count()
+        if local >= count:
+            raise RuntimeError(f"local rank {local} needs GPU {local}, but {count} GPU(s) are visible here; start "
+                               f"at most {count} ranks per machine (--nproc-per-node), give every rank its GPU "
+                               "(no --cuda-device; CUDA_VISIBLE_DEVICES lists them all), or pass --cpu (gloo)")
+        torch.cuda.set_device(local)  # ComfyUI's device is torch.cuda.current_device()
+    elif os.environ.get("MASTER_ADDR", "127.0.0.1") in ("127.0.0.1", "localhost") and \
+            os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: gloo's pairs on 127.0.0.1 only
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
-    _state["control"] = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    logger.info("attention_dispatch: context-parallel rank %d of %d (%s)", rank, world, backend)
+    _state.update(rank=dist.get_rank(), world=dist.get_world_size(),
+                  control=dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT),
+                  sync=dist.new_group(backend="gloo", timeout=timeout),
+                  health=dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
     from server import PromptServer  # ComfyUI's; the server object exists before custom nodes load
-    queue = PromptServer.instance.prompt_queue
+    server = PromptServer.instance
+    queue = server.prompt_queue
     if rank == 0:
         _lead(queue)
     else:
+        _headless(server, args, rank)
         _follow(queue)
+    _lockstep(queue)
+    _relay_interrupts()
+    _watch()
+    where = "serves HTTP" if rank == 0 else "headless, follows rank 0's prompts"
+    logger.info("attention_dispatch: context-parallel rank %d of %d ready (%s, pid %d, %s on %s)", rank, world,
+                backend, os.getpid(), where, f"cuda:{local}" if cuda else "cpu")
 
+
+# --- ranks > 0: no HTTP server, private outputs ----------------------------------------------------
+
+def _headless(server, args, rank: int) -> None:
+    import folder_paths
+    workdir = tempfile.mkdtemp(prefix=f"comfyui-cp-rank{rank}-")
+    _state["workdir"] = workdir
+    atexit.register(shutil.rmtree, workdir, True)
+    folder_paths.set_output_directory(os.path.join(workdir, "output"))  # SaveImage & co. must not race rank 0's
+    folder_paths.set_temp_directory(os.path.join(workdir, "temp"))      # ComfyUI empties its temp folder at exit
+    if hasattr(args, "database_url"):
+        args.database_url = f"sqlite:///{os.path.join(workdir, 'comfyui.db')}"  # the user database stays rank 0's
+    args.auto_launch = False
+
+    async def no_server(addresses, call_on_start=None, verbose=True):  # noqa: ARG001 - ComfyUI's signature
+        logger.info("attention_dispatch: rank %d serves no HTTP (rank 0 does); outputs in %s", rank, workdir)
+
+    server.start_multi_address = no_server  # main.py's run() still runs publish_loop (no clients: drained)
+
+
+# --- prompts: rank 0 leads, the others follow -------------------------------------------------------
 
 def _send(message) -> None:
     import torch.distributed as dist
-    dist.broadcast_object_list([message], src=0, group=_state["control"])
+    try:
+        dist.broadcast_object_list([message], src=0, group=_state["control"])
+    except Exception as exc:  # noqa: BLE001
+        _fatal(f"rank 0 could not hand a prompt to the other ranks ({type(exc).__name__}: {exc}); a rank is gone, "
+               "so the launch stops. Start it again.")
 
 
 def _receive():
     import torch.distributed as dist
     box = [None]
-    dist.broadcast_object_list(box, src=0, group=_state["control"])
+    try:
+        dist.broadcast_object_list(box, src=0, group=_state["control"])
+    except Exception as exc:  # noqa: BLE001
+        _fatal(f"rank {_state['rank']} lost rank 0 while waiting for its next prompt ({type(exc).__name__}: "
+               f"{exc}); stopping. Start the launch again.")
     return box[0]
+
+
+def _started() -> None:
+    _state["prompt_thread"], _state["checks"] = threading.get_ident(), 0
 
 
 def _lead(queue) -> None:
@@ -133,6 +214,7 @@ def _lead(queue) -> None:
         got = get(timeout=timeout)
         if got is not None:
             _send(("prompt", got[0]))
+            _started()
         return got
 
     def lead_get_flags(reset=True):
@@ -153,7 +235,9 @@ def _follow(queue) -> None:
         kind, payload = _receive()
         if kind == "prompt":
             put((next(counter),) + tuple(payload[1:]))
-            return get(timeout=0)
+            got = get(timeout=0)
+            _started()
+            return got
         if kind == "flags":
             for name, value in payload.items():
                 queue.set_flag(name, value)
@@ -161,3 +245,83 @@ def _follow(queue) -> None:
         raise RuntimeError(f"unknown context-parallel control message {kind!r}")
 
     queue.get = follow_get
+
+
+# --- one decision at every interrupt check; prompts end together --------------------------------------
+
+def _exchange(interrupted: bool, ended: bool) -> list[tuple[int, int]]:
+    """Every rank's (interrupted, ended), by one all-gather on the sync group."""
+    import torch
+    import torch.distributed as dist
+    mine = torch.tensor([int(interrupted), int(ended)], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(_state["world"])]
+    dist.all_gather(every, mine, group=_state["sync"])
+    return [tuple(t.tolist()) for t in every]
+
+
+def _in_prompt() -> bool:
+    return _state["prompt_thread"] == threading.get_ident()
+
+
+def _relay_interrupts() -> None:
+    import comfy.model_management as mm
+    local_check = mm.throw_exception_if_processing_interrupted
+
+    def check():
+        if not _in_prompt():  # another thread, or outside a prompt: no collective
+            return local_check()
+        with mm.interrupt_processing_mutex:
+            interrupted = bool(mm.interrupt_processing)
+        states = _exchange(interrupted, False)
+        _state["checks"] += 1
+        ended = [r for r, (_, e) in enumerate(states) if e]
+        if ended:
+            raise RuntimeError(
+                f"context-parallel rank(s) {ended} ended this prompt early (an error there: see that rank's log); "
+                f"rank {_state['rank']} stops it at the same point (check {_state['checks']})")
+        asked = [r for r, (i, _) in enumerate(states) if i]
+        if asked:
+            mm.interrupt_current_processing(False)
+            logger.info("attention_dispatch: rank %d interrupted at check %d (Cancel on rank(s) %s)", _state["rank"],
+                        _state["checks"], asked)
+            raise mm.InterruptProcessingException()
+
+    mm.throw_exception_if_processing_interrupted = check
+
+
+def _lockstep(queue) -> None:
+    """`task_done` (the prompt worker, after each prompt) returns once every rank has ended the prompt."""
+    task_done = queue.task_done
+
+    def finish(*args, **kwargs):
+        if _in_prompt():
+            _state["prompt_thread"] = None
+            while not all(e for _, e in _exchange(False, True)):
+                pass  # one round per check the slower ranks still make; they stop at it
+        return task_done(*args, **kwargs)
+
+    queue.task_done = finish
+
+
+# --- a dead rank stops every rank -------------------------------------------------------------------
+
+def _watch() -> None:
+    """Rank 0 waits on a receive from every rank, every rank on one from rank 0, on the health group.
+    Nothing is ever sent: the receive only ends when the peer's process is gone (gloo closes its pair)."""
+    me = _state["rank"]
+    for peer in (range(1, _state["world"]) if me == 0 else [0]):
+        threading.Thread(target=_watch_peer, args=(peer,), name=f"attention_dispatch-cp-watch-{peer}",
+                         daemon=True).start()
+
+
+def _watch_peer(peer: int) -> None:
+    import torch
+    import torch.distributed as dist
+    try:
+        dist.recv(torch.zeros(1), src=peer, group=_state["health"])
+        why = "it sent an unexpected message"
+    except Exception as exc:  # noqa: BLE001
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    _fatal(f"context-parallel rank {peer} is gone ({why}); stopping rank {_state['rank']} too: every rank runs "
+           "every prompt, so the launch cannot go on without it. Start it again (torchrun --max-restarts N "
+           "restarts it by itself).")

@@ -14,5 +14,5 @@ class AttentionDispatchExtension(ComfyExtension):
         # Routes here rather than at import: the server exists by now (main.py creates it before
         # loading custom nodes), and importing the pack outside ComfyUI stays side-effect free.
         routes.register()
-        cp_runtime.setup_from_env()  # under cp_launch.py only: join the ranks, prompts in lockstep
+        cp_runtime.setup_from_env()  # under torchrun only: join the ranks, prompts in lockstep
         return list(NODES) + list(PARALLEL_NODES)

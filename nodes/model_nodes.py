@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..dispatcher import (Recorder, availability_reasons, backend_names, get_backend_spec, trusted_publishers)
+from ..dispatcher import (TRUSTED_PUBLISHERS, Recorder, availability_reasons, backend_names, get_backend_spec,
+                          trusted_publishers)
 from ..dispatcher import env as _env
 from . import reports
+from . import validation as v
 from .adapter import AUTO, COMFY_DEFAULT, PASS_THROUGH, make_override
 from .clip_patch import patch_clip
 from .compare import Comparison
@@ -16,6 +18,13 @@ OVERRIDE_KEY = "optimized_attention_override"
 WRAPPER_KEY = "attention_dispatch"
 POLICIES = ["fallback", "strict"]
 Trust = io.Custom("ATTN_TRUST")
+CHECK_MODES = ["raise", "warn"]
+# Which of our nodes patched a model, upstream first: model_options[CHAIN_KEY] (cloned with the model), read
+# when a sampler runs to say which Set Attention Backend node took over (see _chain_notes).
+CHAIN_KEY = "attention_dispatch_chain"
+CHAIN_RULE = ("Chained Set Attention Backend nodes: the one nearest the sampler wins; an upstream one only "
+              "serves the calls the downstream one passes on (outside its step window).")
+WINDOW_RULE = "the step window needs 0 <= start_percent <= end_percent <= 1"
 # NODE_ID_IN_CACHE_KEY: each node's output carries its own Recorder labelled with its node id. ComfyUI
 # 0.3.64 leaves the node id out of a V3 node's cache key even with hidden unique_id (it looks for the
 # string in a tuple), so two identical nodes would share one output and one report; not_idempotent puts
@@ -30,8 +39,8 @@ def unavailable_message(backend: str, policy: str) -> str | bool:
     """queue-time check: True, or why this backend cannot be used here (with the install command)."""
     if backend in (AUTO, COMFY_DEFAULT):
         return True
-    if backend not in backend_names():
-        return f"unknown attention backend '{backend}'; valid: {', '.join(backend_options())}"
+    if not isinstance(backend, str) or backend not in backend_names():
+        return v.check_value(_backend_field(""), backend) or f"unknown attention backend {backend!r}"
     if policy != "strict":
         return True  # fallback policy: runs the next backend in the chain, and the report says why
     spec = get_backend_spec(backend)
@@ -46,6 +55,144 @@ def unavailable_message(backend: str, policy: str) -> str | bool:
             + ". Install what is missing, pick another backend, or use policy 'fallback'.")
 
 
+# ------------------------------------------------------------------------------------------------ inputs
+# Every widget of every node is declared once as a validation.Field: the schema is built from it and the
+# node's validate_inputs checks every value against it (ComfyUI 0.3.64 checks no V3 combo value).
+
+def _backend_field(tooltip: str) -> v.Field:
+    return v.Field("backend", "combo", options=backend_options, default=AUTO, noun="attention backend",
+                   tooltip=tooltip)
+
+
+def _policy_field(tooltip: str) -> v.Field:
+    return v.Field("policy", "combo", options=POLICIES, default="fallback", noun="policy", tooltip=tooltip)
+
+
+SET_FIELDS = (
+    _backend_field("Attention backend. 'auto' = best available for each call; 'comfy default' = ComfyUI's own "
+                   "attention. GET /attention_dispatch/backends says why each one can or cannot run here."),
+    _policy_field("fallback: calls the backend cannot run go to the next backend in its chain (reported). "
+                  "strict: the prompt fails instead."),
+    v.Field("start_percent", "float", default=0.0, min=0.0, max=1.0, step=0.01, rule=WINDOW_RULE,
+            tooltip="Use the backend from this point of the sampling run (0 = first step)."),
+    v.Field("end_percent", "float", default=1.0, min=0.0, max=1.0, step=0.01, rule=WINDOW_RULE,
+            tooltip="Use the backend up to this point (1 = last step); outside the window the previous override "
+                    "(an upstream Set Attention Backend) or ComfyUI's attention runs."),
+)
+CLIP_FIELDS = (
+    _backend_field("Attention backend for the text encoder ('comfy default' = unchanged)."),
+    _policy_field("fallback: unsupported calls run the next backend in the chain; strict: fail."),
+)
+CHECKS_FIELDS = (
+    v.Field("mode", "combo", options=CHECK_MODES, default="warn", noun="checks mode",
+            tooltip="raise: a NaN/Inf fails the prompt; warn: it is logged."),
+    v.Field("compare", "bool", default=False,
+            tooltip="Also run PyTorch SDPA on a sample of calls and report the largest relative error (costs one "
+                    "extra attention call per sample)."),
+    v.Field("compare_every", "int", default=10, min=1, max=100000, tooltip="Compare one call in this many."),
+)
+TRUST_FIELDS = (
+    v.Field("publishers", "string", default="", multiline=True,
+            tooltip="Hugging Face publishers (the part before '/' in a kernel repo id), one per line or "
+                    "comma-separated, spelled exactly as on the Hub. Loading their kernels downloads and runs their "
+                    "code. Only publishers of a backend's Hub kernel are accepted; kernels-community is trusted "
+                    "without this node."),
+)
+
+
+def widget(field: v.Field):
+    """The io input of one field."""
+    if field.kind == "combo":
+        return io.Combo.Input(field.name, options=field.choices(), default=field.default, tooltip=field.tooltip)
+    if field.kind == "float":
+        return io.Float.Input(field.name, default=field.default, min=field.min, max=field.max, step=field.step,
+                              tooltip=field.tooltip)
+    if field.kind == "int":
+        return io.Int.Input(field.name, default=field.default, min=field.min, max=field.max, tooltip=field.tooltip)
+    if field.kind == "bool":
+        return io.Boolean.Input(field.name, default=field.default, tooltip=field.tooltip)
+    return io.String.Input(field.name, default=field.default, tooltip=field.tooltip, **field.extra)
+
+
+def _window_rule(good: dict) -> list[str]:
+    start, end = good.get("start_percent"), good.get("end_percent")
+    if start is not None and end is not None and start > end:
+        return [f"start_percent {start:g} is after end_percent {end:g} ({WINDOW_RULE})"]
+    return []
+
+
+def _availability_rule(good: dict) -> list[str]:
+    if "backend" not in good or "policy" not in good:
+        return []  # a bad backend or policy is already named; strictness cannot be judged without both
+    message = unavailable_message(good["backend"], good["policy"])
+    return [] if message is True else [f"backend: {message}"]
+
+
+def validate(fields, values: dict, *rules) -> bool | str:
+    """Queue-time check of one node: every value against its field, then the node's cross-field rules."""
+    problems, good = v.check(fields, values)
+    for rule in rules:
+        problems += rule(good)
+    return v.answer(problems)
+
+
+def hub_publishers() -> dict[str, list[str]]:
+    """Publisher -> the backends whose Hub kernel it publishes (what a Trust Remote Kernels entry can change)."""
+    out: dict[str, list[str]] = {}
+    for name in backend_names():
+        hub = get_backend_spec(name).hub
+        if hub is not None:
+            out.setdefault(hub.publisher, []).append(name)
+    return out
+
+
+def publisher_list(text) -> v.PublisherList:
+    return v.PublisherList(text, hub_publishers(), TRUSTED_PUBLISHERS)
+
+
+# ------------------------------------------------------------------------------------------------ reports
+
+def _chain_of_run(executor):
+    """Our nodes on the model this sampling run uses (the guider's model_options), upstream first; None when
+    the executor does not say (not ComfyUI's WrapperExecutor)."""
+    options = getattr(getattr(executor, "class_obj", None), "model_options", None)
+    return tuple(options.get(CHAIN_KEY, ())) if isinstance(options, dict) else None
+
+
+def _window_text(entry) -> str:
+    start, end = entry.get("window") or (0.0, 1.0)
+    return "" if (start <= 0.0 and end >= 1.0) else f"{start:.2f}..{end:.2f}"
+
+
+def _chain_notes(kind: str, node_id, chain) -> dict:
+    """What a report must say when a Set Attention Backend node after this one (nearer the sampler) took over."""
+    if not chain:
+        return {}
+    mine = [i for i, e in enumerate(chain) if e.get("node") == str(node_id) and e.get("kind") == kind]
+    if not mine:
+        return {}
+    later = [e for e in chain[mine[-1] + 1:] if e.get("kind") == "model"]
+    if not later:
+        return {}
+    winner = later[-1]
+    window = _window_text(winner)
+    who = f"Set Attention Backend #{winner['node']} ({winner.get('backend')})"
+    if kind == "model":
+        if window:
+            note = (f"{who} comes after this node and wins inside its step window {window}; this node's backend "
+                    "serves only the calls outside it. " + CHAIN_RULE)
+        else:
+            note = f"Overridden: {who} comes after this node and this node's backend serves no calls. " + CHAIN_RULE
+        return {"overridden_by": winner, "notes": [note]}
+    if window:
+        note = (f"{who} comes after these checks and runs its own attention inside its step window {window}: they "
+                "saw only the calls outside it. Put Attention Checks after Set Attention Backend.")
+        return {"replaced_by": winner, "notes": [note]}
+    note = (f"Saw no attention calls: {who} comes after these checks and replaced the attention they wrap. "
+            "Put Attention Checks after Set Attention Backend.")
+    return {"replaced_by": winner, "no_calls": True, "notes": [note]}
+
+
 def _run_wrapper(kind: str, node_id, recorder=None, compare=None, info=None):
     """WrappersMP.OUTER_SAMPLE: wraps one sampling run; resets the counters and publishes the report."""
     def wrapper(executor, *args, **kwargs):
@@ -57,13 +204,30 @@ def _run_wrapper(kind: str, node_id, recorder=None, compare=None, info=None):
             return executor(*args, **kwargs)
         finally:
             data = dict(info or {})
+            data["notes"] = list(data.get("notes", ()))
             if recorder is not None:
                 data["recorder"] = recorder.snapshot()
                 data["summary"] = recorder.summary()
+            chained = _chain_notes(kind, node_id, _chain_of_run(executor))
+            data["notes"] += chained.pop("notes", [])
+            data.update(chained)
             if compare is not None:
                 data["compare"] = compare.snapshot()
+                if not data["compare"].get("samples"):
+                    data["no_calls"] = True
+                    if not chained:
+                        data["notes"].append("No attention call reached these checks, so nothing was compared "
+                                             "(0 samples is not a clean result).")
             reports.publish(kind, node_id, data)
     return wrapper
+
+
+def _add_to_chain(model, entry: dict):
+    """Append this node to the model's chain; returns the last Set Attention Backend entry before it."""
+    chain = tuple(model.model_options.get(CHAIN_KEY, ()))
+    model.model_options[CHAIN_KEY] = chain + (entry,)
+    upstream = [e for e in chain if e.get("kind") == "model"]
+    return upstream[-1] if upstream else None
 
 
 def _add_outer_sample_wrapper(model, wrapper) -> None:
@@ -78,21 +242,12 @@ class SetAttentionBackend(io.ComfyNode):
             node_id="SetAttentionBackend",
             display_name="Set Attention Backend",
             category=CATEGORY,
-            description="Run this model's attention through the chosen backend (on a clone of the model).",
+            description="Run this model's attention through the chosen backend (on a clone of the model). "
+                        + CHAIN_RULE,
             inputs=[
-                io.Model.Input("model", tooltip="The diffusion model whose attention calls are redirected."),
-                io.Combo.Input("backend", options=backend_options(), default=AUTO,
-                               tooltip="Attention backend. 'auto' = best available for each call; 'comfy default' = "
-                                       "ComfyUI's own attention. GET /attention_dispatch/backends says why each one "
-                                       "can or cannot run here."),
-                io.Combo.Input("policy", options=POLICIES, default="fallback",
-                               tooltip="fallback: calls the backend cannot run go to the next backend in its chain "
-                                       "(reported). strict: the prompt fails instead."),
-                io.Float.Input("start_percent", default=0.0, min=0.0, max=1.0, step=0.01,
-                               tooltip="Use the backend from this point of the sampling run (0 = first step)."),
-                io.Float.Input("end_percent", default=1.0, min=0.0, max=1.0, step=0.01,
-                               tooltip="Use the backend up to this point (1 = last step); outside the window the "
-                                       "previous override or ComfyUI's attention runs."),
+                io.Model.Input("model", tooltip="The diffusion model whose attention calls are redirected. "
+                                                + CHAIN_RULE),
+                *[widget(f) for f in SET_FIELDS],
                 Trust.Input("trust", optional=True,
                             tooltip="From Trust Remote Kernels: publishers whose Hub kernels this model may load."),
             ],
@@ -102,12 +257,9 @@ class SetAttentionBackend(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, backend=AUTO, policy="fallback", start_percent=0.0, end_percent=1.0):
-        if policy not in POLICIES:
-            return f"unknown policy '{policy}'; valid: {', '.join(POLICIES)}"
-        if not (0.0 <= start_percent <= end_percent <= 1.0):
-            return f"need 0 <= start_percent <= end_percent <= 1; got {start_percent}..{end_percent}"
-        return unavailable_message(backend, policy)
+    def validate_inputs(cls, backend=v.MISSING, policy=v.MISSING, start_percent=v.MISSING, end_percent=v.MISSING):
+        values = {"backend": backend, "policy": policy, "start_percent": start_percent, "end_percent": end_percent}
+        return validate(SET_FIELDS, values, _window_rule, _availability_rule)
 
     @classmethod
     def execute(cls, model, backend, policy, start_percent, end_percent, trust=None) -> io.NodeOutput:
@@ -121,6 +273,14 @@ class SetAttentionBackend(io.ComfyNode):
                                          previous=previous)
         info = {"backend": backend, "policy": policy, "window": [start_percent, end_percent],
                 "chained_previous": previous is not None}
+        entry = {"kind": "model", "node": str(node_id), "backend": backend, "window": [start_percent, end_percent]}
+        replaces = _add_to_chain(m, entry)
+        if replaces is not None:
+            info["replaces"] = replaces
+            upstream = f"Set Attention Backend #{replaces['node']} ({replaces.get('backend')})"
+            info["notes"] = [f"Takes over from {upstream} upstream: the node nearest the sampler wins"
+                             + (f"; outside this node's step window {start_percent:.2f}..{end_percent:.2f} "
+                                f"#{replaces['node']}'s backend runs." if window is not None else ".")]
         _add_outer_sample_wrapper(m, _run_wrapper("model", node_id, recorder, info=info))
         return io.NodeOutput(m)
 
@@ -135,10 +295,7 @@ class SetClipAttentionBackend(io.ComfyNode):
             description="Run the text encoder's attention through the chosen backend (on a clone of the CLIP).",
             inputs=[
                 io.Clip.Input("clip", tooltip="The text encoder whose attention is redirected."),
-                io.Combo.Input("backend", options=backend_options(), default=AUTO,
-                               tooltip="Attention backend for the text encoder ('comfy default' = unchanged)."),
-                io.Combo.Input("policy", options=POLICIES, default="fallback",
-                               tooltip="fallback: unsupported calls run the next backend in the chain; strict: fail."),
+                *[widget(f) for f in CLIP_FIELDS],
             ],
             outputs=[io.Clip.Output(tooltip="A clone of the CLIP whose attention modules use the backend.")],
             hidden=[io.Hidden.unique_id],
@@ -146,10 +303,8 @@ class SetClipAttentionBackend(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, backend=AUTO, policy="fallback"):
-        if policy not in POLICIES:
-            return f"unknown policy '{policy}'; valid: {', '.join(POLICIES)}"
-        return unavailable_message(backend, policy)
+    def validate_inputs(cls, backend=v.MISSING, policy=v.MISSING):
+        return validate(CLIP_FIELDS, {"backend": backend, "policy": policy}, _availability_rule)
 
     @classmethod
     def execute(cls, clip, backend, policy) -> io.NodeOutput:
@@ -172,14 +327,10 @@ class AttentionChecks(io.ComfyNode):
             description="Check this model's attention inputs/outputs for NaN/Inf, and optionally compare a sample of "
                         "calls against PyTorch SDPA (the report shows the largest relative error).",
             inputs=[
-                io.Model.Input("model", tooltip="The model to check (place it after Set Attention Backend)."),
-                io.Combo.Input("mode", options=["raise", "warn"], default="warn",
-                               tooltip="raise: a NaN/Inf fails the prompt; warn: it is logged."),
-                io.Boolean.Input("compare", default=False,
-                                 tooltip="Also run PyTorch SDPA on a sample of calls and report the largest "
-                                         "relative error (costs one extra attention call per sample)."),
-                io.Int.Input("compare_every", default=10, min=1, max=100000,
-                             tooltip="Compare one call in this many."),
+                io.Model.Input("model", tooltip="The model to check. Place it after Set Attention Backend (nearer "
+                                                "the sampler): a Set Attention Backend after it replaces the "
+                                                "attention it checks, and its report then says so."),
+                *[widget(f) for f in CHECKS_FIELDS],
             ],
             outputs=[io.Model.Output(tooltip="A clone of the model with checks on.")],
             hidden=[io.Hidden.unique_id],
@@ -187,9 +338,14 @@ class AttentionChecks(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, mode=v.MISSING, compare=v.MISSING, compare_every=v.MISSING):
+        return validate(CHECKS_FIELDS, {"mode": mode, "compare": compare, "compare_every": compare_every})
+
+    @classmethod
     def execute(cls, model, mode, compare, compare_every) -> io.NodeOutput:
         node_id = cls.hidden.unique_id
         m = model.clone()
+        _add_to_chain(m, {"kind": "checks", "node": str(node_id)})
         to = m.model_options.setdefault("transformer_options", {})
         existing = to.get(OVERRIDE_KEY)
         cmp = Comparison(compare_every) if compare else None
@@ -209,27 +365,45 @@ class TrustRemoteKernels(io.ComfyNode):
             node_id="TrustRemoteKernels",
             display_name="Trust Remote Kernels",
             category=CATEGORY,
-            description="Allow Hub kernels from these publishers for the models this feeds (only those).",
-            inputs=[
-                io.String.Input("publishers", multiline=True, default="",
-                                tooltip="Hugging Face publishers (the part before '/' in a kernel repo id), one per "
-                                        "line or comma-separated. Loading their kernels downloads and runs their code."),
-            ],
+            description="Allow Hub kernels from these publishers for the models this feeds (only those). Not an "
+                        "output node: it runs with the Set Attention Backend it feeds, so a prompt whose Set node "
+                        "fails validation is refused as a whole.",
+            inputs=[widget(f) for f in TRUST_FIELDS],
             outputs=[Trust.Output(tooltip="Connect to Set Attention Backend's trust input.")],
-            is_output_node=True,
+            # Not an output node: ComfyUI runs every output node that validates, so a Trust node feeding a Set
+            # Attention Backend that fails validation would run alone and the prompt would "succeed".
         )
 
     @classmethod
+    def validate_inputs(cls, publishers=v.MISSING):
+        problems, good = v.check(TRUST_FIELDS, {"publishers": publishers})
+        if "publishers" in good:
+            problems += publisher_list(good["publishers"]).problems()
+        return v.answer(problems)
+
+    @classmethod
     def execute(cls, publishers) -> io.NodeOutput:
-        names = tuple(sorted({p.strip() for p in publishers.replace(",", "\n").splitlines() if p.strip()}))
+        parsed = publisher_list(publishers)
+        lines = []
         if _env.flag(_env.DISABLE_REMOTE_CODE):
-            text = (f"{_env.DISABLE_REMOTE_CODE}=true wins: no Hub kernel will load in this ComfyUI, whatever this "
-                    "node allows.")
-        elif names:
-            text = "Trusted for the connected models: " + ", ".join(names)
-        else:
-            text = "No publishers given: only the default trusted publishers apply."
-        return io.NodeOutput(names, ui={"text": [text]})
+            lines.append(f"{_env.DISABLE_REMOTE_CODE}=true wins: no Hub kernel will load in this ComfyUI, whatever "
+                         "this node allows.")
+        elif _env.flag(_env.TRUST_REMOTE_KERNELS) and parsed.names:
+            lines.append(f"{_env.TRUST_REMOTE_KERNELS}=true already trusts every publisher in this ComfyUI: this "
+                         "node changes nothing while it is set.")
+        elif parsed.effective:
+            lines.append("Trusted for the connected models: " + ", ".join(
+                f"{n} ({', '.join(parsed.known[n])})" for n in parsed.effective))
+        if parsed.default:
+            lines.append("Already trusted by default (changes nothing): " + ", ".join(parsed.default))
+        if parsed.unused:
+            lines.append("Changes nothing: no backend here loads Hub kernels from " + ", ".join(parsed.unused))
+        for token, reason in parsed.refused:
+            lines.append(f"Ignored: {reason}")
+        if not parsed.names and not parsed.refused and not lines:
+            lines.append("No publishers given: only the default trusted publishers apply ("
+                         + ", ".join(sorted(TRUSTED_PUBLISHERS)) + ").")
+        return io.NodeOutput(parsed.names, ui={"text": ["\n".join(lines)]})
 
 
 NODES = [SetAttentionBackend, SetClipAttentionBackend, AttentionChecks, TrustRemoteKernels]

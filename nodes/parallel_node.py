@@ -1,4 +1,4 @@
-"""Context Parallel Attention: one sampling run's attention split over the ranks of a cp_launch.py launch.
+"""Context Parallel Attention: one sampling run's attention split over the ranks of a torchrun launch.
 
 Every rank runs the same prompt on the same inputs (nodes/cp_runtime.py keeps them in lockstep), so the
 split is of the attention work itself (dispatcher.parallel.replicated): 'heads' gives each rank a share
@@ -68,7 +68,7 @@ class ContextParallelAttention(io.ComfyNode):
             display_name="Context Parallel Attention",
             category=CATEGORY,
             description="Split this model's attention over the GPUs of a context-parallel launch (ComfyUI started "
-                        "with cp_launch.py, one process per GPU). Exact: every GPU ends up with the same output. "
+                        "by torchrun, one process per GPU). Exact: every GPU ends up with the same output. "
                         "Pick the backend with Set Attention Backend.",
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model whose attention is split (a clone is patched)."),
@@ -78,7 +78,7 @@ class ContextParallelAttention(io.ComfyNode):
                                        "all keys. Both are exact, with any backend; off: unchanged."),
                 io.Int.Input("degree", default=0, min=0, max=4096,
                              tooltip="How many ranks split each attention call: 0 = all ranks of the launch; "
-                                     "otherwise a divisor of the number of ranks (cp_launch.py --nproc)."),
+                                     "otherwise a divisor of the number of ranks (torchrun's world size)."),
             ],
             outputs=[io.Model.Output(tooltip="A clone of the model whose attention runs split over the ranks.")],
             hidden=[io.Hidden.unique_id],

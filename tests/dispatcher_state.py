@@ -6,7 +6,7 @@ from __future__ import annotations
 
 def reset(d) -> None:
     d.state.reset_default_backend()
-    d.dispatch.forget_decisions()
+    d.caches.forget()
     d.registry.forget_availability()
     d.set_checks(None)
     d.set_fallback_policy("fallback")

@@ -184,7 +184,7 @@ def run_cases(config: dict) -> list[dict]:
     import torch
 
     import dispatcher
-    from dispatcher import dispatch, hub, registry
+    from dispatcher import caches, hub, registry
 
     flash_hub_fn = registry.get("flash_hub").fn
     for b in config["backends"]:
@@ -204,7 +204,7 @@ def run_cases(config: dict) -> list[dict]:
         os.environ.update(base_env)
         os.environ.update(case.get("env", {}))
         hub.forget_loaded()
-        dispatch.forget_decisions()
+        caches.forget()
         registry.forget_availability()
         result = {"id": case["id"], "loaded": False, "error": None, "record": None, "reasons": None,
                   "served": None, "max_error": None, "calls": None}

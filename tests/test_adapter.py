@@ -305,13 +305,13 @@ def test_auto_with_low_precision_off_never_picks_a_quantised_backend():
     from attention_dispatch_pack.dispatcher.registry import add, remove
     from attention_dispatch_pack.dispatcher.spec import FLOATS, BackendSpec, HeadDims
 
-    add(BackendSpec(name="test_int8_like", family="sage", description="a quantised stand-in", fn=sdpa_attention,
-                    layout="BHSD", devices=frozenset({"cpu"}), dtypes=FLOATS, head_dims=HeadDims(), preference=99,
+    add(BackendSpec(name="test_int8_like", family="sage", description="a quantised stand-in", fn=sdpa_attention, quantised=True,
+                    layout="BHSD", devices=frozenset({"cpu"}), dtypes=FLOATS, head_dims=HeadDims(),
                     custom=True))
     try:
         q, k, v = qkv()
         exact, lowp = dispatcher.Recorder(), dispatcher.Recorder()
-        with dispatcher.tuner.using(dispatcher.tuner.Tuner(cache_path=None, backends=("test_int8_like",))):
+        with dispatcher.auto.using(dispatcher.auto.Tuner(cache_path=None, backends=("test_int8_like",))):
             out = adapter.make_override("auto", recorder=lowp)(comfy_func, q, k, v, 2, **to_opts())
         torch.testing.assert_close(out, ref(q, k, v, 2), atol=2e-5, rtol=1e-4)
         assert {r["served"] for r in lowp.snapshot()["rows"]} == {"test_int8_like"}  # the only candidate

@@ -1,4 +1,5 @@
-"""`python -m dispatcher bench` end to end on small CPU shapes, its reference paths, and zero-copy dispatch."""
+"""`python -m dispatcher bench` and `bench/bench_comfyui.py` end to end on small CPU shapes, the reference paths,
+the chart, and zero-copy dispatch."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ import torch
 import torch.nn.functional as F
 
 import dispatcher
-from dispatcher import dispatch_attention_fn, tuner
+from dispatcher import auto as tuner
+from dispatcher import dispatch_attention_fn
 from dispatcher.tools import bench
 from dispatcher.__main__ import main as cli
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import comfyui_attention  # noqa: E402  (bench/: the ComfyUI reference paths live outside the package)
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
 
@@ -29,7 +33,7 @@ def _no_disk_tuning(tmp_path, monkeypatch):
 
 def test_bench_command_end_to_end_on_small_cpu_shapes(tmp_path):
     out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
-    cmd = [sys.executable, "-m", "dispatcher", "bench", "--small", "--json", str(out_json)]
+    cmd = [sys.executable, "bench/bench_comfyui.py", "--small", "--json", str(out_json)]
     if HAVE_MPL:
         cmd += ["--png", str(out_png)]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
@@ -48,11 +52,12 @@ def test_bench_command_end_to_end_on_small_cpu_shapes(tmp_path):
         assert r["valid"] and r["direct_ms"] > 0 and r["dispatch_vs_direct"] > 0 and r["ratio_to_best"] <= 1.0
     for shape in data["shapes"]:
         assert shape["best"] and shape["auto"]["chosen"] and shape["auto"]["auto_vs_oracle"] > 0
-        assert shape["comfy"]["comfy_default_ms"] > 0 and shape["comfy"]["auto_vs_comfy"] > 0
+        comfy = shape["references"]["paths"]["comfy default"]
+        assert comfy["ms"] > 0 and comfy["auto_vs"] > 0 and comfy["native_vs"] > 0 and comfy["rel_error"] < 1e-4
         assert shape["flops"] == 4 * shape["B"] * shape["H"] * shape["Lq"] * shape["Lk"] * shape["D"]
     assert data["overhead"]["dispatch_us"] > 0 and data["overhead"]["direct_us"] > 0
     assert data["tuning"]["signatures"]  # what auto measured, rejected and chose
-    assert "TFLOP/s" in run.stdout and "auto ->" in run.stdout and "ComfyUI default path" in run.stdout
+    assert "TFLOP/s" in run.stdout and "auto ->" in run.stdout and "comfy default (reference path" in run.stdout
     if HAVE_MPL:
         assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -85,7 +90,7 @@ def test_comfy_reference_path_matches_exact_and_the_pack_path():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, n, 3 * 16, generator=g) for n in (20, 12, 12))
     ref = F.scaled_dot_product_attention(*(t.view(2, -1, 3, 16).transpose(1, 2) for t in (q, k, v)))
-    comfy = bench.comfy_attention_pytorch(q, k, v, 3)
+    comfy = comfyui_attention.comfy_attention_pytorch(q, k, v, 3)
     assert comfy.shape == (2, 20, 48)
     torch.testing.assert_close(comfy, ref.transpose(1, 2).reshape(2, 20, 48))
     torch.testing.assert_close(bench.pack_attention(q, k, v, 3, "native"), comfy)
@@ -93,7 +98,7 @@ def test_comfy_reference_path_matches_exact_and_the_pack_path():
     mask[:, -4:] = float("-inf")
     ref_masked = F.scaled_dot_product_attention(*(t.view(2, -1, 3, 16).transpose(1, 2) for t in (q, k, v)),
                                                 attn_mask=mask)
-    torch.testing.assert_close(bench.comfy_attention_pytorch(q, k, v, 3, mask=mask),
+    torch.testing.assert_close(comfyui_attention.comfy_attention_pytorch(q, k, v, 3, mask=mask),
                                ref_masked.transpose(1, 2).reshape(2, 20, 48))
 
 
@@ -158,3 +163,43 @@ def test_a_flat_input_reaches_the_kernel_as_a_view(kernel_layout, through, tmp_p
     assert out.data_ptr() == seen["out"] and out.shape == (b, lq, h, d)  # the output is not copied either
     ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
     torch.testing.assert_close(out, ref)
+
+
+def test_the_package_bench_knows_no_comfyui():
+    """Issue #13: ComfyUI knowledge lives in bench/, never in the framework-agnostic package."""
+    source = (ROOT / "dispatcher" / "tools" / "bench.py").read_text()
+    for word in ("import comfy", "from comfy", "COMFYUI_PATH", "--comfyui", "attention_pytorch("):
+        assert word not in source
+    parser = __import__("argparse").ArgumentParser()
+    bench.add_arguments(parser)
+    assert not any("comfy" in a.dest for a in parser._actions)
+
+
+@pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed")
+def test_chart_has_one_panel_per_ratio_with_labelled_reference_lines(tmp_path, monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shapes = []
+    for name, dvd, avo in (("a", 0.99, 2.6), ("b", 1.01, 0.97)):
+        shapes.append({"name": name, "B": 1, "H": 2, "Lq": 16, "D": 8, "best": "native",
+                       "rows": [{"shape": name, "backend": "native", "ms": 1.0, "tflops": 1.0, "rel_error": 0.0,
+                                 "valid": True, "ratio_to_best": 1.0, "dispatch_vs_direct": dvd}],
+                       "auto": {"ms": 1.0, "tflops": 1.0, "rel_error": 0.0, "chosen": "native", "auto_vs_oracle": avo},
+                       "references": {"pack_native_ms": 1.0, "pack_auto_ms": 1.0,
+                                      "paths": {"ref": {"ms": 3.2, "tflops": 0.3, "rel_error": 0.0, "native_vs": 3.2,
+                                                        "auto_vs": 3.1}}}})
+    data = {"meta": {"device_name": "cpu", "dtype": "float32", "torch": "x", "small": True}, "shapes": shapes}
+    saved = {}
+    real_savefig = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, *a, **k: (saved.setdefault("fig", fig), real_savefig(fig, *a, **k)))
+    bench.write_png(data, str(tmp_path / "c.png"))
+    axes = saved["fig"].axes
+    assert len(axes) == 4  # TFLOP/s, dispatcher/direct, auto/oracle, pack/reference: one ratio kind per panel
+    for ax in axes[1:]:
+        lines = [l for l in ax.get_lines() if l.get_linestyle() == "--"]
+        assert len(lines) == 1 and lines[0].get_label().startswith("1.0 = ")  # labelled reference line
+        tallest = max(p.get_height() for p in ax.patches)
+        assert ax.get_ylim()[1] > tallest  # never clipped (the old chart stopped at 1.5)
+    plt.close("all")

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 import dispatcher
 from dispatcher import (Recorder, attention_backend, dispatch_attention_fn, env, hub, recording, register_backend,
-                        registry, state, trust, tuner)
+                        registry, state, trust)
+from dispatcher import auto as tuner
 
 import kernel_repos as kr
 from test_adapter import PACK, _load_pack, comfy_func
@@ -222,7 +223,7 @@ def test_decision_cache_under_registry_changes():
         register_backend("churn", lambda q, k, v, **kw: sdpa(q, k, v), devices=("cpu",), replace=True)
         dispatcher.list_backends()
         dispatcher.unregister_backend("churn")
-        dispatcher.dispatch.forget_decisions()
+        dispatcher.caches.forget()
         flips["n"] += 1
 
     Hammer().run(worker, readers=server_reads() + (churn,))
@@ -253,7 +254,7 @@ def test_demotion_from_many_threads_is_recorded_once():
     (row,) = rec.snapshot()["rows"]
     assert row["served"] == "native" and row["calls"] == THREADS * CALLS
     assert 1 <= calls["n"] <= THREADS  # tried by the threads that raced the first call, then demoted
-    (decision,) = [d for d in dispatcher.dispatch._decisions.values() if d.requested == "flaky"]
+    (decision,) = [d for d in dispatcher.decisions._decisions.values() if d.requested == "flaky"]
     assert [name for name, _ in decision.skipped].count("flaky") == 1
 
 
@@ -352,9 +353,8 @@ def test_adapter_full_precision_auto_keeps_the_process_tuner(monkeypatch):
     pd = pack_dispatcher
     monkeypatch.setenv("ATTN_DISPATCH_TUNE_CACHE", "off")
     monkeypatch.setenv("ATTN_DISPATCH_TUNE_MAX_SIGNATURES", "0")
-    monkeypatch.setattr(adapter, "_exact_tuner", None)
-    original = pd.tuner.Tuner(cache_path=None, max_signatures=0)
-    previous = pd.tuner.set_default_tuner(original)
+    original = pd.auto.Tuner(cache_path=None, max_signatures=0)
+    previous = pd.auto.set_default_tuner(original)
     rec = pd.Recorder()
     override = adapter.make_override("auto", "fallback", rec)
     g = torch.Generator().manual_seed(5)
@@ -366,16 +366,16 @@ def test_adapter_full_precision_auto_keeps_the_process_tuner(monkeypatch):
         for j in range(CALLS):
             out = override(comfy_func, *flat, 2, transformer_options={}, low_precision_attention=bool(j % 2))
             torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-            assert pd.tuner.default_tuner() is original
+            assert pd.auto.default_tuner() is original
             pd.dispatch_attention_fn(q, k, v, backend="auto")
 
     try:
         Hammer().run(worker, readers=server_reads())
-        assert pd.tuner.default_tuner() is original
+        assert pd.auto.default_tuner() is original
         assert rec.total_calls == THREADS * CALLS
         assert all(pd.get_backend_spec(r["served"]).family != "sage" for r in rec.snapshot()["rows"])
     finally:
-        pd.tuner.set_default_tuner(previous)
+        pd.auto.set_default_tuner(previous)
 
 
 # ------------------------------------------------------------------------------------------------ reports
@@ -415,7 +415,7 @@ def test_registry_listing_while_backends_are_registered():
 
     def lister():
         rows = dispatcher.list_backends()
-        assert rows[0].name == "native"
+        assert rows[0].name == dispatcher.BUILTIN_NAMES[0]  # the priority order, whatever is registering
         routes.backends_payload()
 
     Hammer().run(worker, readers=(lister, lister))

@@ -1,5 +1,5 @@
 """Replicated-input context parallelism (dispatcher.parallel.replicated), the Context Parallel Attention
-node, its lockstep runtime and the launcher, without ComfyUI.
+node and its lockstep runtime (prompts, interrupts, prompt ends), without ComfyUI.
 
 Worlds of 2, 3 and 4 gloo processes are spawned once each (file:// rendezvous, 127.0.0.1 only); each rank
 runs every case of its table and writes its errors to JSON, one test per case reads them. Every case
@@ -302,7 +302,7 @@ def test_validate_inputs_without_a_launch_says_how_to_launch(node, monkeypatch):
     for mode in ("heads", "sequence"):
         message = node_cls.validate_inputs(mode=mode, degree=0)
         assert isinstance(message, str) and f"mode '{mode}'" in message
-        assert "cp_launch.py --nproc 2 -- <your usual main.py arguments>" in message
+        assert "torchrun --nproc-per-node 2 main.py <your usual main.py arguments>" in message
         assert "torch.distributed is not initialized" in message and "mode to 'off'" in message
     assert "unknown mode" in node_cls.validate_inputs(mode="ring", degree=0)
     assert "degree" in node_cls.validate_inputs(mode="heads", degree=-1)
@@ -312,7 +312,7 @@ def test_execute_off_returns_the_model_and_on_refuses_without_a_launch(node):
     node_stub, parallel_node = node
     model = node_stub.FakeModel()
     assert parallel_node.ContextParallelAttention.execute(model=model, mode="off", degree=0).result[0] is model
-    with pytest.raises(parallel.ContextParallelError, match="cp_launch.py"):
+    with pytest.raises(parallel.ContextParallelError, match="torchrun --nproc-per-node"):
         parallel_node.ContextParallelAttention.execute(model=model, mode="heads", degree=0)
     assert model.override is None  # the input model is never patched
 
@@ -401,47 +401,99 @@ def test_rank0_broadcasts_prompts_as_they_start_and_workers_replay_them_in_order
     assert got[0] > 0  # renumbered in arrival order: a later "front" prompt cannot overtake on the worker
 
 
-def test_setup_from_env_is_a_no_op_without_the_launcher(monkeypatch):
-    monkeypatch.delenv(cp_runtime.ENV_LAUNCH, raising=False)
-    assert cp_runtime.setup_from_env() is False
-    assert cp_runtime.launch_command(3).endswith("cp_launch.py --nproc 3 -- <your usual main.py arguments>")
+def test_setup_from_env_is_a_no_op_without_torchrun(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert cp_runtime.torchrun_env() is None and cp_runtime.setup_from_env() is False
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert cp_runtime.torchrun_env() == (0, 1, 0)
+    assert cp_runtime.launched() is False and cp_runtime.setup_from_env() is False  # one rank: plain ComfyUI
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cp_runtime.launched() is True
+    assert cp_runtime.launch_command(3).startswith("torchrun --nproc-per-node 3 main.py <your usual main.py arguments>")
 
 
-# --- the launcher ------------------------------------------------------------------------------
+class FakeMM:
+    """comfy.model_management's interrupt state."""
 
-def _launcher():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "nodes" / "cp_launch.py"
-    spec = importlib.util.spec_from_file_location("cp_launch_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    class InterruptProcessingException(Exception):
+        pass
+
+    def __init__(self):
+        import threading
+        self.interrupt_processing_mutex = threading.RLock()
+        self.interrupt_processing = False
+
+    def interrupt_current_processing(self, value=True):
+        self.interrupt_processing = value
+
+    def throw_exception_if_processing_interrupted(self):
+        if self.interrupt_processing:
+            self.interrupt_processing = False
+            raise self.InterruptProcessingException()
 
 
-def test_launcher_plans_one_process_per_rank(tmp_path, monkeypatch):
-    launch = _launcher()
-    comfy = tmp_path / "ComfyUI"
-    (comfy / "comfy").mkdir(parents=True)
-    (comfy / "main.py").write_text("")
-    monkeypatch.chdir(comfy)
-    assert launch.find_comfyui(None) == str(comfy)
-    ranks = launch.plan(3, "auto", ["--cpu", "--port", "8190"], 29555, str(comfy), python="py")
-    assert len(ranks) == 3
-    (cmd0, env0), (cmd1, env1), _ = ranks
-    assert cmd0 == ["py", str(comfy / "main.py"), "--cpu", "--port", "8190"]
-    assert cmd1[:2] == ["py", launch.HERE] and "--worker" in cmd1 and cmd1[-4:] == ["--", "--cpu", "--port", "8190"]
-    assert env0["ATTN_DISPATCH_CP_BACKEND"] == "gloo" and env0["MASTER_ADDR"] == "127.0.0.1"
-    assert [e["RANK"] for _, e in ranks] == ["0", "1", "2"] and env1["WORLD_SIZE"] == "3"
-    assert env0["MASTER_PORT"] == "29555" and env0["ATTN_DISPATCH_CP"] == "1"
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
-    gpu = launch.plan(2, "auto", ["--port", "8190"], 29555, str(comfy), python="py")
-    assert [e["CUDA_VISIBLE_DEVICES"] for _, e in gpu] == ["4", "6"]
-    assert gpu[0][1]["ATTN_DISPATCH_CP_BACKEND"] == "nccl"
-    with pytest.raises(SystemExit, match="needs 3 GPUs, 2 visible"):
-        launch.plan(3, "nccl", [], 29555, str(comfy))
-    with pytest.raises(SystemExit, match="--cuda-device"):
-        launch.plan(2, "gloo", ["--cpu", "--cuda-device", "1"], 29555, str(comfy))
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit, match="no ComfyUI found"):
-        launch.find_comfyui(str(tmp_path))
+@pytest.fixture
+def relay(monkeypatch):
+    """cp_runtime's interrupt relay and lockstep on a FakeQueue of rank 0 of 2, with `peer` playing rank 1."""
+    mm = FakeMM()
+    comfy_pkg = types.ModuleType("comfy")
+    comfy_pkg.model_management = mm
+    monkeypatch.setitem(sys.modules, "comfy", comfy_pkg)
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    monkeypatch.setattr(cp_runtime, "_state", dict(cp_runtime._state, world=2, rank=0, prompt_thread=None, checks=0))
+    peer = {"states": iter(()), "seen": []}
+
+    def exchange(interrupted, ended):
+        peer["seen"].append((int(interrupted), int(ended)))
+        return [(int(interrupted), int(ended)), next(peer["states"])]
+
+    monkeypatch.setattr(cp_runtime, "_exchange", exchange)
+    monkeypatch.setattr(cp_runtime, "_send", lambda message: None)
+    queue = FakeQueue()
+    done = []
+    queue.task_done = lambda item_id, *a, **k: done.append(item_id)
+    cp_runtime._lead(queue)
+    cp_runtime._lockstep(queue)
+    cp_runtime._relay_interrupts()
+    return mm, queue, peer, done
+
+
+def test_a_cancel_on_rank_0_is_taken_by_every_rank_at_one_check(relay):
+    mm, queue, peer, done = relay
+    mm.throw_exception_if_processing_interrupted()  # outside a prompt: the local check, no collective
+    assert peer["seen"] == []
+    queue.put((1, "p", {}, {}, []))
+    _, item_id = queue.get()
+    peer["states"] = iter([(0, 0), (0, 0), (0, 0), (0, 1)])
+    mm.throw_exception_if_processing_interrupted()
+    mm.throw_exception_if_processing_interrupted()
+    mm.interrupt_current_processing(True)  # /interrupt on rank 0
+    with pytest.raises(mm.InterruptProcessingException):
+        mm.throw_exception_if_processing_interrupted()
+    assert mm.interrupt_processing is False and cp_runtime._state["checks"] == 3
+    queue.task_done(item_id, {}, None)  # rank 1 raised at the same check and ended: one round, both ended
+    assert done == [item_id] and peer["seen"] == [(0, 0), (0, 0), (1, 0), (0, 1)]
+
+
+def test_a_rank_that_ends_a_prompt_early_stops_the_others_at_their_next_check(relay):
+    mm, queue, peer, done = relay
+    queue.put((1, "p", {}, {}, []))
+    _, item_id = queue.get()
+    peer["states"] = iter([(0, 0), (0, 1), (0, 1)])  # rank 1 failed alone after one check, then waits to end
+    mm.throw_exception_if_processing_interrupted()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] ended this prompt early"):
+        mm.throw_exception_if_processing_interrupted()
+    queue.task_done(item_id, {}, None)
+    assert done == [item_id] and peer["seen"][-1] == (0, 1)
+
+
+def test_rank_0_waits_at_the_end_of_a_prompt_for_the_slower_ranks(relay):
+    mm, queue, peer, done = relay
+    queue.put((1, "p", {}, {}, []))
+    _, item_id = queue.get()
+    peer["states"] = iter([(0, 0), (0, 0), (0, 1)])  # rank 1 still makes two checks (it then stops at them)
+    queue.task_done(item_id, {}, None)
+    assert done == [item_id] and peer["seen"] == [(0, 1)] * 3

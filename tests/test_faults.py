@@ -164,7 +164,7 @@ def test_every_backend_of_the_chain_failing_raises_and_demotes_nothing(monkeypat
     recorder = Recorder()
     with recording(recorder), pytest.raises(torch.OutOfMemoryError):
         dispatch_attention_fn(q, k, v, backend="oomy")
-    (decision,) = [d for d in dispatcher.dispatch._decisions.values() if d.requested == "oomy"]
+    (decision,) = [d for d in dispatcher.decisions._decisions.values() if d.requested == "oomy"]
     assert [c[0] for c in decision.candidates] == ["oomy", "native", "_native_math"] and not decision.skipped
     assert recorder.snapshot()["rows"] == []
     monkeypatch.undo()  # memory is back: the chain is tried from its start again

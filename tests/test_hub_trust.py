@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kernel_repos as kr  # noqa: E402
 
 import dispatcher  # noqa: E402
-from dispatcher import dispatch, env, hub, registry, trust  # noqa: E402
+from dispatcher import caches, env, hub, registry, trust  # noqa: E402
 from dispatcher.machine import Machine, current_machine, use_machine  # noqa: E402
 from dispatcher.spec import HubKernel  # noqa: E402
 
@@ -43,7 +43,7 @@ HUB_VARS = (DISABLE, TRUST, env.KERNEL_LOCK, "LOCAL_KERNELS")
 
 def _forget_all() -> None:
     hub.forget_loaded()
-    dispatch.forget_decisions()
+    caches.forget()
     registry.forget_availability()
 
 
@@ -787,7 +787,7 @@ BUILTIN_HUB = {
     "aiter_fa2_hub": ("kernels-community/aiter-flash-attn-ck", "flash_attn_func"),
     "aiter_sage_hub": ("kernels-community/aiter-sage-attention", "sageattn"),
     "sage_hub": (None, "sageattn"),
-    "sage_blackwell_hub": (None, "sageattn"),
+    "sage_blackwell_hub": (None, "sageattn3_blackwell"),
 }
 UNTRUSTED_BUILTINS = ("sage_hub", "sage_blackwell_hub")
 

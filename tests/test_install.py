@@ -184,10 +184,11 @@ def test_plan_pip_commands_are_exact_and_deduplicated():
     assert "pip install 'xformers>=0.0.29'" in commands
     assert commands.count("pip install sageattention") == 1  # PyPI's 1.0.6 serves `sage`
     manual = [s for s in plan.pip_commands() if s.kind == "manual"]
-    assert manual and all(ip.pip_argv(s) is None for s in manual)  # FA3, SageAttention 2: built from source
+    assert manual and all(ip.pip_argv(s) is None for s in manual)  # FA3: a community wheel or a source build
     assert ip.pip_argv(plan.get("flash").steps[0]) == ["install", "flash-attn>=2.6.3", "--no-build-isolation"]
-    sage2 = plan.get("sage_varlen").steps[0]
-    assert ip.pip_argv(sage2) is None and "from source" in sage2.command  # PyPI has no sageattention>=2.1.1
+    sage2 = plan.get("sage_varlen").steps[0]  # PyPI has no sageattention>=2.1.1: install.py builds it when asked
+    assert sage2.kind == "build" and sage2.command == "python install.py --build sageattention"
+    assert ip.pip_argv(sage2) is None and sage2.command not in commands
 
 
 def test_plan_trust_rules(monkeypatch):
@@ -196,13 +197,13 @@ def test_plan_trust_rules(monkeypatch):
     blackwell = plan.get("sage_blackwell_hub")
     assert blackwell.status == O and any(TRUST in r for r in blackwell.why)
     assert [s.command for s in blackwell.steps] == [f"{TRUST}=true"]
-    assert "thu-ml/sage-attention-blackwell" not in {t.repo_id for t in plan.fetch_targets()}
+    assert "SageAttention/sage-blackwell" not in {t.repo_id for t in plan.fetch_targets()}
 
     monkeypatch.setenv(TRUST, "true")
     plan = ip.build(machine, lock={})
     assert plan.get("sage_blackwell_hub").status == F
-    assert "thu-ml/sage-attention-blackwell" in {t.repo_id for t in plan.fetch_targets()}
-    assert plan.get("sage_blackwell_hub").trust == f"{TRUST}=true trusts 'thu-ml'"
+    assert "SageAttention/sage-blackwell" in {t.repo_id for t in plan.fetch_targets()}
+    assert plan.get("sage_blackwell_hub").trust == f"{TRUST}=true trusts 'SageAttention'"
 
     monkeypatch.setenv(DISABLE, "true")  # wins over the opt-in
     plan = ip.build(machine, lock={})

@@ -120,7 +120,9 @@ def check_against_reference(backend, *, b, hq, hk, lq, lk, d, dtype, layout, mas
     mask = None
     if mask_kind is not None:
         mask_dtype = dtype if mask_type == "additive" else torch.bool
-        mask = make_mask(mask_shape(mask_kind, b, hq, lq, lk), mask_type, mask_dtype, gen)
+        # A 2-D mask with B == Lq > 1 is refused as ambiguous ((Lq, Lk) here, (B, Lk) in diffusers): say (Lq, Lk).
+        kind = "1,1,Lq,Lk" if mask_kind == "Lq,Lk" and b == lq > 1 else mask_kind
+        mask = make_mask(mask_shape(kind, b, hq, lq, lk), mask_type, mask_dtype, gen)
     api_layout = "BSHD" if layout == "BSHD" else "BHSD"
     result = run_strict(backend, q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hk, layout=api_layout,
                         return_lse=return_lse, is_causal=is_causal)

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from dispatcher import (BUILTIN_NAMES, BackendUnavailableError, Machine, UnknownBackendError, attention_backend,
-                        availability_reasons, backend_names, get_backend_spec, list_backends, use_machine)
+                        availability_reasons, backend_names, get_backend_spec, list_backends, register_backend,
+                        unregister_backend, use_machine)
+from dispatcher.requirements import Package
 from dispatcher.inputs import describe_call
 
 CPU_AVAILABLE = {"native", "_native_math", "_native_flash", "flex"}
@@ -131,16 +133,19 @@ def test_flash3_from_either_provider():
 
 
 def test_every_package_a_backend_needs_is_looked_up():
-    """machine.py reads the versions of a fixed list of distributions: each one a requirement names."""
-    from dispatcher.machine import TRACKED_DISTRIBUTIONS
+    """The machine's description tracks every distribution a registered backend names, derived from the specs:
+    a new backend's package (even a custom one's) is looked up without touching machine.py."""
+    from dispatcher.machine import tracked_distributions
     from dispatcher.registry import get, names
-    from dispatcher.requirements import OneOf, Package
-    needed = set()
-    for name in names():
-        for req in get(name).requires:
-            needed.update(p.dist for p in (req.packages if isinstance(req, OneOf) else (req,))
-                          if isinstance(p, Package))
-    assert needed <= set(TRACKED_DISTRIBUTIONS), needed - set(TRACKED_DISTRIBUTIONS)
+    needed = {d for name in names() for req in get(name).requirements for d in getattr(req, "distributions", ())}
+    assert {"fa3-fwd", "flash-attn-3", "sageattention", "kernels", "xformers"} <= needed
+    assert needed <= set(tracked_distributions()), needed - set(tracked_distributions())
+    register_backend("needs_a_new_package", lambda *a, **k: None,
+                     requires=(Package("some-new-attention-package", "1.0"),))
+    try:
+        assert "some-new-attention-package" in tracked_distributions()
+    finally:
+        unregister_backend("needs_a_new_package")
 
 
 def test_hub_backends_with_kernels_installed():

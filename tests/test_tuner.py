@@ -15,8 +15,11 @@ import torch
 import torch.nn.functional as F
 
 import dispatcher
-from dispatcher import Recorder, dispatch, dispatch_attention_fn, recording, tuner
-from dispatcher.tuner import Signature, Tuner
+from dispatcher import AttentionInputs, Recorder, dispatch_attention_fn, eager, recording
+from dispatcher import auto as tuner
+from dispatcher.auto import Tuner
+
+Signature = AttentionInputs.of
 
 SIG = Signature(1, 2, 32, 16, dtype=torch.float32, device="cpu")
 
@@ -93,7 +96,7 @@ def test_the_fast_backend_wins_over_a_slow_one(cache):
     ([1.20, 1.40, 1.00, 1.30, 1.10], [1.00, 1.00, 1.00, 1.00, 1.00], "other"),  # noise past the 3% cap
 ])
 def test_a_preferred_backend_keeps_ties_within_the_timing_noise(preferred, other, chosen):
-    from dispatcher.tuner import CandidateResult, pick
+    from dispatcher.auto import CandidateResult, pick
     results = []
     for name, times in (("preferred", preferred), ("other", other)):
         result = CandidateResult(name, "valid", 0, 1e-2)
@@ -142,14 +145,14 @@ def test_the_cache_in_another_process_does_no_timing(cache, tmp_path):
     script.write_text(
         "import sys, time, torch\n"
         "sys.path.insert(0, sys.argv[1])\n"
-        "import dispatcher\nfrom dispatcher import tuner\n"
+        "import dispatcher\nfrom dispatcher import auto as tuner\n"
         "def exact(q, k, v, **_):\n"
         "    return torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)\n"
         "def slow(q, k, v, **kw):\n    time.sleep(0.03)\n    return exact(q, k, v)\n"
         "dispatcher.register_backend('t_slow', slow, devices=('cpu',))\n"
         "dispatcher.register_backend('t_fast', exact, devices=('cpu',))\n"
         "t = tuner.Tuner(backends=('t_slow', 't_fast'))\n"
-        "r = t.tune(tuner.Signature(1, 2, 32, 16, dtype=torch.float32, device='cpu'))\n"
+        "r = t.tune(dispatcher.AttentionInputs.of(1, 2, 32, 16, dtype=torch.float32, device='cpu'))\n"
         "print(r.source, r.chosen, t.timing_calls)\n")
     from pathlib import Path
     root = str(Path(__file__).resolve().parent.parent)
@@ -321,7 +324,7 @@ def test_masks_causal_gqa_and_lse_are_validated(cache):
 def test_traced_auto_uses_an_eager_decision_or_preference(cache):
     names = register("t_slow", slow), register("t_fast", exact)
     t = make(cache, *names)
-    inputs = SIG.to_inputs()
+    inputs = SIG
     name, _ = t.choose(inputs, timing=False)
     assert name in names and t.timing_calls == 0 and t.records()[0].source == "preference"
     assert t.choose(inputs)[0] == "t_fast" and t.timing_calls == 2  # the traced guess did not stick
@@ -342,8 +345,8 @@ def test_registry_changes_forget_in_memory_choices(cache):
 
 def test_hot_path_builds_no_attention_inputs_once_decided(monkeypatch):
     calls = []
-    real = dispatch.describe_call
-    monkeypatch.setattr(dispatch, "describe_call", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = eager.describe_call
+    monkeypatch.setattr(eager, "describe_call", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v = (torch.randn(1, 16, 2, 8) for _ in range(3))
     for _ in range(5):
         dispatch_attention_fn(q, k, v, backend="native")

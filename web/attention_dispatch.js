@@ -10,13 +10,14 @@ import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import {
   displayLabel, fallbackToast, indexBackends, isUnavailable, menuEntry, mergeReports, resolveNode,
-  selectionWarning, summarizeClipText, summarizeReport, visibleValues, wrapText,
+  selectionWarning, summarizeClipText, summarizeReport, summarizeTrustText, visibleValues, wrapText,
 } from "./format.js";
 
 const EXTENSION = "attention_dispatch";
 const EVENT = "attention_dispatch.report";
 const BACKEND_NODES = new Set(["SetAttentionBackend", "SetClipAttentionBackend"]);
-const REPORT_NODES = new Set([...BACKEND_NODES, "AttentionChecks"]);
+const TEXT_NODES = new Set(["SetClipAttentionBackend", "TrustRemoteKernels"]); // panels from `executed` ui text
+const REPORT_NODES = new Set([...BACKEND_NODES, "AttentionChecks", "TrustRemoteKernels"]);
 const POLICIES = ["fallback", "strict"];
 export const SETTINGS = {
   policy: "AttentionDispatch.DefaultPolicy",
@@ -402,10 +403,11 @@ function onReport(report) {
 function onExecuted(detail) {
   if (!detail || detail.node == null) return;
   const node = resolveNode(app.graph, detail.node);
-  if (!node || typeOf(node) !== "SetClipAttentionBackend") return;
+  if (!node || !TEXT_NODES.has(typeOf(node))) return;
   const st = nodeState(node);
   if (st.promptId === detail.prompt_id && st.reports.length) return; // a real report came for this prompt
-  const summary = summarizeClipText(detail.output?.text);
+  const texts = detail.output?.text;
+  const summary = typeOf(node) === "TrustRemoteKernels" ? summarizeTrustText(texts) : summarizeClipText(texts);
   if (!summary) return;
   st.reports = [];
   st.promptId = detail.prompt_id ?? null;

@@ -205,9 +205,11 @@ export function summarizeReport(report) {
   }
   const ms = attentionTimeMs(report);
   const requested = report.backend ?? (rows[0] && rows[0].requested) ?? "";
+  const notes = notesOf(report);
+  const overriddenBy = report.overridden_by && typeof report.overridden_by === "object" ? report.overridden_by : null;
   const lines = [];
   if (report.runs > 1) lines.push(`${report.runs} sampling runs in this prompt`);
-  if (!calls) {
+  if (!calls && !overriddenBy) {
     lines.push(`No attention calls recorded${requested ? ` (asked for ${requested})` : ""}.`);
   }
   const order = [...served.entries()].sort((a, b) => b[1].calls - a[1].calls);
@@ -222,13 +224,14 @@ export function summarizeReport(report) {
   }
   for (const err of errors) lines.push(`${MARK_UNAVAILABLE} ${err.backend} failed at ${err.site}: ${err.error}`);
   if (ms != null) lines.push(`Time in attention: ${formatMs(ms)}`);
+  lines.push(...notes);
 
   const top = order.length ? order[0][0] : "";
   const names = order.map(([n]) => n);
   let badge = calls ? `${names.length > 1 ? `${top} +${names.length - 1}` : top} \u00b7 ${plural(calls, "call")}`
-    : "no attention calls";
+    : overriddenBy ? `overridden by #${overriddenBy.node}` : "no attention calls";
   if (ms != null) badge += ` \u00b7 ${formatMs(ms)}`;
-  const level = errors.length ? "error" : fallbacks.size ? "warn" : calls ? "ok" : "info";
+  const level = errors.length ? "error" : fallbacks.size || (overriddenBy && !calls) ? "warn" : calls ? "ok" : "info";
   badge = `${level === "ok" ? MARK_AVAILABLE : level === "info" ? "" : MARK_WARNING} ${truncate(badge, 40)}`.trim();
   return {
     badge, lines, level, calls, requested,
@@ -238,11 +241,22 @@ export function summarizeReport(report) {
   };
 }
 
+/** The report's `notes` (why a node ran nothing, which node took over): plain strings. */
+function notesOf(report) {
+  return Array.isArray(report && report.notes) ? report.notes.map(String).filter(Boolean) : [];
+}
+
 function summarizeChecks(report) {
   const cmp = report.compare;
   const lines = [`Checks: ${report.checks ?? "on"}`];
   let badge = `checks: ${report.checks ?? "on"}`;
   let level = "ok";
+  if (report.no_calls === true) {
+    // 0 samples and "max error 0" would read as a clean result: say nothing was seen, and why (the notes).
+    lines.push("No attention call reached these checks: nothing was checked or compared.", ...notesOf(report));
+    return { badge: `${MARK_WARNING} no calls checked`, lines, level: "warn", calls: 0, served: {}, fallbacks: [],
+             errors: [], timeMs: attentionTimeMs(report) };
+  }
   if (cmp && typeof cmp === "object") {
     const err = Number(cmp.max_rel_error);
     const e = Number.isFinite(err) ? err.toExponential(2) : "?";
@@ -251,6 +265,7 @@ function summarizeChecks(report) {
     badge = `max rel err ${e}`;
     if (Number.isFinite(err) && err > 0.05) level = "warn";
   }
+  lines.push(...notesOf(report));
   return { badge: `${level === "ok" ? MARK_AVAILABLE : MARK_WARNING} ${badge}`, lines, level, calls: 0,
            served: {}, fallbacks: [], errors: [], timeMs: attentionTimeMs(report) };
 }
@@ -295,6 +310,18 @@ export function summarizeClipText(texts) {
   if (!list.length) return null;
   return { badge: `${MARK_AVAILABLE} ${truncate(list[0], 40)}`, lines: list, level: "ok", calls: 0, served: {},
            fallbacks: [], errors: [], timeMs: null };
+}
+
+/** Trust Remote Kernels' `executed` ui text (one line per finding) as a panel summary. */
+export function summarizeTrustText(texts) {
+  const list = Array.isArray(texts) ? texts.map(String).flatMap((t) => t.split("\n")).filter(Boolean) : [];
+  if (!list.length) return null;
+  const confirmed = list.some((l) => l.startsWith("Trusted for the connected models"));
+  const doubtful = list.some((l) => l.startsWith("Ignored:") || l.startsWith("Changes nothing") || /=true wins/.test(l));
+  const level = doubtful ? "warn" : confirmed ? "ok" : "info";
+  const mark = level === "ok" ? MARK_AVAILABLE : level === "warn" ? MARK_WARNING : "";
+  return { badge: `${mark} ${truncate(list[0], 40)}`.trim(), lines: list, level, calls: 0, served: {}, fallbacks: [],
+           errors: [], timeMs: null };
 }
 
 /** Greedy word wrap of `text` (may hold "\n") to `width`, measured by `measure(str) -> px`. */

@@ -1,3 +1,20 @@
-"""Built-in backends; importing this package registers every one of them."""
+"""Built-in backends: importing this package registers every one of them (one declaration each, in its
+family file), then sets the one priority list.
 
+PRIORITY orders the built-in backends, best first: listings (the dropdown, the doctor) and `auto`'s order
+before it measures (and its tie rule) follow it. A backend it does not name ranks after those it names, so a
+new backend needs only its declaration; name it here to rank it. Fallback chains are per backend (`fallback`
+in its spec), each ending at SDPA and its math kernel.
+"""
+
+from .. import registry
 from . import native, flex, flash, sage, xformers  # noqa: F401  (registration side effects)
+
+PRIORITY = (
+    "flash_4_hub", "_flash_3", "_flash_3_hub", "_flash_varlen_3", "sage_blackwell_hub", "_flash_3_varlen_hub",
+    "_native_cudnn", "native", "sage", "sage_hub", "_sage_qk_int8_pv_fp8_cuda_sm90", "_sage_qk_int8_pv_fp8_cuda",
+    "_sage_qk_int8_pv_fp16_cuda", "aiter_sage_hub", "_sage_qk_int8_pv_fp16_triton", "flash", "aiter_fa2_hub",
+    "flash_hub", "flash_varlen", "flash_varlen_hub", "sage_varlen", "xformers", "_native_flash", "flex",
+    "_native_efficient", "_native_math", "_native_npu", "_native_xla",
+)
+registry.set_priority(PRIORITY)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import declare
 from ..inputs import AttentionInputs
 from ..registry import add, kernels_requirement
 from ..requirements import CudaCapability, OneOf, OnDevice, Package, RocmArch, import_error
@@ -87,9 +88,18 @@ def _fa3_wheel_limits(inputs: AttentionInputs) -> list[str]:
     return reasons
 
 
-def dense(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, kernel=None, style="fa2"):
+def _window(kwargs: dict, window_size) -> None:
+    """FlashAttention's sliding window, (left, right) keys (-1 = unbounded), passed on only when given (an
+    attention_kwargs key of FlashAttention-2/3 backends, as in diffusers)."""
+    if window_size is not None:
+        kwargs["window_size"] = tuple(int(w) for w in window_size)
+
+
+def dense(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, kernel=None, style="fa2",
+          window_size=None):
     kernel = kernel or {"fa2": _fa2_pip, "fa3": _fa3_pip}[style]()
     kwargs = {"softmax_scale": scale, "causal": is_causal}
+    _window(kwargs, window_size)
     if style in ("fa2", "aiter"):
         kwargs["dropout_p"] = dropout_p
     if return_lse:
@@ -97,7 +107,8 @@ def dense(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return
     return _out_and_lse(kernel(q, k, v, **kwargs), return_lse)
 
 
-def varlen(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, kernel=None, style="fa2"):
+def varlen(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, kernel=None, style="fa2",
+           window_size=None):
     kernel = kernel or {"fa2": _fa2_varlen_pip, "fa3": _fa3_varlen_pip}[style]()
     b, lq, h, d = q.shape
     lk, hk = k.shape[1], k.shape[2]
@@ -111,6 +122,7 @@ def varlen(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, retur
         keys, values = k.reshape(b * lk, hk, d).index_select(0, index), v.reshape(b * lk, hk, -1).index_select(0, index)
         cu_k = torch.nn.functional.pad(keep.sum(-1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
     kwargs = {"softmax_scale": scale, "causal": is_causal}
+    _window(kwargs, window_size)
     if style == "fa2":
         kwargs["dropout_p"] = dropout_p
     if return_lse:
@@ -125,11 +137,15 @@ def varlen(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, retur
     return out, lse.reshape(h, b, lq).permute(1, 2, 0).float() if lse.shape[0] == h else lse.reshape(b, h, lq).transpose(1, 2).float()
 
 
+# The attention_kwargs each kernel family takes (diffusers passes window_size to FlashAttention-2 and -3).
+_HONOURED = {"fa2": ("window_size",), "fa3": ("window_size",), "fa4": (), "aiter": (), "sage": ()}
+
+
 def _style(fn, **fixed):
     def run(q, k, v, **kwargs):
         return fn(q, k, v, **kwargs, **fixed)
     run.__name__ = f"{fn.__name__}_{fixed.get('style', '')}"
-    return run
+    return declare(run, attention_kwargs=_HONOURED[fixed.get("style", "fa2")])
 
 
 COMMON = dict(layout="BSHD", devices=CUDA, dtypes=HALF, head_dims=HeadDims(8, 256, 8), gqa=True,
@@ -137,39 +153,39 @@ COMMON = dict(layout="BSHD", devices=CUDA, dtypes=HALF, head_dims=HeadDims(8, 25
 KEY_PADDING = frozenset({"key_padding"})
 
 add(BackendSpec(name="flash", family="flash2", description="FlashAttention-2 (pip flash-attn)",
-                fn=_style(dense, style="fa2"), dropout=True, capability=SM80, preference=70,
-                requires=(FA2, ON_CUDA, SM80), **COMMON))
+                fn=_style(dense, style="fa2"), dropout=True, capability=SM80,
+                requires=(FA2, ON_CUDA), **COMMON))
 add(BackendSpec(name="flash_hub", family="flash2", description="FlashAttention-2 from the Hub (kernels-community)",
-                fn=_style(dense, style="fa2"), dropout=True, capability=SM80, preference=69, hub=FLASH_2_HUB,
-                requires=(kernels_requirement(FLASH_2_HUB), ON_CUDA, SM80), **COMMON))
+                fn=_style(dense, style="fa2"), dropout=True, capability=SM80, hub=FLASH_2_HUB,
+                requires=(kernels_requirement(FLASH_2_HUB), ON_CUDA), **COMMON))
 add(BackendSpec(name="flash_varlen", family="flash2", description="FlashAttention-2 varlen: bool key-padding masks",
-                fn=_style(varlen, style="fa2"), dropout=True, capability=SM80, preference=65, masks=KEY_PADDING,
-                mask_format="key_padding", requires=(FA2, ON_CUDA, SM80), **COMMON))
+                fn=_style(varlen, style="fa2"), dropout=True, capability=SM80, masks=KEY_PADDING,
+                mask_format="key_padding", requires=(FA2, ON_CUDA), **COMMON))
 add(BackendSpec(name="flash_varlen_hub", family="flash2", description="FlashAttention-2 varlen from the Hub",
-                fn=_style(varlen, style="fa2"), dropout=True, capability=SM80, preference=64, masks=KEY_PADDING,
+                fn=_style(varlen, style="fa2"), dropout=True, capability=SM80, masks=KEY_PADDING,
                 mask_format="key_padding", hub=FLASH_2_VARLEN_HUB,
-                requires=(kernels_requirement(FLASH_2_VARLEN_HUB), ON_CUDA, SM80), **COMMON))
+                requires=(kernels_requirement(FLASH_2_VARLEN_HUB), ON_CUDA), **COMMON))
 add(BackendSpec(name="_flash_3", family="flash3",
                 description="FlashAttention-3 (Hopper; a source build, or the forward-only fa3-fwd wheel)",
-                fn=_style(dense, style="fa3"), capability=HOPPER_AMPERE, preference=90, requires=(FA3, ON_CUDA, HOPPER_AMPERE),
+                fn=_style(dense, style="fa3"), capability=HOPPER_AMPERE, requires=(FA3, ON_CUDA),
                 backward=True, extra_reasons=_fa3_wheel_limits, **COMMON))
 add(BackendSpec(name="_flash_varlen_3", family="flash3", description="FlashAttention-3 varlen (Hopper)",
-                fn=_style(varlen, style="fa3"), capability=HOPPER_AMPERE, preference=85, masks=KEY_PADDING,
-                mask_format="key_padding", requires=(FA3, ON_CUDA, HOPPER_AMPERE), extra_reasons=_fa3_wheel_limits,
+                fn=_style(varlen, style="fa3"), capability=HOPPER_AMPERE, masks=KEY_PADDING,
+                mask_format="key_padding", requires=(FA3, ON_CUDA), extra_reasons=_fa3_wheel_limits,
                 **COMMON))
 add(BackendSpec(name="_flash_3_hub", family="flash3", description="FlashAttention-3 from the Hub (sm_80, sm_90)",
-                fn=_style(dense, style="fa3"), capability=HOPPER_AMPERE, preference=89, hub=FLASH_3_HUB,
-                requires=(kernels_requirement(FLASH_3_HUB), ON_CUDA, HOPPER_AMPERE), **COMMON))
+                fn=_style(dense, style="fa3"), capability=HOPPER_AMPERE, hub=FLASH_3_HUB,
+                requires=(kernels_requirement(FLASH_3_HUB), ON_CUDA), **COMMON))
 add(BackendSpec(name="_flash_3_varlen_hub", family="flash3", description="FlashAttention-3 varlen from the Hub",
-                fn=_style(varlen, style="fa3"), capability=HOPPER_AMPERE, preference=84, masks=KEY_PADDING,
+                fn=_style(varlen, style="fa3"), capability=HOPPER_AMPERE, masks=KEY_PADDING,
                 mask_format="key_padding", hub=FLASH_3_VARLEN_HUB,
-                requires=(kernels_requirement(FLASH_3_VARLEN_HUB), ON_CUDA, HOPPER_AMPERE), **COMMON))
+                requires=(kernels_requirement(FLASH_3_VARLEN_HUB), ON_CUDA), **COMMON))
 add(BackendSpec(name="flash_4_hub", family="flash4", description="FlashAttention-4 (CuTe DSL) from the Hub, sm_90/sm_100",
-                fn=_style(dense, style="fa4"), capability=HOPPER_BLACKWELL, preference=95, hub=FLASH_4_HUB,
-                backward=False, requires=(kernels_requirement(FLASH_4_HUB), ON_CUDA, HOPPER_BLACKWELL),
+                fn=_style(dense, style="fa4"), capability=HOPPER_BLACKWELL, hub=FLASH_4_HUB,
+                backward=False, requires=(kernels_requirement(FLASH_4_HUB), ON_CUDA),
                 **{**COMMON, "head_dims": HeadDims(8, 128, 8)}))
 add(BackendSpec(name="aiter_fa2_hub", family="aiter", description="AMD AITER CK FlashAttention-2 from the Hub (bf16)",
                 fn=_style(dense, style="aiter"), devices=frozenset({"rocm"}), dtypes=BF16, dropout=True,
-                rocm=RocmArch(("gfx942", "gfx950")), preference=70, hub=AITER_FA2_HUB,
-                requires=(kernels_requirement(AITER_FA2_HUB), OnDevice(frozenset({"rocm"})), RocmArch(("gfx942", "gfx950"))),
+                rocm=RocmArch(("gfx942", "gfx950")), hub=AITER_FA2_HUB,
+                requires=(kernels_requirement(AITER_FA2_HUB), OnDevice(frozenset({"rocm"}))),
                 **{k: v for k, v in COMMON.items() if k not in ("devices", "dtypes")}))

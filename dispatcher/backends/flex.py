@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
+from ..checks import broadcast_kv, declare
 from ..registry import add
 from ..requirements import TorchVersion
 from ..spec import FLOATS, BackendSpec, HeadDims
 
+# Eager flex (the CPU, and the tuner's first calls) makes torch print a 9-line "called without torch.compile()"
+# warning the user can do nothing about: the pack compiles flex where that pays (GPUs) and chose eager elsewhere.
+warnings.filterwarnings("ignore", message="flex_attention called without torch.compile", category=UserWarning)
+
 
 def _index(bias: torch.Tensor):
-    """An indexer into a broadcastable 4-D tensor that maps size-1 axes to 0."""
-    zero = torch.zeros((), dtype=torch.int64, device=bias.device)
-    pick = [(lambda i: i) if size > 1 else (lambda i: zero) for size in bias.shape]
+    """An indexer into a broadcastable 4-D tensor that maps size-1 axes to 0.
+
+    A literal 0, not a captured 0-dim tensor: under torch.compile with inductor on the CPU, a score_mod that
+    indexes with a captured tensor fails to lower (NoValidChoicesError) for any mask with a size-1 axis."""
+    pick = [(lambda i: i) if size > 1 else (lambda i: 0) for size in bias.shape]
 
     def at(b, h, q, kv):
         return bias[pick[0](b), pick[1](h), pick[2](q), pick[3](kv)]
@@ -29,7 +37,9 @@ def score_mod_for(mask: torch.Tensor):
         return keep_or_drop
 
     def add_bias(score, b, h, q, kv):
-        return score + at(b, h, q, kv).to(score.dtype)
+        # The bias stays float32 (mask format "precise"): eager flex hands half scores, and casting the bias to
+        # them first rounded it to 8 bits (5x the error of SDPA with the same float32 mask).
+        return score + at(b, h, q, kv)
     return add_bias
 
 
@@ -84,6 +94,7 @@ def compiled_flex(q, k, v, *, masked: bool, blocked: bool, enable_gqa: bool, lse
 def flex_attention_backend(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     from torch.nn.attention.flex_attention import flex_attention
 
+    k, v = broadcast_kv(q, k, v, enable_gqa)  # flex wants equal batches and heads; SDPA broadcasts them
     block_mask, score_mod = None, None
     if type(attn_mask).__name__ == "BlockMask":
         block_mask = attn_mask
@@ -110,6 +121,6 @@ def flex_attention_backend(q, k, v, *, attn_mask, dropout_p, is_causal, scale, e
 
 add(BackendSpec(
     name="flex", family="flex", description="torch FlexAttention (compiled on GPUs): bool/additive/BlockMask masks",
-    fn=flex_attention_backend, layout="BHSD", devices=frozenset({"cpu", "cuda", "rocm", "xpu"}), dtypes=FLOATS,
-    head_dims=HeadDims(8), masks=frozenset({"bool", "key_padding", "additive", "blockmask"}), mask_format="native",
-    gqa=True, lse=True, preference=30, requires=(TorchVersion("2.5"),)))
+    fn=declare(flex_attention_backend, broadcast_kv=True), layout="BHSD", devices=frozenset({"cpu", "cuda", "rocm", "xpu"}),
+    dtypes=FLOATS, head_dims=HeadDims(8), masks=frozenset({"bool", "key_padding", "additive", "blockmask"}),
+    mask_format="precise", gqa=True, lse=True, different_value_dim=True, requires=(TorchVersion("2.5"),)))

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..checks import declare
 from ..inputs import AttentionInputs
 from ..registry import add
 from ..requirements import CudaCapability, OnDevice, Package, TorchVersion
@@ -19,9 +20,24 @@ ALL_MASKS = frozenset({"bool", "key_padding", "additive"})
 SM80 = CudaCapability(minimum=(8, 0))
 
 
+def _like_query(q, k, v, enable_gqa):
+    """(key, value, enable_gqa) for SDPA's fused kernels, which take neither of SDPA's broadcasts (BHSD): a
+    key/value batch of 1 is expanded to the query's batch (copied on GPUs, where a stride-0 batch is not
+    what the kernels are tested with), and one key/value head without enable_gqa becomes GQA with one group,
+    which computes the same."""
+    if k.shape[0] != q.shape[0]:
+        k, v = (x.expand(q.shape[0], *x.shape[1:]) for x in (k, v))
+        if q.device.type != "cpu":
+            k, v = k.contiguous(), v.contiguous()
+    return k, v, bool(enable_gqa or k.shape[1] != q.shape[1])
+
+
 def _gqa_expand(q, k, v, enable_gqa):
-    """Repeat key/value heads for kernels that take equal head counts (BHSD)."""
+    """Key/value with the query's batch and heads, for kernels that take equal counts (BHSD)."""
+    k, v, enable_gqa = _like_query(q, k, v, enable_gqa)
     groups = q.shape[1] // k.shape[1]
+    if groups > 1 and k.shape[1] == 1:
+        return k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
     if enable_gqa and groups > 1:
         return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return k, v
@@ -116,12 +132,18 @@ CUDA_PRIORITY = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBack
                  SDPBackend.MATH)
 
 
+_scaled_dot_product_attention = F.scaled_dot_product_attention
+
+
 def sdpa_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
-    if q.device.type != "cuda":
-        if not (is_causal or enable_gqa):  # the common call, without the keyword dict of _sdpa
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
+    if not q.is_cuda:
+        if not (is_causal or enable_gqa):  # the common call: positional arguments parse fastest (~0.6 us a call)
+            if scale is None:
+                return _scaled_dot_product_attention(q, k, v, attn_mask, dropout_p)
+            return _scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, scale=scale)
         return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=enable_gqa, return_lse=False)
+    k, v, enable_gqa = _like_query(q, k, v, enable_gqa)  # so that the fused kernels, not math, can take broadcasts
     return _select(CUDA_PRIORITY, True, lambda: _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                                       is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                                                       return_lse=False))
@@ -139,7 +161,8 @@ def math_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gq
         keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask.to(acc))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None])
     if dropout_p > 0:
@@ -150,6 +173,7 @@ def math_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gq
 def flash_sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     q, k, v = _unit_stride(q, k, v)  # pinned to one fused kernel: SDPA cannot pick math for a strided view
     if not return_lse and q.device.type != "cpu":
+        k, v, enable_gqa = _like_query(q, k, v, enable_gqa)
         return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=enable_gqa, return_lse=False, pinned=SDPBackend.FLASH_ATTENTION)
     k, v = _gqa_expand(q, k, v, enable_gqa)
@@ -197,9 +221,13 @@ def _unit_stride(*tensors):
 
 
 def _as_bias(mask, q):
+    """The additive mask the aten ops take: the query's dtype on GPUs (the efficient kernel refuses another), but
+    a float32 one kept on the CPU, whose flash kernel adds it in float32 (rounding it to bfloat16 first cost
+    ~5x the accuracy)."""
     bias = mask if mask.dtype != torch.bool else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
         ~mask, float("-inf"))
-    return bias.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], bias.shape[-1])
+    keep = q.device.type == "cpu" and q.dtype in HALF and bias.dtype == torch.float32
+    return (bias if keep else bias.to(q.dtype)).expand(q.shape[0], q.shape[1], q.shape[2], bias.shape[-1])
 
 
 def _cuda_flash_limits(inputs: AttentionInputs) -> list[str]:
@@ -253,40 +281,45 @@ def xla_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 add(BackendSpec(
     name="native", family="sdpa", description="torch SDPA: PyTorch picks its best kernel (cuDNN/flash/efficient/math)",
-    fn=sdpa_attention, layout="BHSD", devices=ANY_DEVICE, dtypes=FLOATS, head_dims=HeadDims(), masks=ALL_MASKS,
-    mask_format="native", gqa=True, dropout=True, preference=81, error_bound=1e-2, fallback=("_native_math",),
+    fn=declare(sdpa_attention, broadcast_kv=True), layout="BHSD", devices=ANY_DEVICE, dtypes=FLOATS,
+    head_dims=HeadDims(), masks=ALL_MASKS, mask_format="native", gqa=True, dropout=True, different_value_dim=True,
+    error_bound=1e-2, fallback=("_native_math",),
     requires=(TorchVersion("2.5"),)))
 add(BackendSpec(
     name="_native_math", family="sdpa", description="torch SDPA math kernel: the exact reference, slow",
-    fn=math_attention, layout="BHSD", devices=ANY_DEVICE, dtypes=FLOATS, head_dims=HeadDims(), masks=ALL_MASKS,
-    mask_format="native", gqa=True, dropout=True, lse=True, preference=0, error_bound=1e-2, fallback=(),
+    fn=declare(math_attention, broadcast_kv=True), layout="BHSD", devices=ANY_DEVICE, dtypes=FLOATS,
+    head_dims=HeadDims(), masks=ALL_MASKS, mask_format="precise", gqa=True, dropout=True, lse=True,
+    different_value_dim=True, error_bound=1e-2, fallback=(),
     requires=(TorchVersion("2.5"),)))
 add(BackendSpec(
     name="_native_flash", family="sdpa", description="torch SDPA flash kernel (CPU flash kernel on CPUs)",
-    fn=flash_sdpa, layout="BHSD", devices=frozenset({"cpu", "cuda", "rocm"}), dtypes=FLOATS, head_dims=HeadDims(),
-    masks=ALL_MASKS, mask_format="native", gqa=True, dropout=True, lse=True, preference=40,
+    fn=declare(flash_sdpa, broadcast_kv=True), layout="BHSD", devices=frozenset({"cpu", "cuda", "rocm"}), dtypes=FLOATS,
+    head_dims=HeadDims(),
+    masks=ALL_MASKS, mask_format="native", gqa=True, dropout=True, lse=True,
     extra_reasons=lambda i: _cuda_flash_limits(i) + _not_dropout_with_lse(i) +
     (["dropout_p > 0 is not supported by SDPA's flash kernel on the CPU"] if i.dropout and i.device_kind == "cpu" else []),
     requires=(TorchVersion("2.5"),)))
 add(BackendSpec(
     name="_native_efficient", family="sdpa", description="torch SDPA memory-efficient kernel (GPUs)",
-    fn=efficient_sdpa, layout="BHSD", devices=frozenset({"cuda", "rocm"}),
+    fn=declare(efficient_sdpa, broadcast_kv=True), layout="BHSD", devices=frozenset({"cuda", "rocm"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), head_dims=HeadDims(1, 512), masks=ALL_MASKS,
-    mask_format="native", gqa=True, dropout=True, lse=True, preference=20, extra_reasons=_not_dropout_with_lse,
+    mask_format="native", gqa=True, dropout=True, lse=True, different_value_dim=True,
+    extra_reasons=_not_dropout_with_lse,
     requires=(TorchVersion("2.5"), OnDevice(frozenset({"cuda", "rocm"})))))
 add(BackendSpec(
     name="_native_cudnn", family="sdpa", description="torch SDPA cuDNN kernel (NVIDIA, sm_80+)",
-    fn=cudnn_sdpa, layout="BHSD", devices=frozenset({"cuda"}), dtypes=HALF, head_dims=HeadDims(8, 256, 8),
-    masks=ALL_MASKS, mask_format="native", gqa=True, dropout=True, lse=True, capability=SM80, preference=82,
+    fn=declare(cudnn_sdpa, broadcast_kv=True), layout="BHSD", devices=frozenset({"cuda"}), dtypes=HALF,
+    head_dims=HeadDims(8, 256, 8),
+    masks=ALL_MASKS, mask_format="native", gqa=True, dropout=True, lse=True, capability=SM80,
     extra_reasons=_not_dropout_with_lse,
-    requires=(TorchVersion("2.5"), OnDevice(frozenset({"cuda"})), SM80)))
+    requires=(TorchVersion("2.5"), OnDevice(frozenset({"cuda"})))))
 add(BackendSpec(
     name="_native_npu", family="npu", description="Ascend NPU fused attention (torch_npu.npu_fusion_attention)",
-    fn=npu_attention, layout="BSHD", devices=frozenset({"npu"}), dtypes=HALF, head_dims=HeadDims(1, 512),
+    fn=declare(npu_attention), layout="BSHD", devices=frozenset({"npu"}), dtypes=HALF, head_dims=HeadDims(1, 512),
     masks=frozenset({"bool", "key_padding"}), mask_format="bool", dropout=True, backward=False,
     requires=(Package("torch-npu", module="torch_npu", pip="pip install torch-npu"),)))
 add(BackendSpec(
     name="_native_xla", family="xla", description="XLA flash attention (torch_xla Pallas kernel)",
-    fn=xla_attention, layout="BHSD", devices=frozenset({"xla"}), dtypes=FLOATS - {torch.float64},
+    fn=declare(xla_attention), layout="BHSD", devices=frozenset({"xla"}), dtypes=FLOATS - {torch.float64},
     head_dims=HeadDims(), backward=False,
     requires=(Package("torch-xla", "2.2", module="torch_xla.experimental.custom_kernel"),)))

@@ -6,6 +6,7 @@ and `auto` validates it against SDPA before trusting it.
 
 from __future__ import annotations
 
+from ..checks import declare
 from ..inputs import AttentionInputs
 from ..registry import add, kernels_requirement
 from ..requirements import CudaCapability, OnDevice, Package, RocmArch
@@ -19,13 +20,15 @@ SAGE2 = Package("sageattention", "2.1.1", module="sageattention",
                     "PyPI only has 1.0.6")
 ON_CUDA = OnDevice(frozenset({"cuda"}))
 SM80, SM89, SM90 = (CudaCapability(minimum=c) for c in ((8, 0), (8, 9), (9, 0)))
-SM90_ONLY = CudaCapability(exact=((9, 0),))
 SAGE_HUB_CAPS = CudaCapability(exact=((8, 0), (8, 6), (8, 9), (9, 0), (10, 0)))
 BLACKWELL = CudaCapability(exact=((10, 0), (12, 0)))
 
-# The SageAttention org is not a trusted kernel publisher: these need DIFFUSERS_TRUST_REMOTE_KERNELS=true.
-SAGE_HUB = HubKernel("thu-ml/sage-attention", "sageattn", version=1)
-SAGE_BLACKWELL_HUB = HubKernel("thu-ml/sage-attention-blackwell", "sageattn", version=1)
+# Repo, function and version as in diffusers' _HUB_KERNELS_REGISTRY (0.42.1; tests/test_diffusers_parity.py
+# compares them). The SageAttention org is not a trusted kernel publisher: these need
+# DIFFUSERS_TRUST_REMOTE_KERNELS=true.
+SAGE_HUB = HubKernel("SageAttention/sage-attention", "sageattn", version=3)
+SAGE_BLACKWELL_HUB = HubKernel("SageAttention/sage-blackwell", "sageattn3_blackwell", version=1)
+# diffusers 0.42.1 has no AITER SageAttention backend: this entry is the pack's own (kernels-community's repo).
 AITER_SAGE_HUB = HubKernel("kernels-community/aiter-sage-attention", "sageattn", version=1)
 
 
@@ -68,6 +71,18 @@ def sage_call(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, re
     return out, lse.transpose(1, 2).float()  # (B, H, S) -> (B, S, H)
 
 
+def sage_blackwell_call(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, kernel):
+    """SageAttention 3 for Blackwell (`sageattn3_blackwell`), called as diffusers calls it: (B, H, S, D) copies,
+    since the kernel takes HND and subtracts the key's per-token mean in place (the copies keep the caller's
+    tensors intact), and only is_causal: it derives the scale from the head dim and returns no LSE (the spec
+    refuses a custom scale and return_lse rather than drop them)."""
+    q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    return kernel(q, k, v, is_causal=is_causal).transpose(1, 2)
+
+
+declare(sage_call)
+
+
 def sage_varlen_call(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     from .flash import varlen
     return varlen(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
@@ -85,33 +100,36 @@ def _named(function: str):
     def run(q, k, v, **kwargs):
         return sage_call(q, k, v, function=function, **kwargs)
     run.__name__ = function
-    return run
+    return declare(run)
 
+
+declare(sage_varlen_call)
 
 COMMON = dict(layout="BSHD", devices=frozenset({"cuda"}), dtypes=HALF, head_dims=HeadDims(64, 128, 32), gqa=True,
-              backward=False, error_bound=3e-2, fallback=("_native_flash", "native"))
+              backward=False, error_bound=3e-2, quantised=True, fallback=("_native_flash", "native"))
 
 add(BackendSpec(name="sage", family="sage", description="SageAttention (pip sageattention; picks its kernel per GPU)",
-                fn=_named("sageattn"), capability=SM80, preference=80, extra_reasons=_v1_limits, lse=False,
-                requires=(SAGE, ON_CUDA, SM80), **COMMON))
+                fn=_named("sageattn"), capability=SM80, extra_reasons=_v1_limits, lse=False,
+                requires=(SAGE, ON_CUDA), **COMMON))
 add(BackendSpec(name="sage_varlen", family="sage", description="SageAttention varlen: bool key-padding masks",
-                fn=sage_varlen_call, capability=SM80, preference=60, masks=frozenset({"key_padding"}),
-                mask_format="key_padding", requires=(SAGE2, ON_CUDA, SM80), **COMMON))
-for name, function, capability, preference in (
-        ("_sage_qk_int8_pv_fp8_cuda", "sageattn_qk_int8_pv_fp8_cuda", SM89, 78),
-        ("_sage_qk_int8_pv_fp8_cuda_sm90", "sageattn_qk_int8_pv_fp8_cuda_sm90", SM90, 79),
-        ("_sage_qk_int8_pv_fp16_cuda", "sageattn_qk_int8_pv_fp16_cuda", SM80, 76),
-        ("_sage_qk_int8_pv_fp16_triton", "sageattn_qk_int8_pv_fp16_triton", SM80, 75)):
+                fn=sage_varlen_call, capability=SM80, masks=frozenset({"key_padding"}),
+                mask_format="key_padding", requires=(SAGE2, ON_CUDA), **COMMON))
+for name, function, capability in (
+        ("_sage_qk_int8_pv_fp8_cuda", "sageattn_qk_int8_pv_fp8_cuda", SM89),
+        ("_sage_qk_int8_pv_fp8_cuda_sm90", "sageattn_qk_int8_pv_fp8_cuda_sm90", SM90),
+        ("_sage_qk_int8_pv_fp16_cuda", "sageattn_qk_int8_pv_fp16_cuda", SM80),
+        ("_sage_qk_int8_pv_fp16_triton", "sageattn_qk_int8_pv_fp16_triton", SM80)):
     add(BackendSpec(name=name, family="sage", description=f"SageAttention kernel {function}", fn=_named(function),
-                    capability=capability, preference=preference, lse=True,
-                    requires=(SAGE2, ON_CUDA, capability), **COMMON))
+                    capability=capability, lse=True,
+                    requires=(SAGE2, ON_CUDA), **COMMON))
 add(BackendSpec(name="sage_hub", family="sage", description="SageAttention 2 from the Hub (SageAttention org; opt-in)",
-                fn=sage_call, capability=SAGE_HUB_CAPS, preference=79, hub=SAGE_HUB, lse=True,
-                requires=(kernels_requirement(SAGE_HUB), ON_CUDA, SAGE_HUB_CAPS), **COMMON))
+                fn=sage_call, capability=SAGE_HUB_CAPS, hub=SAGE_HUB, lse=True,
+                requires=(kernels_requirement(SAGE_HUB), ON_CUDA), **COMMON))
 add(BackendSpec(name="sage_blackwell_hub", family="sage", description="SageAttention 3 for Blackwell from the Hub (opt-in)",
-                fn=sage_call, capability=BLACKWELL, preference=85, hub=SAGE_BLACKWELL_HUB,
-                requires=(kernels_requirement(SAGE_BLACKWELL_HUB), ON_CUDA, BLACKWELL), **COMMON))
+                fn=declare(sage_blackwell_call), capability=BLACKWELL, scale=False, hub=SAGE_BLACKWELL_HUB,
+                requires=(kernels_requirement(SAGE_BLACKWELL_HUB), ON_CUDA),
+                **{**COMMON, "head_dims": HeadDims(allowed=(64, 128))}))
 add(BackendSpec(name="aiter_sage_hub", family="sage", description="AMD AITER SageAttention from the Hub (RDNA4 gfx1201)",
-                fn=sage_call, devices=frozenset({"rocm"}), rocm=RocmArch(("gfx1201",)), preference=75, hub=AITER_SAGE_HUB,
-                requires=(kernels_requirement(AITER_SAGE_HUB), OnDevice(frozenset({"rocm"})), RocmArch(("gfx1201",))),
+                fn=sage_call, devices=frozenset({"rocm"}), rocm=RocmArch(("gfx1201",)), hub=AITER_SAGE_HUB,
+                requires=(kernels_requirement(AITER_SAGE_HUB), OnDevice(frozenset({"rocm"}))),
                 **{k: v for k, v in COMMON.items() if k != "devices"}))

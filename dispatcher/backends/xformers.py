@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import declare
 from ..registry import add
 from ..requirements import OnDevice, Package, Probe
 from ..spec import BackendSpec, HeadDims
@@ -44,8 +45,8 @@ def xformers_call(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 add(BackendSpec(
     name="xformers", family="xformers", description="xFormers memory_efficient_attention (CUDA)",
-    fn=xformers_call, layout="BSHD", devices=frozenset({"cuda"}),
+    fn=declare(xformers_call), layout="BSHD", devices=frozenset({"cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), head_dims=HeadDims(1, 256),
     masks=frozenset({"additive", "bool", "key_padding"}), mask_format="additive", gqa=True, dropout=True,
-    preference=45, requires=(Package("xformers", "0.0.29", module="xformers.ops"), OnDevice(frozenset({"cuda"})),
+    requires=(Package("xformers", "0.0.29", module="xformers.ops"), OnDevice(frozenset({"cuda"})),
                              Probe("xformers", _probe))))

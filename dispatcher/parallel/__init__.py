@@ -23,7 +23,7 @@ Launch one process per GPU (or CPU rank) with torchrun; every rank runs the same
 
 Or call `context_parallel_attention(q, k, v, ..., config=cp)` directly.
 
-When every rank holds the *whole* q/k/v (ComfyUI under cp_launch.py), `replicated_parallel(
+When every rank holds the *whole* q/k/v (ComfyUI under torchrun), `replicated_parallel(
 ReplicatedConfig(mode="heads" | "sequence"))` splits the attention work itself (see `replicated`). ``python -m
 dispatcher.parallel.example`` under torchrun runs a self-check against single-process attention.
 """

@@ -40,13 +40,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import dispatch, registry, state
+from ..call import AttentionCall
 from ..checks import AttentionInputError
 from ..masks import to_4d
 from . import comm
 from .config import ContextParallelConfig, ContextParallelError, split_sizes
 
 ULYSSES, RING, ULYSSES_RING = "ulysses", "ring", "ulysses_ring"
-_AUTO = "auto"  # dispatcher.tuner.AUTO
 
 
 # --- which backend runs which mode --------------------------------------------------------------
@@ -139,19 +139,15 @@ def _hook(delta: int) -> None:
         dispatch._context_parallel_on = _hook_users > 0
 
 
-def _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend,
-           layout, policy, return_lse, call_site):
+def _route(call):
+    """The dispatcher's hook: the described call (an AttentionCall), split over the active block's ranks."""
     scope = _scope.get()
     if scope is None:
         return NotImplemented
     if scope.runner is not None:
-        return scope.runner(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
-                            backend, layout, policy, return_lse, call_site)
-    kv_sharded = scope.kv_sharded(call_site) if callable(scope.kv_sharded) else scope.kv_sharded
-    return context_parallel_attention(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
-        config=scope.config, backend=backend, layout=layout, policy=policy, return_lse=return_lse,
-        call_site=call_site, kv_sharded=bool(kv_sharded), q_lens=scope.q_lens, kv_lens=scope.kv_lens)
+        return scope.runner(call)
+    kv_sharded = scope.kv_sharded(call.call_site) if callable(scope.kv_sharded) else scope.kv_sharded
+    return _run(scope.config, call, bool(kv_sharded), scope.q_lens, scope.kv_lens)
 
 
 _routed_fns: list = []
@@ -188,15 +184,17 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
     """
     if config is None:
         config = active_config()
+    call = AttentionCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
+                         backend, layout, policy, return_lse, call_site)
+    return _run(config, call, kv_sharded, q_lens, kv_lens)
+
+
+def _run(config, call, kv_sharded, q_lens, kv_lens):
     token = _scope.set(None)  # the local calls below are plain dispatcher calls
     try:
         if config is None or config.world_size == 1:
-            return dispatch.dispatch_attention_fn(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                                  enable_gqa, attention_kwargs, backend=backend, layout=layout,
-                                                  policy=policy, return_lse=return_lse, call_site=call_site)
-        return _Call(config, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                     attention_kwargs, backend, layout, policy, return_lse, call_site, kv_sharded,
-                     q_lens, kv_lens).run()
+            return dispatch.dispatch_call(call)
+        return _Call(config, call, kv_sharded, q_lens, kv_lens).run()
     finally:
         _scope.reset(token)
 
@@ -241,10 +239,13 @@ def _fail(message: str):
 
 
 class _Call:
-    def __init__(self, config, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                 attention_kwargs, backend, layout, policy, return_lse, call_site, kv_sharded, q_lens, kv_lens):
+    def __init__(self, config, call, kv_sharded, q_lens, kv_lens):
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, \
+            policy, return_lse, call_site, _ = call
+        self.call = call
         requested = backend if backend is not None else state.active_backend()
-        auto = requested == _AUTO  # the tuner picks per call, among the backends that return the LSE for a ring
+        # A pseudo-backend (`auto`) picks per call, among the backends that return the LSE for a ring.
+        auto = registry.resolver(requested) is not None
         if not auto and requested not in registry.names():
             raise registry.UnknownBackendError(registry.unknown_message(requested))
         if kv_sharded and not auto:
@@ -283,9 +284,9 @@ class _Call:
     # --- helpers ----------------------------------------------------------------------------------
 
     def _kernel(self, q, k, v, mask, is_causal, group, lse, policy):
-        return dispatch.dispatch_attention_fn(q, k, v, mask, self.dropout_p, is_causal, self.scale, group > 1,
-                                              self.extra, backend=self.requested, layout="BSHD", policy=policy,
-                                              return_lse=lse, call_site=self.call_site)
+        return dispatch.dispatch_call(self.call._replace(
+            query=q, key=k, value=v, attn_mask=mask, is_causal=is_causal, enable_gqa=group > 1,
+            backend=self.requested, layout="BSHD", policy=policy, return_lse=lse, recorder=None))
 
     def _lengths(self):
         world, rank = self.config.world_size, self.config.rank

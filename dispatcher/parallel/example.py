@@ -37,8 +37,9 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    import dispatcher
-    from dispatcher.parallel import ContextParallelConfig, context_parallel
+    import importlib
+    dispatcher = importlib.import_module(__package__.rsplit(".", 1)[0])  # `dispatcher`, or `attention_dispatch`
+    from . import ContextParallelConfig, context_parallel
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")

@@ -1,6 +1,6 @@
 """Context parallelism on replicated inputs: every rank holds the whole q/k/v and splits only the attention work.
 
-This is the case of ComfyUI under `nodes/cp_launch.py`: every rank runs the same model on the same
+This is the case of ComfyUI under torchrun: every rank runs the same model on the same
 inputs, so there is no sequence shard to exchange. What can be split exactly is the attention itself:
 
 - ``"heads"`` (Ulysses-style): rank r attends its contiguous share of the query heads (ceil/floor split,
@@ -41,7 +41,6 @@ from .config import ContextParallelConfig, ContextParallelError, split_sizes
 
 HEADS, SEQUENCE = "heads", "sequence"
 REPLICATED_MODES = (HEADS, SEQUENCE)
-_AUTO = "auto"
 
 
 def _dist():
@@ -89,7 +88,7 @@ class ReplicatedConfig:
         if not initialized:
             raise ContextParallelError(
                 f"replicated context parallelism over {degree} ranks needs torch.distributed: call "
-                "torch.distributed.init_process_group(...) first (in ComfyUI: start it with cp_launch.py)")
+                "torch.distributed.init_process_group(...) first (in ComfyUI: start it with torchrun --nproc-per-node N main.py)")
         if world % degree:
             raise ContextParallelError(f"degree {degree} does not divide the {world} ranks of the process group; "
                                        f"use 0 (all ranks) or a divisor of {world}")
@@ -149,11 +148,9 @@ def replicated_parallel(config: ReplicatedConfig | None):
 
 
 def _runner(config: ReplicatedConfig):
-    def run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend,
-            layout, policy, return_lse, call_site):
-        return replicated_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                    attention_kwargs, config=config, backend=backend, layout=layout, policy=policy,
-                                    return_lse=return_lse, call_site=call_site)
+    def run(call):  # the dispatcher's described call (an AttentionCall)
+        return replicated_attention(*call[:9], config=config, backend=call.backend, layout=call.layout,
+                                    policy=call.policy, return_lse=call.return_lse, call_site=call.call_site)
     return run
 
 
@@ -198,7 +195,7 @@ def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     checks.check_shapes(query, key, value, layout, attn_mask)
     checks.check_structure(describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                          return_lse, layout))
-    if backend is not None and backend != _AUTO and backend not in registry.names():
+    if backend is not None and not registry.is_known(backend):
         raise registry.UnknownBackendError(registry.unknown_message(backend))
 
 

@@ -4,8 +4,9 @@ For each shape (SD1.5, SDXL, Flux, Qwen-Image, Wan 1.3B/14B, HunyuanVideo, or `-
 and every backend that can run it here: time (ms, median), TFLOP/s (4·B·H·Lq·Lk·D / t), relative error
 against exact attention (float64, on sampled query rows), peak memory (GPUs), the ratio to the best;
 the same kernel called directly (no dispatcher) and the dispatcher/direct speed ratio; `auto` against
-the best single backend (the oracle); and ComfyUI's default attention path (`attention_pytorch`:
-(B, L, H·D) -> view/transpose -> SDPA -> transpose/reshape) against the pack's path on the same inputs.
+the best single backend (the oracle); and, when a caller passes reference paths (callables on flat
+(B, L, H·D) inputs, e.g. a framework's own attention function), each of them against the pack's path on
+the same inputs (`bench/bench_comfyui.py` passes ComfyUI's; this package knows no framework).
 A table in the terminal, `--json PATH`, `--png PATH` (matplotlib). On a CPU the lengths are scaled
 down (`--small`, the default there; `--full` for real sizes) so the whole run takes seconds.
 
@@ -27,8 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import registry, tuner
+from .. import auto as tuner
+from .. import registry
 from ..dispatch import dispatch_attention_fn
+from ..inputs import AttentionInputs
 from ..machine import current_machine
 
 
@@ -94,23 +97,6 @@ def parse_shape(text: str) -> BenchShape:
 
 
 # ----------------------------------------------------------------------------------------------- reference paths
-
-def comfy_attention_pytorch(q, k, v, heads, mask=None):
-    """ComfyUI's default attention path (`attention_pytorch`), written from the call contract.
-
-    q (B, Lq, H·D), k/v (B, Lk, H·D) -> per-head views (B, H, L, D) -> SDPA -> (B, Lq, H·D).
-    """
-    b, _, inner = q.shape
-    dim_head = inner // heads
-    q, k, v = (t.view(b, -1, heads, dim_head).transpose(1, 2) for t in (q, k, v))
-    if mask is not None:  # ComfyUI's rank rule
-        if mask.ndim == 2:
-            mask = mask.unsqueeze(0)
-        if mask.ndim == 3:
-            mask = mask.unsqueeze(1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
-    return out.transpose(1, 2).reshape(b, -1, heads * dim_head)
-
 
 def pack_attention(q, k, v, heads, backend):
     """What the pack's override does with the same (B, L, H·D) inputs: free views in, dispatcher, flatten out."""
@@ -264,8 +250,8 @@ def measure_overhead(device="cpu", dtype=torch.float32, calls: int = 2000, repea
 # ----------------------------------------------------------------------------------------------- one shape
 
 def _backends_for(shape: BenchShape, dtype, device, wanted: list[str] | None):
-    inputs = tuner.Signature(shape.batch, shape.heads, shape.len_q, shape.head_dim, len_kv=shape.lk,
-                             dtype=dtype, device=str(device)).to_inputs()
+    inputs = AttentionInputs.of(shape.batch, shape.heads, shape.len_q, shape.head_dim, len_kv=shape.lk,
+                                dtype=dtype, device=str(device))
     names, skipped, _ = tuner.default_tuner().candidates(inputs)
     skipped = dict(skipped)
     if wanted is None:
@@ -276,7 +262,7 @@ def _backends_for(shape: BenchShape, dtype, device, wanted: list[str] | None):
 
 
 def bench_shape(shape: BenchShape, *, dtype, device, backends=None, warmup=2, runs=7, target_s=0.02, rows=64,
-                auto=True, comfy=True, comfyui=None, budget_s=None, log=print) -> dict:
+                auto=True, references=None, budget_s=None, log=print) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     b, h, lq, lk, d = shape.batch, shape.heads, shape.len_q, shape.lk, shape.head_dim
     q3 = torch.randn(b, lq, h * d, generator=gen, device=device, dtype=dtype)
@@ -338,9 +324,9 @@ def bench_shape(shape: BenchShape, *, dtype, device, backends=None, warmup=2, ru
 
         if auto:
             result["auto"] = _bench_auto(shape, q4, k4, v4, best, device, warmup, runs, target_s, error_of, budget_s)
-        if comfy:
-            result["comfy"] = _bench_comfy(shape, q3, k3, v3, device, warmup, runs, target_s, error_of, auto, budget_s,
-                                           comfyui)
+        if references:
+            result["references"] = _bench_references(shape, q3, k3, v3, device, warmup, runs, target_s, error_of, auto,
+                                                     budget_s, references)
     return result
 
 
@@ -375,56 +361,35 @@ def _bench_auto(shape, q4, k4, v4, best, device, warmup, runs, target_s, error_o
     return entry
 
 
-def _bench_comfy(shape, q3, k3, v3, device, warmup, runs, target_s, error_of, with_auto, budget_s, comfyui) -> dict:
+def _bench_references(shape, q3, k3, v3, device, warmup, runs, target_s, error_of, with_auto, budget_s,
+                      references) -> dict:
+    """Each reference path (name -> fn(q, k, v, heads) on (B, L, H·D) inputs) against the pack's path, interleaved."""
     h = shape.heads
-    fns = {"comfy default": lambda: comfy_attention_pytorch(q3, k3, v3, h),
-           "pack native": lambda: pack_attention(q3, k3, v3, h, "native")}
+    fns = {"pack native": lambda: pack_attention(q3, k3, v3, h, "native")}
     if with_auto:
         fns["pack auto"] = lambda: pack_attention(q3, k3, v3, h, "auto")
-    if comfyui is not None:  # ComfyUI's own function, with its per-call SDPA priority block on CUDA
-        fns["comfyui"] = lambda: comfyui(q3, k3, v3, h)
+    paths = {}
     try:
-        out = fns["comfy default"]()
-        err, _ = error_of(out.unflatten(-1, (h, -1)))
-        del out
+        for name, fn in references.items():
+            fns[name] = (lambda fn=fn: fn(q3, k3, v3, h))
+            out = fns[name]()
+            paths[name] = {"rel_error": error_of(out.unflatten(-1, (h, -1)))[0]}
+            del out
         times = dict(zip(fns, time_interleaved(list(fns.values()), device, warmup, runs, target_s, budget_s)))
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
-    entry = {"comfy_default_ms": times["comfy default"], "pack_native_ms": times["pack native"],
-             "comfy_rel_error": err, "comfy_tflops": shape.flops() / (times["comfy default"] * 1e-3) / 1e12,
-             "native_vs_comfy": times["comfy default"] / times["pack native"]}
-    if "pack auto" in times:
-        entry["pack_auto_ms"] = times["pack auto"]
-        entry["auto_vs_comfy"] = times["comfy default"] / times["pack auto"]
-    if "comfyui" in times:
-        entry["comfyui_ms"] = times["comfyui"]
-        entry["native_vs_comfyui"] = times["comfyui"] / times["pack native"]
+    for name, entry in paths.items():
+        entry.update(ms=times[name], tflops=shape.flops() / (times[name] * 1e-3) / 1e12,
+                     native_vs=times[name] / times["pack native"])
         if "pack auto" in times:
-            entry["auto_vs_comfyui"] = times["comfyui"] / times["pack auto"]
-    return entry
-
-
-def load_comfyui_attention(path: str | None, log=print):
-    """ComfyUI's own `attention_pytorch`, imported from a checkout at `path` (nothing of it is copied here)."""
-    if not path:
-        return None
-    saved_argv, sys.argv = sys.argv, sys.argv[:1]  # ComfyUI's modules read their flags from sys.argv
-    sys.path.insert(0, path)
-    try:
-        from comfy.ldm.modules.attention import attention_pytorch
-        return attention_pytorch
-    except Exception as exc:
-        log(f"ComfyUI at {path} could not be imported ({type(exc).__name__}: {exc}); comparing with the "
-            "rewritten default path only")
-        return None
-    finally:
-        sys.argv = saved_argv
+            entry["auto_vs"] = times[name] / times["pack auto"]
+    return {"pack_native_ms": times["pack native"], "pack_auto_ms": times.get("pack auto"), "paths": paths}
 
 
 # ----------------------------------------------------------------------------------------------- output
 
 def flat_rows(results: list[dict]) -> list[dict]:
-    """One row per (shape, backend), plus 'auto' and 'comfy default' rows: what the table and chart show."""
+    """One row per (shape, backend), plus 'auto' and one row per reference path: what the table and chart show."""
     rows = []
     for res in results:
         rows.extend(res["rows"])
@@ -435,11 +400,10 @@ def flat_rows(results: list[dict]) -> list[dict]:
                          "tflops": a["tflops"], "rel_error": a["rel_error"], "valid": True, "peak_mb": None,
                          "ratio_to_best": a.get("auto_vs_oracle"), "direct_ms": None, "dispatch_vs_direct": None,
                          "error": None})
-        c = res.get("comfy") or {}
-        if "comfy_default_ms" in c:
-            rows.append({"shape": res["name"], "backend": "comfy default", "ms": c["comfy_default_ms"],
-                         "tflops": c["comfy_tflops"], "rel_error": c["comfy_rel_error"], "valid": True,
-                         "peak_mb": None, "ratio_to_best": (best["ms"] / c["comfy_default_ms"]) if best else None,
+        for name, c in ((res.get("references") or {}).get("paths") or {}).items():
+            rows.append({"shape": res["name"], "backend": name, "reference": True, "ms": c["ms"],
+                         "tflops": c["tflops"], "rel_error": c["rel_error"], "valid": True,
+                         "peak_mb": None, "ratio_to_best": (best["ms"] / c["ms"]) if best else None,
                          "direct_ms": None, "dispatch_vs_direct": None, "error": None})
     return rows
 
@@ -477,17 +441,13 @@ def render(data: dict) -> str:
                          + (f"; rejected {', '.join(a['rejected'])}" if a["rejected"] else ""))
         elif a:
             lines.append(f"  auto: {a.get('error')}")
-        c = res.get("comfy")
-        if c and "comfy_default_ms" in c:
-            text = (f"  ComfyUI default path: {c['comfy_default_ms']:.3f} ms; the pack's path with native "
-                    f"{c['pack_native_ms']:.3f} ms (x{c['native_vs_comfy']:.3f})")
-            if "pack_auto_ms" in c:
-                text += f", with auto {c['pack_auto_ms']:.3f} ms (x{c['auto_vs_comfy']:.3f})"
-            lines.append(text)
-            if "comfyui_ms" in c:
-                lines.append(f"  ComfyUI's own attention_pytorch (imported): {c['comfyui_ms']:.3f} ms; the pack with "
-                             f"native x{c['native_vs_comfyui']:.3f}" + (f", with auto x{c['auto_vs_comfyui']:.3f}"
-                                                                       if "auto_vs_comfyui" in c else ""))
+        refs = res.get("references") or {}
+        if refs.get("error"):
+            lines.append(f"  reference paths: {refs['error']}")
+        for name, c in (refs.get("paths") or {}).items():
+            lines.append(f"  {name} (reference path, flat inputs): {c['ms']:.3f} ms; the pack's path with native "
+                         f"{refs['pack_native_ms']:.3f} ms (x{c['native_vs']:.3f})"
+                         + (f", with auto {refs['pack_auto_ms']:.3f} ms (x{c['auto_vs']:.3f})" if "auto_vs" in c else ""))
         lines.append("")
     o = data.get("overhead")
     if o:
@@ -497,43 +457,94 @@ def render(data: dict) -> str:
 
 
 def write_png(data: dict, path: str) -> None:
+    """One panel per quantity, each ratio with its own labelled reference line, axes scaled to the data:
+    TFLOP/s per backend; dispatcher / direct kernel per backend; auto / best single backend per shape;
+    and, when reference paths were timed, the pack's path against each of them per shape."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     shapes = data["shapes"]
     rows = flat_rows(shapes)
+    labels = [f"{s['name']}\n{s['B']},{s['H']},{s['Lq']},{s['D']}" for s in shapes]
     backends = []
     for r in rows:
-        if r["backend"] not in backends and r["tflops"] is not None:
+        if r["backend"] not in backends and r["tflops"] is not None and not r.get("reference") and r["backend"] != "auto":
             backends.append(r["backend"])
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.6 * len(shapes) + 3), 9), constrained_layout=True)
-    width = 0.8 / max(1, len(backends))
-    for i, name in enumerate(backends):
-        xs, ys, ratios = [], [], []
-        for j, res in enumerate(shapes):
-            r = next((r for r in rows if r["shape"] == res["name"] and r["backend"] == name), None)
-            if r and r["tflops"] is not None:
-                xs.append(j + (i - (len(backends) - 1) / 2) * width)
-                ys.append(r["tflops"])
-                ratios.append(r["dispatch_vs_direct"] if r.get("dispatch_vs_direct") is not None
-                              else r.get("ratio_to_best"))
-        hatch = "//" if name in ("auto", "comfy default") else None
-        label = " " + name if name.startswith("_") else name  # matplotlib hides labels starting with "_"
-        top.bar(xs, ys, width, label=label, hatch=hatch)
-        bottom.bar(xs, [x if x is not None else 0 for x in ratios], width, label=label, hatch=hatch)
-    labels = [f"{s['name']}\n{s['B']},{s['H']},{s['Lq']},{s['D']}" for s in shapes]
-    for ax in (top, bottom):
+    refs = []
+    for res in shapes:
+        for name in ((res.get("references") or {}).get("paths") or {}):
+            if name not in refs:
+                refs.append(name)
+    panels = ["tflops", "direct", "auto"] + (["references"] if refs else [])
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 1.6 * len(shapes) + 3), 3.4 * len(panels)),
+                             constrained_layout=True, squeeze=False)
+    axes = {name: ax for name, ax in zip(panels, axes[:, 0])}
+
+    def label_of(name):
+        return " " + name if name.startswith("_") else name  # matplotlib hides labels starting with "_"
+
+    def grouped(ax, series, value):
+        width = 0.8 / max(1, len(series))
+        top, low = 0.0, math.inf
+        for i, name in enumerate(series):
+            xs, ys = [], []
+            for j, res in enumerate(shapes):
+                y = value(res, name)
+                if y is not None:
+                    xs.append(j + (i - (len(series) - 1) / 2) * width)
+                    ys.append(y)
+                    top, low = max(top, y), min(low, y) if y > 0 else low
+            ax.bar(xs, ys, width, label=label_of(name), hatch="//" if name == "auto" else None)
         ax.set_xticks(range(len(shapes)))
         ax.set_xticklabels(labels, fontsize=8)
+        ax.low = low
+        return top
+
+    def row(res, name):
+        return next((r for r in res["rows"] if r["backend"] == name), None)
+
+    def reference_line(ax, top, text, ylabel):
+        ax.set_ylabel(ylabel)
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=0.9, label=text)
+        if top > 0 and getattr(ax, "low", 1.0) > 0 and max(top, 1) / min(ax.low, 1) > 20:
+            ax.set_yscale("log")  # ratios spanning decades (a noisy host): log, so 0.5 and 2 look alike
+            ax.set_ylim(min(ax.low, 1.0) / 1.5, max(top, 1.0) * 1.5)
+            ax.set_ylabel(ax.get_ylabel() + " (log)")
+        else:
+            ax.set_ylim(0, max(1.15, top * 1.12))  # never clipped: the tallest bar sets the scale
+
     meta = data["meta"]
-    top.set_ylabel("TFLOP/s")
-    top.set_title(f"Attention backends on {meta['device_name']} ({meta['dtype']}, torch {meta['torch']})")
-    top.legend(fontsize=7, ncol=min(4, len(backends)))
-    bottom.set_ylabel("speed ratio")
-    bottom.set_title("dispatcher / direct kernel (backends); auto / oracle; comfy default / best")
-    bottom.axhline(0.98, color="grey", linestyle="--", linewidth=0.8)
-    bottom.set_ylim(0, 1.5)
+    everything = backends + ["auto"] if any("ms" in (s.get("auto") or {}) for s in shapes) else backends
+    grouped(axes["tflops"], everything,
+            lambda res, n: (res["auto"].get("tflops") if n == "auto" and res.get("auto") else
+                            (row(res, n) or {}).get("tflops")))
+    axes["tflops"].set_ylabel("TFLOP/s")
+    axes["tflops"].set_title(f"Attention backends on {meta['device_name']} ({meta['dtype']}, torch {meta['torch']}"
+                             + (", CPU-sized shapes" if meta.get("small") else "") + ")")
+    axes["tflops"].legend(fontsize=7, ncol=min(4, len(everything)))
+
+    top = grouped(axes["direct"], backends, lambda res, n: (row(res, n) or {}).get("dispatch_vs_direct"))
+    reference_line(axes["direct"], top, "1.0 = as fast as calling the kernel directly", "direct ms / dispatcher ms")
+    axes["direct"].set_title("Dispatcher overhead per backend (above 1: faster through the dispatcher)")
+    axes["direct"].legend(fontsize=7, ncol=min(4, len(backends) + 1))
+
+    top = grouped(axes["auto"], ["auto"], lambda res, n: (res.get("auto") or {}).get("auto_vs_oracle"))
+    reference_line(axes["auto"], top, "1.0 = as fast as the best single backend", "best backend ms / auto ms")
+    axes["auto"].set_title("auto against the best single backend of each shape")
+    axes["auto"].legend(fontsize=7)
+
+    if refs:
+        series = [f"native vs {n}" for n in refs] + [f"auto vs {n}" for n in refs]
+
+        def ratio(res, label):
+            kind, name = label.split(" vs ", 1)
+            entry = ((res.get("references") or {}).get("paths") or {}).get(name) or {}
+            return entry.get("native_vs" if kind == "native" else "auto_vs")
+        top = grouped(axes["references"], series, ratio)
+        reference_line(axes["references"], top, "1.0 = as fast as the reference path", "reference ms / pack ms")
+        axes["references"].set_title("The pack's path against each reference path on the same flat inputs")
+        axes["references"].legend(fontsize=7, ncol=min(4, len(series) + 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -559,9 +570,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timing budget per backend and shape, after warm-up (default 30 GPU, 5 CPU, 0.3 CPU --small)")
     parser.add_argument("--rows", type=int, default=64, help="query rows checked against exact attention")
     parser.add_argument("--no-auto", action="store_true", help="skip `auto`")
-    parser.add_argument("--no-comfy", action="store_true", help="skip the ComfyUI default-path comparison")
-    parser.add_argument("--comfyui", default=os.environ.get("COMFYUI_PATH"), metavar="PATH",
-                        help="a ComfyUI checkout: also time its own attention_pytorch (default: $COMFYUI_PATH)")
     parser.add_argument("--no-overhead", action="store_true", help="skip the tiny-shape overhead measurement")
     parser.add_argument("--tune-budget", type=float, default=None, help="auto's seconds per signature (default 2; 0.5 CPU --small)")
     parser.add_argument("--tune-cache", default=None,
@@ -571,7 +579,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no per-backend progress lines")
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, references: dict | None = None) -> int:
+    """Run the benchmark. `references`: name -> fn(q, k, v, heads) on (B, L, H·D) inputs, each timed against
+    the pack's path on the same inputs (a framework's own attention function, say)."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -609,15 +619,19 @@ def main(args: argparse.Namespace) -> int:
             "small": small, "runs": runs, "warmup": warmup, "packages": dict(sorted(machine.packages.items())),
             "machine": tuner.machine_fingerprint(machine), "argv": sys.argv[1:]}
     bench_tuner = tuner.Tuner(cache_path=args.tune_cache, time_budget_s=budget)
-    comfyui = None if args.no_comfy else load_comfyui_attention(args.comfyui, log)
-    meta["comfyui"] = args.comfyui if comfyui is not None else None
+    meta["references"] = sorted(references or {})
+    if not gpu:  # a CPU run starts cold (lazy imports, thread pools, allocator): one untimed pass first, so the
+        # first shapes are not measured with the process's warm-up in them (auto vs oracle read 7.8 without it)
+        with tuner.using(tuner.Tuner(cache_path=None, time_budget_s=0)):
+            bench_shape(shapes[0], dtype=dtype, device=device, backends=backends, warmup=1, runs=1, target_s=target_s,
+                        rows=args.rows, auto=True, references=references, budget_s=per_backend, log=lambda *a: None)
     results = []
     with tuner.using(bench_tuner):
         for shape in shapes:
             log(f"{shape.label} {shape.dims()}")
             results.append(bench_shape(shape, dtype=dtype, device=device, backends=backends, warmup=warmup, runs=runs,
                                        target_s=target_s, rows=args.rows, auto=not args.no_auto,
-                                       comfy=not args.no_comfy, comfyui=comfyui, budget_s=per_backend, log=log))
+                                       references=references, budget_s=per_backend, log=log))
             if gpu:
                 torch.cuda.empty_cache()
         overhead = None if args.no_overhead else measure_overhead(device, dtype, calls=1000, repeats=3)

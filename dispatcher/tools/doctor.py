@@ -3,11 +3,77 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import textwrap
+from pathlib import Path
 
-from .. import hub
+from .. import env, hub, registry
 from ..machine import current_machine
 from ..registry import list_backends
+
+DEVICE_NAMES = {"cuda": "NVIDIA CUDA GPU", "rocm": "AMD ROCm GPU", "mps": "Apple GPU (MPS)", "xpu": "Intel GPU (XPU)",
+                "npu": "Ascend NPU", "xla": "XLA device", "cpu": "CPU only"}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def machine_text(m: dict) -> str:
+    """One readable line: 'NVIDIA H200 (NVIDIA CUDA GPU, sm_90), torch 2.11.0+cu130, CUDA 13.0' or
+    'CPU only: no GPU visible to torch (Intel Xeon ..., 16 cores), torch 2.13.0+cpu'."""
+    versions = f"torch {m['torch']}" + (f", CUDA {m['cuda']}" if m.get("cuda") else "") + \
+        (f", HIP {m['hip']}" if m.get("hip") else "")
+    if m["device"] == "cpu":
+        cores = os.cpu_count()
+        return (f"CPU only: no GPU visible to torch ({m.get('cpu') or cpu_model()}"
+                + (f", {cores} cores" if cores else "") + f"), {versions}")
+    kind = DEVICE_NAMES.get(m["device"], m["device"])
+    arch = f", {m['arch']}" if m.get("arch") and m["arch"] != m["device"] else ""
+    return f"{m['name']} ({kind}{arch}), {versions}"
+
+
+def default_backend_info(backends: list[dict] | None = None) -> dict:
+    """The process default backend and where it comes from, read the way the dispatcher reads it, without
+    setting anything: {"backend", "source", "problem", "available", "reasons"}."""
+    raw = os.environ.get(env.ATTN_BACKEND)
+    wanted = env.value(env.ATTN_BACKEND)
+    info = {"backend": "native", "source": f"default ({env.ATTN_BACKEND} is not set)", "problem": None,
+            "available": None, "reasons": []}
+    if raw is not None and wanted is None:
+        info["source"] = f"default ({env.ATTN_BACKEND} is set but empty)"
+    elif wanted is not None:
+        if wanted == "auto" or wanted in registry.names():
+            info.update(backend=wanted, source=f"{env.ATTN_BACKEND}={wanted}")
+        else:
+            import difflib
+            close = difflib.get_close_matches(wanted, [*registry.names(), "auto"], n=1)
+            info["problem"] = (f"{env.ATTN_BACKEND}={wanted!r} is not a backend name"
+                               + (f" (did you mean {close[0]!r}?)" if close else "")
+                               + "; the dispatcher ignores it and uses 'native'. Valid: auto or a name in the "
+                                 "backend column below")
+            info["source"] = f"default ({env.ATTN_BACKEND}={wanted!r} is ignored)"
+    by_name = {b["name"]: b for b in backends or []}
+    if info["backend"] in by_name:
+        info["available"] = by_name[info["backend"]]["available"]
+        info["reasons"] = by_name[info["backend"]]["reasons"]
+    elif info["backend"] == "auto":
+        info["available"] = True
+    return info
+
+
+def source_builds(lock: dict) -> list[dict]:
+    """Packages `python install.py --build ...` built here and recorded in the lock file."""
+    if not isinstance(lock, dict) or "error" in lock:
+        return []
+    return [e for e in lock.values() if isinstance(e, dict) and e.get("kind") == "source-build"]
 
 
 def report() -> dict:
@@ -20,7 +86,9 @@ def report() -> dict:
     return {
         "machine": {"device": machine.device_type, "name": machine.device_name, "arch": machine.arch,
                     "torch": machine.torch_version, "cuda": machine.cuda_version, "hip": machine.hip_version,
-                    "packages": machine.packages},
+                    "cpu": cpu_model() if machine.device_type == "cpu" else None, "packages": machine.packages},
+        "default_backend": default_backend_info(backends),
+        "source_builds": source_builds(lock),
         "backends": backends,
         "fetched_kernels": lock,
         "hub_kernels": hub_kernels(lock, backends),
@@ -70,10 +138,22 @@ def hub_kernels(lock: dict, backends: list[dict] | None = None) -> list[dict]:
 
 def render(data: dict, width: int = 110) -> str:
     m = data["machine"]
-    lines = [f"Machine: {m['name']} ({m['device']}, {m['arch']}), torch {m['torch']}"
-             + (f", CUDA {m['cuda']}" if m["cuda"] else "") + (f", HIP {m['hip']}" if m["hip"] else ""),
+    lines = [f"Machine: {machine_text(m)}",
              "Attention packages: " + (", ".join(f"{k} {v}" for k, v in sorted(m["packages"].items()) if k != "torch")
-                                       or "none"), ""]
+                                       or "none")]
+    d = data.get("default_backend")
+    if d:
+        if d["problem"]:
+            lines.append(f"Default backend: PROBLEM: {d['problem']}")
+        else:
+            state = ("" if d["available"] in (None, True) else
+                     f" (cannot run here: {'; '.join(d['reasons'])[:160]}; calls fall back)")
+            lines.append(f"Default backend: {d['backend']}, from {d['source']}{state}")
+    for build in data.get("source_builds", []):
+        lines.append(f"Built here: {build.get('package')} {build.get('package_version')} for {build.get('variant')} "
+                     f"from {build.get('source')} @ {str(build.get('revision'))[:12]} in {build.get('build_seconds')} s "
+                     f"({build.get('fetched_at')})")
+    lines.append("")
     available = [b for b in data["backends"] if b["available"]]
     lines.append(f"{len(available)} of {len(data['backends'])} backends can run here:")
     header = f"  {'backend':32} {'family':9} {'status':11} details"

@@ -98,8 +98,8 @@ def safe_detect() -> tuple[Machine, str | None]:
 class Step:
     """One action that would make a backend usable."""
 
-    kind: str  # "fetch" | "pip" | "manual" | "env"
-    command: str  # the fetch target, the pip command, the manual instruction or the env var to set
+    kind: str  # "fetch" | "pip" | "build" | "manual" | "env"
+    command: str  # the fetch target, the pip command, the build command, the manual instruction or the env var to set
     package: str | None = None
 
     def as_dict(self) -> dict:
@@ -165,6 +165,16 @@ class Plan:
                     steps.append(step)
         return steps
 
+    def build_commands(self) -> list[Step]:
+        """Each distinct source build (`python install.py --build ...`), run only when asked for by name."""
+        seen, steps = set(), []
+        for b in self.backends:
+            for step in b.steps:
+                if step.kind == "build" and step.command not in seen:
+                    seen.add(step.command)
+                    steps.append(step)
+        return steps
+
     def as_dict(self) -> dict:
         m = self.machine
         return {
@@ -175,6 +185,7 @@ class Plan:
             "summary": {s: [b.name for b in self.by_status(s)] for s in STATUSES},
             "fetch": [t.as_dict() for t in self.fetch_targets()],
             "pip": [s.as_dict() for s in self.pip_commands()],
+            "build": [s.as_dict() for s in self.build_commands()],
             "notes": list(self.notes),
         }
 
@@ -213,6 +224,13 @@ def _package_step(req: Package, machine: Machine) -> tuple[str, Step | None, str
     if req.torch and not at_least(machine.torch_version, req.torch):  # install.py never changes torch
         return UNSUPPORTED, None, req.reason(machine)
     hint = req.install_hint
+    if req.dist == "sageattention" and req.min_version and at_least(req.min_version, "2"):
+        # PyPI stops at 1.0.6: SageAttention 2 is built from source, by install.py when asked (minutes of compiling)
+        from .sage_support import COMMAND, applies
+        why_not = applies(machine)
+        if why_not is None:
+            status = PIP if version is None or not at_least(version, req.min_version) else BROKEN
+            return status, Step("build", COMMAND, req.dist), None
     if version is None:
         command, status = hint, PIP
     elif req.min_version and not at_least(version, req.min_version):
@@ -371,7 +389,7 @@ def _detail(b: BackendPlan) -> str:
         return f"fetch {_label(registry.get(b.name).hub)} ({b.trust})"
     todo = []
     for step in b.steps:
-        if step.kind in ("pip", "manual"):
+        if step.kind in ("pip", "manual", "build"):
             todo.append(step.command)
         elif step.kind == "env":
             todo.append(f"set {step.command}")
@@ -409,6 +427,11 @@ def render(plan: Plan, width: int = 120) -> str:
     if pip:
         lines.append("Packages that would enable more backends (never installed without --yes-pip):")
         lines.extend(f"  {s.command}" for s in pip)
+    for step in plan.build_commands():
+        owners = [b.name for b in plan.backends if any(s.command == step.command for s in b.steps)]
+        lines.append(f"Build from source (only when you ask: it compiles for this GPU for a few minutes; "
+                     f"{', '.join(owners)}):")
+        lines.append(f"  {step.command}")
     for note in plan.notes:
         lines.append(f"Note: {note}")
     return "\n".join(lines)

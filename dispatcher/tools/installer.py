@@ -7,9 +7,12 @@
     python install.py --simulate h200 # the plan for a named simulated machine
     python install.py --yes-pip       # also pip-install missing attention packages (torch is pinned)
     python install.py --only flash_hub,sage   # restrict fetching / pip to these backends
+    python install.py --build sageattention [--source PATH]   # build SageAttention 2 for this GPU (minutes)
 
 Exit status is 0 whatever the machine, network or Hub does (ComfyUI-Manager treats anything else as a
-failed install); only a command-line mistake (an unknown flag or simulated machine) exits 2.
+failed install); only a command-line mistake (an unknown flag or simulated machine) exits 2. `--build`
+is never part of a plain install: it runs only when asked for, and exits 1 when it refuses or fails
+(the environment is then as it was).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import json
 import sys
 
 from .. import hub
-from . import fetch, install_plan
+from . import fetch, install_plan, sage_build
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,6 +42,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--yes-pip", action="store_true",
                         help="run the pip commands for missing attention packages (never torch)")
     parser.add_argument("--only", metavar="BACKENDS", help="comma-separated backends to fetch / install for")
+    parser.add_argument("--build", choices=["sageattention"], metavar="sageattention",
+                        help="build SageAttention 2 from source for this GPU's architecture only, verify it through "
+                             "the dispatcher, install and record it (needs nvcc matching torch's CUDA; minutes)")
+    parser.add_argument("--source", metavar="PATH",
+                        help=f"with --build: a checkout of {sage_build.SAGE_REPO} (default: clone it at "
+                             f"{sage_build.SAGE_COMMIT[:12]})")
+    parser.add_argument("--jobs", type=int, default=None, help="with --build: parallel compile jobs (default: all cores)")
     return parser
 
 
@@ -48,6 +58,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def out(line: str) -> None:
         print(line, file=out_stream, flush=True)
+
+    if args.source and not args.build:
+        print("install.py: --source goes with --build sageattention", file=sys.stderr)
+        return 2
+    if args.build:
+        result = sage_build.build(args.source, dry_run=args.dry_run, out=out, jobs=args.jobs)
+        if args.json:
+            print(json.dumps({"build": result.as_dict()}, indent=2, default=str))
+        return 0 if result.status in ("built", "dry-run") else 1
 
     machine = None
     if args.simulate:

@@ -2,6 +2,16 @@
 
 Text encoders have fixed, large configs, so conditioning comes from a seeded random node, and the
 CLIP test uses a 2-layer CLIP-L built with ComfyUI's own classes.
+
+Models the loader cannot detect at a tiny size are built in-process with ComfyUI's own classes:
+- TestTinyFlux: ComfyUI's Flux (FluxSchnell config) at hidden 64; `UNETLoader` detection hardcodes hidden 3072
+  (535M parameters). Its attention reaches the override as (B, H, L, D) with skip_reshape=True and `mask=`.
+- TestKwargsDiT: a one-block DiT whose calls carry the newer contract's keyword arguments (`scale=`,
+  `enable_gqa=True` with fewer key/value heads, `low_precision_attention=False`, `skip_output_reshape=True`).
+  ComfyUI 0.3.64's wrapper hands every keyword argument to the override unchanged, but its own backends drop
+  `scale`/`enable_gqa`, so the reference is the same model with exact SDPA (`reference=True`).
+- TestAttentionMask: adds Flux's `attention_mask` conditioning (an additive (B, L, L) bias over text+image
+  tokens), which reaches the attention calls as `mask=`.
 """
 
 SOURCE = r'''
@@ -61,8 +71,144 @@ class TestConditioningStats:
         return {"ui": {"text": [repr([float(t.double().mean()), float(t.double().abs().sum())])]}}
 
 
+def _randomise(module, seed, std=0.02):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def _patcher(model):
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
+
+
+TINY_FLUX = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32, "context_in_dim": 64,
+             "hidden_size": 64, "mlp_ratio": 2.0, "num_heads": 2, "depth": 1, "depth_single_blocks": 1,
+             "axes_dim": [8, 12, 12], "theta": 10000, "patch_size": 2, "qkv_bias": True, "guidance_embed": False}
+
+
+class TestTinyFlux:
+    """ComfyUI's own Flux model (FluxSchnell config: flow, no guidance) at hidden 64, 2 heads of 32, random weights."""
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31})}}
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, seed):
+        config = comfy.supported_models.FluxSchnell(TINY_FLUX)
+        config.set_inference_dtype(torch.float32, None)
+        model = config.get_model({})
+        _randomise(model.diffusion_model, seed, std=0.05)
+        return (_patcher(model),)
+
+
+class TestAttentionMask:
+    """Flux's `attention_mask` conditioning: an additive bias (B, T+I, T+I) over text (T) and image (I) tokens
+    that hides the last `masked` text tokens from every query (-inf), as StyleModelApply's attn_bias does."""
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"conditioning": ("CONDITIONING",),
+                             "image_tokens_h": ("INT", {"default": 4, "min": 1, "max": 64}),
+                             "image_tokens_w": ("INT", {"default": 4, "min": 1, "max": 64}),
+                             "masked": ("INT", {"default": 3, "min": 0, "max": 64})}}
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "apply"
+    CATEGORY = "testing"
+
+    def apply(self, conditioning, image_tokens_h, image_tokens_w, masked):
+        out = []
+        for txt, keys in conditioning:
+            n = txt.shape[1] + image_tokens_h * image_tokens_w
+            mask = torch.zeros((txt.shape[0], n, n))
+            mask[:, :, txt.shape[1] - masked:txt.shape[1]] = float("-inf")
+            keys = dict(keys, attention_mask=mask, attention_mask_img_shape=(image_tokens_h, image_tokens_w))
+            out.append([txt, keys])
+        return (out,)
+
+
+class KwargsDiT(torch.nn.Module):
+    """One DiT block whose attention calls carry the newer contract's keyword arguments.
+
+    self-attention: (B, H, L, D) q with (B, H/2, L, D) k/v, `scale=`, `enable_gqa=True`, `heads=` as a keyword;
+    cross-attention to the conditioning: `low_precision_attention=False`, `skip_output_reshape=True` (the output
+    stays (B, H, Lq, D)). With `reference=True` both run torch SDPA directly (exact, no ComfyUI attention).
+    """
+
+    def __init__(self, in_channels=4, hidden=64, heads=4, kv_heads=2, context_dim=64, scale=1.0, reference=False,
+                 device=None, dtype=None, operations=None, **kwargs):
+        super().__init__()
+        ops = operations
+        self.dtype = dtype if dtype is not None else torch.float32
+        self.heads, self.kv_heads, self.dim, self.scale, self.reference = heads, kv_heads, hidden // heads, scale, reference
+        self.inp = ops.Linear(in_channels, hidden, device=device, dtype=dtype)
+        self.time = ops.Linear(64, hidden, device=device, dtype=dtype)
+        self.q = ops.Linear(hidden, hidden, device=device, dtype=dtype)
+        self.kv = ops.Linear(hidden, 2 * kv_heads * self.dim, device=device, dtype=dtype)
+        self.cq = ops.Linear(hidden, hidden, device=device, dtype=dtype)
+        self.ckv = ops.Linear(context_dim, 2 * hidden, device=device, dtype=dtype)
+        self.out = ops.Linear(hidden, in_channels, device=device, dtype=dtype)
+
+    def attention(self, q, k, v, transformer_options, **kwargs):
+        import comfy.ldm.modules.attention as attention
+        if self.reference:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=kwargs.get("scale"),
+                                                                   enable_gqa=kwargs.get("enable_gqa", False))
+            return out if kwargs.get("skip_output_reshape") else out.transpose(1, 2).flatten(2)
+        return attention.optimized_attention(q, k, v, heads=self.heads, skip_reshape=True,
+                                             transformer_options=transformer_options, **kwargs)
+
+    def forward(self, x, timesteps, context=None, transformer_options={}, **kwargs):
+        import comfy.ldm.modules.diffusionmodules.util as util
+        b, c, h, w = x.shape
+        tokens = x.flatten(2).transpose(1, 2)
+        hid = self.inp(tokens) + self.time(util.timestep_embedding(timesteps, 64).to(x.dtype))[:, None]
+        heads = lambda t, n: t.unflatten(-1, (n, self.dim)).transpose(1, 2)  # noqa: E731
+        q = heads(self.q(hid), self.heads)
+        k, v = (heads(t, self.kv_heads) for t in self.kv(hid).chunk(2, dim=-1))
+        hid = hid + self.attention(q, k, v, transformer_options, scale=self.scale, enable_gqa=True)
+        q = heads(self.cq(hid), self.heads)
+        k, v = (heads(t, self.heads) for t in self.ckv(context).chunk(2, dim=-1))
+        out = self.attention(q, k, v, transformer_options, low_precision_attention=False, skip_output_reshape=True)
+        hid = hid + out.transpose(1, 2).flatten(2)
+        return self.out(hid).transpose(1, 2).reshape(b, c, h, w)
+
+
+class TestKwargsDiT:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31}),
+                             "reference": ("BOOLEAN", {"default": False})}}
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "make"
+    CATEGORY = "testing"
+
+    def make(self, seed, reference):
+        import comfy.latent_formats
+        import comfy.model_base
+        import comfy.supported_models_base
+
+        class Config(comfy.supported_models_base.BASE):
+            unet_config = {}
+            unet_extra_config = {}
+            latent_format = comfy.latent_formats.SD15
+            sampling_settings = {"multiplier": 1.0, "shift": 1.0}
+            supported_inference_dtypes = [torch.float32]
+            memory_usage_factor = 1.0
+
+        config = Config({"reference": reference})
+        config.set_inference_dtype(torch.float32, None)
+        model = comfy.model_base.BaseModel(config, model_type=comfy.model_base.ModelType.FLOW, unet_model=KwargsDiT)
+        _randomise(model.diffusion_model, seed, std=0.25)
+        return (_patcher(model),)
+
+
 NODE_CLASS_MAPPINGS = {"TestRandomConditioning": TestRandomConditioning, "TestTinyClip": TestTinyClip,
-                       "TestConditioningStats": TestConditioningStats}
+                       "TestConditioningStats": TestConditioningStats, "TestTinyFlux": TestTinyFlux,
+                       "TestAttentionMask": TestAttentionMask, "TestKwargsDiT": TestKwargsDiT}
 '''
 
 MAKE_MODELS = r'''

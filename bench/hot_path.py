@@ -1,0 +1,130 @@
+"""Per-call cost of the dispatcher against diffusers' own `dispatch_attention_fn`, side by side in one run.
+
+    python bench/hot_path.py [--rounds 400] [--calls 200] [--device cpu|cuda] [--shape 1,2,16,64] [--json PATH]
+
+Tiny inputs (the kernel costs little, so the dispatcher's own work shows), (B, S, H, D) as diffusers takes
+them. Configurations, each timed as `calls` back-to-back calls, are interleaved in a shuffled order every
+round so drift and noise fall on all of them alike; the medians over rounds are compared:
+- raw: what diffusers' `native` backend does itself (permute, SDPA, permute back): the floor;
+- diffusers: `diffusers.models.attention_dispatch.dispatch_attention_fn` (pip install diffusers==0.42.1);
+- pack: this package's `dispatch_attention_fn` on its default backend, every check it does on by default;
+each without a mask and with a bool mask (B, 1, Sq, Sk). Needs diffusers only for its column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pack(folder: Path | None = None):
+    """The dispatcher of the pack in `folder` (default: this checkout)."""
+    sys.path.insert(0, str(folder or ROOT))
+    import dispatcher as pack
+    return pack
+
+
+def configurations(shape, device, folder=None):
+    b, h, s, d = shape
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, generator=gen).to(device) for _ in range(3))
+    mask = (torch.rand(b, 1, s, s, generator=gen) > 0.2).to(device)
+    mask[..., 0] = True
+    pack = _pack(folder)
+    calls = {}
+
+    def raw(m):
+        return lambda: F.scaled_dot_product_attention(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3),
+                                                      v.permute(0, 2, 1, 3), attn_mask=m).permute(0, 2, 1, 3)
+
+    for label, m in (("", None), (" +mask", mask)):
+        calls["raw" + label] = raw(m)
+        calls["pack" + label] = (lambda m=m: pack.dispatch_attention_fn(q, k, v, attn_mask=m))
+    try:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn as diffusers_fn
+        for label, m in (("", None), (" +mask", mask)):
+            calls["diffusers" + label] = (lambda m=m: diffusers_fn(q, k, v, attn_mask=m))
+    except ImportError:
+        print("diffusers is not installed: its column is left out (pip install diffusers==0.42.1)")
+    # Same result first: a faster wrong path is no comparison.
+    for label in ("", " +mask"):
+        ref = calls["raw" + label]()
+        for name in ("pack", "diffusers"):
+            if name + label in calls:
+                torch.testing.assert_close(calls[name + label](), ref, rtol=0, atol=0)
+    return calls
+
+
+def measure(calls: dict, rounds: int, per_round: int, device: str) -> dict[str, list[float]]:
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for fn in calls.values():  # warm-up: first calls decide and cache
+        for _ in range(50):
+            fn()
+    sync()
+    samples = {name: [] for name in calls}
+    order = list(calls)
+    rng = random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            fn = calls[name]
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                fn()
+            sync()
+            samples[name].append((time.perf_counter() - t0) / per_round * 1e6)
+    return samples
+
+
+def summarise(samples: dict[str, list[float]]) -> dict:
+    med = {name: statistics.median(v) for name, v in samples.items()}
+    out = {"median_us": {k: round(v, 3) for k, v in med.items()}}
+    for label in ("", " +mask"):
+        raw = med["raw" + label]
+        row = {"pack_over_raw_us": round(med["pack" + label] - raw, 3)}
+        if "diffusers" + label in med:
+            row["diffusers_over_raw_us"] = round(med["diffusers" + label] - raw, 3)
+            row["pack_vs_diffusers"] = round(med["pack" + label] / med["diffusers" + label], 4)
+        out["no mask" if not label else "bool mask"] = row
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=400)
+    parser.add_argument("--calls", type=int, default=200, help="calls per configuration per round")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", default="1,2,16,64", help="B,H,S,D")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: the least noise)")
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--pack", type=Path, help="measure the pack in this folder (e.g. another commit's checkout)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shape = tuple(int(x) for x in args.shape.split(","))
+    calls = configurations(shape, args.device, args.pack)
+    result = summarise(measure(calls, args.rounds, args.calls, args.device))
+    result.update(pack=str(args.pack or ROOT), shape_bhsd=shape, device=args.device, rounds=args.rounds, calls=args.calls,
+                  torch=torch.__version__, python=sys.version.split()[0])
+    try:
+        import diffusers
+        result["diffusers"] = diffusers.__version__
+    except ImportError:
+        pass
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

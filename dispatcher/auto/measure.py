@@ -1,0 +1,125 @@
+"""Measuring one candidate: inputs of a signature (seeded noise, or the caller's own tensors), its time and
+its error against exact attention."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from ..inputs import AttentionInputs
+from .reference import non_finite, relative_error, to_bhsd
+
+# Backends that materialise the (B, H, Lq, Lk) score matrix: skipped when it would not fit the memory cap.
+QUADRATIC_MEMORY = frozenset({"_native_math"})
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(call, device: torch.device, warmup: int, runs: int) -> list[float]:
+    """Milliseconds of each of `runs` calls after `warmup` calls (CUDA events on GPUs)."""
+    for _ in range(warmup):
+        call()
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+        sync(device)
+        for begin, end in events:
+            begin.record()
+            call()
+            end.record()
+        sync(device)
+        return [begin.elapsed_time(end) for begin, end in events]
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        call()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def validate(out, lse, ref_out, ref_lse, rows, layout, bound, result) -> str | None:
+    """Why `out` (and `lse`) is not exact attention within `bound` on the sampled rows, or None; sets
+    result.rel_error."""
+    if not isinstance(out, torch.Tensor):
+        return f"returned {type(out).__name__}, not a tensor"
+    expected = ref_out.shape
+    got = to_bhsd(out, layout)
+    if got.shape[:2] != expected[:2] or got.shape[-1] != expected[-1]:
+        return f"returned shape {tuple(out.shape)}, which does not match the inputs"
+    bad = non_finite(out)
+    if bad:
+        return f"output has {bad} NaN/Inf values"
+    picked = got if rows is None else got[:, :, rows.to(got.device)]
+    err = relative_error(picked, ref_out)
+    result.rel_error = err
+    if not err <= bound:
+        return f"relative error {err:.2e} vs exact attention exceeds its bound {bound:.0e}"
+    if lse is not None:
+        lse_b = lse if layout == "BHSD" else lse.transpose(1, 2)
+        if non_finite(lse_b):
+            return f"log-sum-exp has {non_finite(lse_b)} NaN/Inf values"
+        picked = lse_b if rows is None else lse_b[:, :, rows.to(lse_b.device)]
+        lse_err = relative_error(picked, ref_lse)
+        if not lse_err <= bound:
+            return f"log-sum-exp relative error {lse_err:.2e} exceeds the bound {bound:.0e}"
+    return None
+
+
+def shrink(sig: AttentionInputs, cap: int) -> AttentionInputs:
+    """The signature with both lengths scaled down until q, k, v, out and a workspace fit `cap` bytes."""
+    item = torch.empty((), dtype=sig.dtype).element_size()
+
+    def need(lq, lk):
+        per_q = sig.batch * sig.heads_q * (sig.head_dim + sig.head_dim_v) * 2  # q, out, workspace
+        per_k = sig.batch * sig.heads_kv * (sig.head_dim + sig.head_dim_v)
+        return item * (lq * per_q + lk * per_k)
+
+    if need(sig.len_q, sig.len_kv) <= cap:
+        return sig
+    factor = cap / need(sig.len_q, sig.len_kv)
+    lq, lk = max(1, int(sig.len_q * factor)), max(1, int(sig.len_kv * factor))
+    mask_shape = None
+    if sig.mask_shape is not None:
+        shape = list(sig.mask_shape)
+        if len(shape) >= 2:
+            shape[-1] = lk if shape[-1] == sig.len_kv else shape[-1]
+            shape[-2] = lq if shape[-2] == sig.len_q else shape[-2]
+        mask_shape = tuple(shape)
+    return replace(sig, len_q=lq, len_kv=lk, mask_shape=mask_shape)
+
+
+def random_inputs(sig: AttentionInputs, layout: str, live=None):
+    """Seeded random q, k, v in `layout` (the strides of live tensors when given and compact) and a mask."""
+    device, dtype = torch.device(sig.device), sig.dtype
+    gen = torch.Generator(device=device).manual_seed(1234)
+
+    def shape(heads, length, dim):
+        return (sig.batch, length, heads, dim) if layout == "BSHD" else (sig.batch, heads, length, dim)
+
+    shapes = (shape(sig.heads_q, sig.len_q, sig.head_dim), shape(sig.heads_kv, sig.len_kv, sig.head_dim),
+              shape(sig.heads_kv, sig.len_kv, sig.head_dim_v))
+    tensors = []
+    for i, size in enumerate(shapes):
+        template = live[i] if live is not None else None
+        t = None
+        if template is not None and tuple(template.shape) == size:
+            strides = template.stride()
+            extent = 1 + sum((s - 1) * st for s, st in zip(size, strides))
+            if min(strides) >= 0 and extent <= 4 * template.numel():  # same strides, e.g. Flux's permuted views
+                t = torch.empty_strided(size, strides, dtype=dtype, device=device)
+                t.as_strided((extent,), (1,)).copy_(torch.randn(extent, generator=gen, device=device, dtype=dtype))
+        tensors.append(t if t is not None else torch.randn(size, generator=gen, device=device, dtype=dtype))
+    mask = None
+    if live is not None and live[3] is not None:
+        mask = live[3]  # masks are small and decide the kernel's work: use the caller's
+    elif sig.mask_kind in ("bool", "key_padding", "additive") and sig.mask_shape is not None:
+        keep = torch.rand(sig.mask_shape, generator=gen, device=device) > 0.2
+        keep[..., 0] = True  # no fully masked row
+        mask = keep if sig.mask_kind != "additive" else torch.zeros(
+            sig.mask_shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+    return tensors[0], tensors[1], tensors[2], mask

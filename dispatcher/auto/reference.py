@@ -1,0 +1,73 @@
+"""Exact attention in float64 and the error measure: the one reference every accuracy check of the pack uses
+(`auto`'s verdicts, the bench, the ComfyUI compare node)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import masks
+
+
+def to_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    return t if layout == "BHSD" else t.transpose(1, 2)
+
+
+def sample_rows(len_q: int, rows: int | None) -> torch.Tensor | None:
+    """Evenly spaced query rows (first and last included), or None for all of them."""
+    if rows is None or rows >= len_q:
+        return None
+    return torch.linspace(0, len_q - 1, rows).round().long().unique()
+
+
+def exact_attention(query, key, value, attn_mask=None, is_causal=False, scale=None, layout="BSHD", rows=None,
+                    max_bytes: int = 256 << 20):
+    """Exact attention in float64 for query rows `rows` (an index tensor, None = all): (out, lse).
+
+    out is (B, H, R, Dv) and lse (B, H, R), float64, from the caller's (possibly low-precision) inputs,
+    so a comparison measures the kernel's error only. Grouped-query heads are expanded, causal is
+    SDPA's top-left diagonal, the mask follows ComfyUI's rank rule. Heads are processed in chunks so the
+    float64 scores stay under `max_bytes`.
+    """
+    q, k, v = to_bhsd(query, layout), to_bhsd(key, layout), to_bhsd(value, layout)
+    b, h, lq, d = q.shape
+    hk, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    groups = h // hk
+    idx = torch.arange(lq, device=q.device) if rows is None else rows.to(q.device)
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    mask4 = None
+    if attn_mask is not None:
+        mask4 = masks.to_4d(attn_mask).expand(b, h, lq, lk)
+    per_head = b * len(idx) * lk * 8 * 3 + b * lk * (d + dv) * 8
+    chunk = max(1, min(h, int(max_bytes // max(per_head, 1))))
+    outs, lses = [], []
+    for h0 in range(0, h, chunk):
+        heads = torch.arange(h0, min(h, h0 + chunk), device=q.device)
+        qh = q[:, heads][:, :, idx].double()
+        kh, vh = k[:, heads // groups].double(), v[:, heads // groups].double()
+        scores = torch.matmul(qh, kh.transpose(-2, -1)) * scale
+        if is_causal:
+            keep = torch.arange(lk, device=q.device)[None, :] <= idx[:, None]
+            scores = scores.masked_fill(~keep, float("-inf"))
+        if mask4 is not None:
+            m = mask4[:, heads][:, :, idx]
+            scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.double()
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(torch.matmul(torch.exp(scores - lse[..., None]), vh))
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
+def relative_error(out_rows: torch.Tensor, ref_rows: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ (Frobenius), the measure every accuracy check of the pack uses."""
+    return float((out_rows.double() - ref_rows).norm() / ref_rows.norm().clamp_min(1e-30))
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
+
+
+def non_finite(t: torch.Tensor) -> int:
+    return int((~torch.isfinite(t)).sum())

@@ -1,0 +1,436 @@
+"""The tuner behind `auto`: per call signature, the fastest backend whose result is correct, measured once."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import caches, env, registry, trust
+from ..call import AttentionCall
+from ..checks import check_shapes, check_structure
+from ..decisions import Candidate
+from ..execute import run
+from ..inputs import AttentionInputs, describe_call
+from . import cache
+from .fingerprint import fingerprint_key, machine_fingerprint
+from .measure import QUADRATIC_MEMORY, random_inputs, shrink, sync, time_calls, validate
+from .reference import exact_attention, first_line, sample_rows
+
+logger = logging.getLogger("attention_dispatch")
+
+ENV_BUDGET = "ATTN_DISPATCH_TUNE_BUDGET"  # seconds per signature
+ENV_MAX_SIGNATURES = "ATTN_DISPATCH_TUNE_MAX_SIGNATURES"
+DEFAULT_BUDGET_S = 2.0
+DEFAULT_MAX_SIGNATURES = 32
+DEFAULT_TIE_MARGIN = 0.03  # at most: how much a later backend in priority order must beat an earlier one by
+
+
+def pick(valid: list, tie_margin: float):
+    """The fastest of the valid candidates (given in preference order), unless a preferred one is within the
+    noise of their timings (the larger relative spread of the two), counted up to `tie_margin`.
+
+    Small kernels time the host as much as the GPU: picks among backends a few percent apart changed from run
+    to run, and in a real SDXL step the less preferred ones lost (measured on the H200: bench/results)."""
+    fastest = min(valid, key=lambda c: c.median_ms)
+    return next(c for c in valid if c.median_ms <= fastest.median_ms * (
+        1 + min(tie_margin, max(_spread(c.times_ms), _spread(fastest.times_ms)))))
+
+
+def _spread(times_ms: list[float]) -> float:
+    """Relative interquartile range of timing samples (their noise)."""
+    if len(times_ms) < 2:
+        return 0.0
+    low, _, high = statistics.quantiles(times_ms, n=4) if len(times_ms) >= 4 else (min(times_ms), 0, max(times_ms))
+    return (high - low) / max(statistics.median(times_ms), 1e-12)
+
+
+@dataclass
+class CandidateResult:
+    name: str
+    status: str  # chosen | valid | rejected | untimed
+    priority: int = 0  # its place among the candidates, in the registry's priority order
+    error_bound: float = 0.0
+    rel_error: float | None = None
+    median_ms: float | None = None
+    times_ms: list[float] = field(default_factory=list)
+    first_call_ms: float | None = None
+    reason: str = ""
+
+
+@dataclass
+class TuneRecord:
+    signature: AttentionInputs
+    chosen: str
+    source: str  # timed | disk | preference | only-candidate | none
+    reason: str = ""
+    candidates: list[CandidateResult] = field(default_factory=list)
+    skipped: list[tuple[str, list[str]]] = field(default_factory=list)  # backends that cannot run the call
+    seconds: float = 0.0
+    timed_shape: dict | None = None  # the lengths actually timed, when the memory cap shrank them
+    layout: str = "BSHD"
+    trust_sensitive: bool = False
+    exact: bool = False  # decided for auto_exact (no quantised kernel)
+
+    @property
+    def rejected(self) -> list[CandidateResult]:
+        return [c for c in self.candidates if c.status == "rejected"]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"signature": self.signature.as_dict(), "description": self.signature.describe(), "exact": self.exact,
+                "chosen": self.chosen,
+                "source": self.source, "reason": self.reason, "seconds": round(self.seconds, 4),
+                "layout": self.layout, "timed_shape": self.timed_shape,
+                "candidates": [asdict(c) for c in self.candidates],
+                "rejected": {c.name: c.reason for c in self.rejected},
+                "skipped": {name: reasons for name, reasons in self.skipped}}
+
+
+_DEFAULT_PATH = object()
+
+
+class Tuner:
+    """Measures and remembers `auto` decisions; thread-safe (one lock around tuning)."""
+
+    def __init__(self, *, cache_path=_DEFAULT_PATH, time_budget_s: float | None = None,
+                 max_signatures: int | None = None, warmup: int = 1, runs: int = 5, validation_rows: int = 64,
+                 memory_cap_bytes: int | None = None, backends=None, tie_margin: float = DEFAULT_TIE_MARGIN):
+        """cache_path: the JSON file (None: memory only; default: ATTN_DISPATCH_TUNE_CACHE or ~/.cache/...);
+        time_budget_s: seconds per signature (ATTN_DISPATCH_TUNE_BUDGET, 2); max_signatures: timed per process
+        (ATTN_DISPATCH_TUNE_MAX_SIGNATURES, 32); warmup/runs: calls per candidate; validation_rows: query
+        rows checked against exact attention; memory_cap_bytes: for the tuning inputs (default: a quarter
+        of free GPU memory up to 8 GiB, 512 MiB on a CPU); backends: consider only these names; tie_margin:
+        how much faster than a preferred backend another must be to win (timings carry host noise)."""
+        self._cache_path = cache_path
+        self.backends = None if backends is None else tuple(backends)
+        self.time_budget_s = float(time_budget_s if time_budget_s is not None
+                                   else env.value(ENV_BUDGET, str(DEFAULT_BUDGET_S)))
+        self.max_signatures = int(max_signatures if max_signatures is not None
+                                  else env.value(ENV_MAX_SIGNATURES, str(DEFAULT_MAX_SIGNATURES)))
+        self.warmup, self.runs, self.validation_rows = int(warmup), max(1, int(runs)), int(validation_rows)
+        self.memory_cap_bytes = memory_cap_bytes
+        self.tie_margin = float(tie_margin)
+        self._lock = threading.RLock()
+        self._choices: dict[tuple, tuple[str, bool]] = {}  # (signature, exact, trust, machine) -> (name, sensitive)
+        self._records: dict[tuple, TuneRecord] = {}  # (signature, exact) -> record
+        self._timed = 0
+        self.timing_calls = 0  # candidate timings actually run (tests: a disk hit runs none)
+
+    # -- configuration
+    @property
+    def cache_path(self) -> Path | None:
+        if self._cache_path is _DEFAULT_PATH:
+            return cache.default_cache_path()
+        return None if self._cache_path is None else Path(self._cache_path)
+
+    def _memory_cap(self, device: torch.device) -> int:
+        if self.memory_cap_bytes is not None:
+            return int(self.memory_cap_bytes)
+        if device.type == "cuda":
+            try:
+                free, _ = torch.cuda.mem_get_info(device)
+                return int(min(8 << 30, free // 4))
+            except Exception:
+                return 2 << 30
+        return 512 << 20
+
+    # -- the dispatcher's entry
+    def choose(self, inputs: AttentionInputs, *, layout: str = "BSHD", tensors=None, timing: bool = True,
+               exact: bool = False) -> tuple[str, bool]:
+        """(backend name, whether the choice depends on trust settings) for these inputs; exact=True: never a
+        quantised kernel."""
+        key = self._key(inputs, exact)
+        hit = self._choices.get(key)
+        if hit is not None:
+            return hit
+        with self._lock:
+            hit = self._choices.get(key)
+            if hit is None:
+                record = self._resolve(inputs, exact, layout=layout, tensors=tensors, timing=timing)
+                hit = (record.chosen, record.trust_sensitive)
+                if timing or record.source != "preference":  # a traced guess must not stop a later measurement
+                    self._choices[key] = hit
+        return hit
+
+    @staticmethod
+    def _key(sig: AttentionInputs, exact: bool) -> tuple:
+        """What a choice depends on besides the signature: trust settings and the machine (use_machine)."""
+        return sig, exact, trust.scope_key(), fingerprint_key(machine_fingerprint())
+
+    def tune(self, what, key=None, value=None, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+             return_lse=False, dropout_p=0.0, layout="BSHD", force=False, exact=False) -> TuneRecord:
+        """Decide `auto` for an AttentionInputs signature or tensors (query[, key, value]) now; the record.
+
+        force=True measures again even when memory or disk already has a decision; exact=True: as `auto_exact`.
+        """
+        tensors = None
+        if isinstance(what, AttentionInputs):
+            inputs = what
+        elif isinstance(what, torch.Tensor):
+            key = what if key is None else key
+            value = key if value is None else value
+            check_shapes(what, key, value, layout)
+            inputs = describe_call(what, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                                   layout)
+            check_structure(inputs)
+            tensors = (what, key, value, attn_mask)
+        else:
+            raise TypeError(f"tune() takes an AttentionInputs signature or a query tensor; got {type(what).__name__}")
+        with self._lock:
+            record = self._resolve(inputs, exact, layout=layout, tensors=tensors, timing=True, use_disk=not force)
+            if force:
+                caches.forget()  # the dispatcher's decisions may hold the previous choice
+            self._choices[self._key(inputs, exact)] = (record.chosen, record.trust_sensitive)
+        return record
+
+    # -- reports
+    def records(self) -> list[TuneRecord]:
+        with self._lock:
+            return list(self._records.values())
+
+    def report(self) -> dict[str, Any]:
+        """Per signature: candidates, timings, errors, rejections, chosen and seconds; plus the totals."""
+        records = self.records()
+        return {"time_budget_s": self.time_budget_s, "max_signatures": self.max_signatures,
+                "timed_signatures": self._timed, "total_seconds": round(sum(r.seconds for r in records), 4),
+                "cache_path": str(self.cache_path) if self.cache_path else None,
+                "machine": machine_fingerprint(), "signatures": [r.as_dict() for r in records]}
+
+    def explain(self) -> str:
+        records = self.records()
+        if not records:
+            return "auto: no attention signature tuned in this process"
+        lines = [f"auto: {len(records)} signatures, {self._timed} timed, "
+                 f"{sum(r.seconds for r in records):.2f} s spent (budget {self.time_budget_s:g} s per signature, "
+                 f"at most {self.max_signatures} timed)"]
+        for r in records:
+            lines.append(f"  {r.signature.describe()}")
+            lines.append(f"    -> {r.chosen} ({r.source}{': ' + r.reason if r.reason else ''}; {r.seconds:.2f} s)")
+            for c in r.candidates:
+                timing = f"{c.median_ms:.3f} ms" if c.median_ms is not None else "not timed"
+                error = f"err {c.rel_error:.1e}" if c.rel_error is not None else "err -"
+                lines.append(f"       {c.name:30} {c.status:9} {timing:>12}  {error}"
+                             + (f"  ({c.reason})" if c.reason else ""))
+        return "\n".join(lines)
+
+    def forget_choices(self) -> None:
+        with self._lock:
+            self._choices.clear()
+
+    def clear_cache(self, disk: bool = True) -> None:
+        """Forget every decision (and the disk cache file, with disk=True)."""
+        with self._lock:
+            self._choices.clear()
+            self._records.clear()
+            self._timed = 0
+            if disk:
+                cache.remove(self.cache_path)
+        caches.forget()
+
+    # -- candidates
+    def candidates(self, inputs: AttentionInputs, exact: bool = False
+                   ) -> tuple[list[str], list[tuple[str, list[str]]], bool]:
+        """(names in priority order, [(skipped name, reasons)], trust-sensitive)."""
+        names, skipped, sensitive = [], [], False
+        fetched = None
+        for name in registry.names():
+            if self.backends is not None and name not in self.backends:
+                continue
+            spec = registry.get(name)
+            if exact and spec.quantised:
+                skipped.append((name, ["a quantised kernel: auto_exact runs exact kernels only"]))
+                continue
+            reasons = registry.availability_reasons(name)
+            if spec.hub is not None:
+                verdict = trust.decide(spec.hub.repo_id)
+                if not [r for r in reasons if verdict.allowed or r != verdict.reason]:
+                    sensitive = True  # only trust stands between this Hub kernel and the candidates
+            reasons = reasons or spec.not_supported_reasons(inputs)
+            if not reasons and spec.hub is not None:
+                if fetched is None:
+                    fetched = _fetched_repos()
+                if spec.hub.repo_id not in fetched:
+                    reasons = [f"Hub kernel '{spec.hub.repo_id}' is not fetched or loaded yet; auto never downloads "
+                               f"code: select '{name}' once (or run install.py) to make it a candidate"]
+            if reasons:
+                skipped.append((name, list(reasons)))
+            else:
+                names.append(name)
+        return names, skipped, sensitive  # registry.names() is the priority order
+
+    # -- deciding
+    def _resolve(self, sig: AttentionInputs, exact: bool, *, layout: str, tensors, timing: bool,
+                 use_disk: bool = True) -> TuneRecord:
+        start = time.perf_counter()
+        names, skipped, sensitive = self.candidates(sig, exact)
+        record = TuneRecord(sig, names[0] if names else "native", "preference", skipped=skipped, layout=layout,
+                            trust_sensitive=sensitive, exact=exact)
+        record.candidates = [CandidateResult(n, "untimed", i, registry.get(n).error_bound) for i, n in enumerate(names)]
+        if not names:
+            record.source, record.reason = "none", "no backend supports these inputs; 'native' explains why"
+        elif len(names) == 1:
+            record.source, record.reason = "only-candidate", ""
+        elif use_disk and self._from_disk(record, names):
+            pass
+        elif not timing:
+            record.reason = "decided while torch.compile traces, which cannot time kernels: preference order"
+        elif sig.dropout:
+            record.reason = "dropout makes outputs random, so they cannot be validated: preference order"
+        elif sig.mask_kind == "blockmask" and (tensors is None or tensors[3] is None):
+            record.reason = "a BlockMask cannot be synthesised for timing: preference order"
+        elif self._timed >= self.max_signatures:
+            record.reason = (f"the limit of {self.max_signatures} timed signatures per process is reached "
+                             f"({ENV_MAX_SIGNATURES}): preference order")
+        elif self.time_budget_s <= 0:
+            record.reason = f"the time budget is {self.time_budget_s:g} s ({ENV_BUDGET}): preference order"
+        else:
+            self._timed += 1
+            try:
+                self._measure(sig, record, names, layout, tensors, start)
+            except Exception as exc:  # tuning must never break the call it was made for
+                logger.warning("auto: tuning %s failed (%s: %s); using the preference order", sig.describe(),
+                               type(exc).__name__, exc)
+                record.source, record.chosen = "preference", names[0]
+                record.reason = f"tuning failed ({type(exc).__name__}: {exc}): preference order"
+            if record.source == "timed":
+                self._to_disk(record, names)
+        record.seconds = time.perf_counter() - start
+        if record.source == "preference" and names:
+            record.chosen = next((c.name for c in record.candidates if c.status != "rejected"), names[0])
+        for c in record.candidates:
+            if c.name == record.chosen and c.status in ("valid", "untimed"):
+                c.status = "chosen"
+        self._records[(sig, exact)] = record
+        if record.source == "timed":
+            rejected = "; ".join(f"{c.name} ({c.reason})" for c in record.rejected)
+            logger.info("auto: %s -> %s (%d candidates, %.2f s)%s", sig.describe(), record.chosen, len(names),
+                        record.seconds, f"; rejected: {rejected}" if rejected else "")
+            for c in record.rejected:
+                logger.warning("auto rejected attention backend '%s' for %s: %s", c.name, sig.describe(), c.reason)
+        return record
+
+    def _measure(self, sig, record, names, layout, live, start):
+        device = torch.device(sig.device)
+        cap = self._memory_cap(device)
+        run_sig = shrink(sig, cap)
+        if run_sig != sig:
+            record.timed_shape = {"len_q": run_sig.len_q, "len_kv": run_sig.len_kv,
+                                  "why": f"the inputs would exceed the tuning memory cap of {cap >> 20} MiB"}
+        q, k, v, mask = random_inputs(run_sig, layout, live if run_sig == sig else None)
+        scale = (0.9 / math.sqrt(sig.head_dim)) if sig.custom_scale else None
+        rows = sample_rows(run_sig.len_q, self.validation_rows)
+        with torch.no_grad():
+            ref_out, ref_lse = exact_attention(q, k, v, mask, run_sig.is_causal, scale, layout, rows)
+        attention_call = AttentionCall(q, k, v, mask, 0.0, run_sig.is_causal, scale, run_sig.enable_gqa, None,
+                                       layout=layout, return_lse=run_sig.return_lse)
+        score_bytes = run_sig.batch * run_sig.heads_q * run_sig.len_q * run_sig.len_kv * 4
+        by_name = {c.name: c for c in record.candidates}
+        valid: list[CandidateResult] = []
+        # A first call may JIT-compile (Triton, inductor): that one-off cost is not charged to the budget,
+        # or the first candidate in preference order would use it up and win untimed.
+        compiling = 0.0
+        for position, name in enumerate(names):
+            result = by_name[name]
+            elapsed = time.perf_counter() - start - compiling
+            if valid and elapsed >= self.time_budget_s:
+                result.reason = f"not timed: the {self.time_budget_s:g} s budget for this signature was spent"
+                continue
+            if name in QUADRATIC_MEMORY and score_bytes > cap:
+                result.reason = (f"not timed: it materialises the {score_bytes >> 20} MiB score matrix, over the "
+                                 f"tuning memory cap")
+                continue
+            spec = registry.get(name)
+            try:
+                runner = registry.prepare(name)
+            except Exception as exc:
+                result.status, result.reason = "rejected", f"could not be loaded: {type(exc).__name__}: {exc}"
+                continue
+            candidate = Candidate(name, spec, runner, spec.layout != layout, mask is not None)
+
+            def call(candidate=candidate):
+                return run(candidate, attention_call)
+
+            self.timing_calls += 1
+            try:
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    result_value = call()
+                    sync(device)
+                    first = time.perf_counter() - t0
+                    compiling += first
+            except Exception as exc:
+                if device.type == "cuda":
+                    with contextlib.suppress(Exception):
+                        torch.cuda.empty_cache()
+                result.status = "rejected"
+                result.reason = f"raised {first_line(exc)}"
+                continue
+            result.first_call_ms = first * 1e3
+            out, lse = result_value if run_sig.return_lse else (result_value, None)
+            problem = validate(out, lse, ref_out, ref_lse, rows, layout, spec.error_bound, result)
+            del result_value, out, lse
+            if problem:
+                result.status, result.reason = "rejected", problem
+                continue
+            # A timed warm call (the first one may have compiled or planned) sizes the runs that fit this
+            # candidate's share of what is left of the budget.
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                call()
+                sync(device)
+                steady = max(time.perf_counter() - t0, 1e-6)
+                left = max(0.0, self.time_budget_s - (time.perf_counter() - start - compiling))
+                fits = int(left / max(1, len(names) - position) / steady)
+                runs = max(1, min(self.runs, fits))
+                warmup = min(max(0, self.warmup - 1), max(0, fits - runs))
+                result.times_ms = time_calls(call, device, warmup, runs)
+            result.median_ms = statistics.median(result.times_ms)
+            result.status = "valid"
+            valid.append(result)
+        if not valid:
+            record.source = "preference"
+            record.reason = "no candidate passed validation: preference order (the dispatcher falls back if it fails)"
+            return
+        record.chosen, record.source = pick(valid, self.tie_margin).name, "timed"
+
+    # -- disk
+    def _from_disk(self, record: TuneRecord, names: list[str]) -> bool:
+        decision = cache.lookup(self.cache_path, _disk_key(record))
+        if decision is None:
+            return False
+        if decision.get("candidates") != names or decision.get("chosen") not in names:
+            return False  # a backend came or went since it was measured: measure again
+        record.chosen, record.source = decision["chosen"], "disk"
+        record.reason = f"measured {decision.get('tuned_at', 'earlier')} ({self.cache_path})"
+        saved = decision.get("results", {})
+        for c in record.candidates:
+            got = saved.get(c.name, {})
+            c.status = got.get("status", c.status)
+            c.median_ms, c.rel_error, c.reason = got.get("median_ms"), got.get("rel_error"), got.get("reason", "")
+        return True
+
+    def _to_disk(self, record: TuneRecord, names: list[str]) -> None:
+        cache.store(self.cache_path, _disk_key(record), {
+            "chosen": record.chosen, "candidates": names, "tuned_at": cache.now(), "seconds": round(record.seconds, 4),
+            "results": {c.name: {"status": "valid" if c.status == "chosen" else c.status, "median_ms": c.median_ms,
+                                 "rel_error": c.rel_error, "reason": c.reason} for c in record.candidates}})
+
+
+def _disk_key(record: TuneRecord) -> str:
+    return record.signature.key() + ("|exact" if record.exact else "")
+
+
+def _fetched_repos() -> set[str]:
+    from .. import hub
+    repos = {k.repo_id for k in hub.loaded_kernels()}
+    with contextlib.suppress(Exception):
+        repos |= set(hub.read_lock())
+    return repos

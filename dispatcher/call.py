@@ -1,0 +1,34 @@
+"""One attention call, described once at the entry point and carried unchanged to the kernel.
+
+`AttentionCall` is immutable (a tuple): the eager path, the traced routes, context parallelism and the
+backend runner all take it whole; a route that changes something (a shard, a layout) makes a new one with
+`call._replace(...)`. Building it costs one tuple, so the hot path pays nothing for carrying it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+
+class AttentionCall(NamedTuple):
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_mask: Any = None
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    scale: float | None = None
+    enable_gqa: bool = False
+    attention_kwargs: dict | None = None
+    backend: str | None = None  # None: the active backend
+    layout: str = "BSHD"
+    policy: str | None = None  # None: the active policy
+    return_lse: bool = False
+    call_site: str = "attention"
+    recorder: Any = None  # None: the active `recording()` block's
+
+
+# tuple.__new__ directly: the generated __new__ costs a Python frame per call on the hot path.
+new_call = tuple.__new__

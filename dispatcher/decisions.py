@@ -1,0 +1,165 @@
+"""Which backends may serve one call signature, best first: decided once per signature, then cached.
+
+A decision walks the requested backend's fallback chain (policy 'fallback') or holds the requested one
+alone ('strict'); every backend it skips keeps every reason why (availability on this machine and the
+limits these inputs hit), and a backend that fails at run time is demoted with its error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+from . import caches, checks, registry, trust
+from .hub import KernelLoadError
+from .inputs import AttentionInputs
+from .machine import current_machine
+
+logger = logging.getLogger("attention_dispatch")
+
+# The exact end of every chain: SDPA, then its math kernel (which runs anything SDPA accepts).
+FINAL_FALLBACKS = ("native", "_native_math")
+
+
+class BackendNotSupportedError(RuntimeError):
+    """No backend that was allowed to try could run the call; lists each one's reasons."""
+
+    def __init__(self, requested: str, description: str, skipped: list[tuple[str, list[str]]], policy: str):
+        self.requested, self.skipped, self.policy = requested, skipped, policy
+        lines = [f"attention backend '{requested}' cannot run these inputs ({policy} policy): {description}"]
+        for name, reasons in skipped:
+            lines.append(f"  '{name}' is not supported because:")
+            lines.extend(f"      {r}" for r in reasons)
+        if policy == "strict":
+            lines.append("  Use policy='fallback' to run the next backend in its chain instead.")
+        super().__init__("\n".join(lines))
+
+
+class Candidate(NamedTuple):
+    """One backend a decision may run, with what running it takes for this signature."""
+    name: str
+    spec: Any
+    runner: Callable
+    transpose: bool  # the kernel's layout is not the call's: swap the sequence and head axes (views)
+    convert_mask: bool  # the mask needs converting to the kernel's format (False: it takes it as given)
+
+
+@dataclass
+class Decision:
+    requested: str
+    candidates: list  # [Candidate], best first
+    skipped: list = field(default_factory=list)  # [(name, [reasons])]
+    machine: object = None  # the machine it was made for (kept so its id in the cache key stays unique)
+    trust_sensitive: bool = False  # a Hub backend in the chain: the decision depends on trust settings
+    _reasons: dict = field(default_factory=dict, repr=False, compare=False)  # served -> reasons_for(served)
+
+    def reasons_for(self, served: str) -> tuple[str, ...]:
+        """Why each backend before `served` in the chain was skipped ('name: reason')."""
+        cached = self._reasons.get(served)
+        if cached is None:
+            order = fallback_order(self.requested)
+            limit = order.index(served) if served in order else len(order)
+            cached = self._reasons[served] = tuple(
+                _labelled(name, r) for name, reasons in self.skipped
+                if name in order and order.index(name) < limit for r in reasons)
+        return cached
+
+
+def _labelled(name: str, reason: str) -> str:
+    # Some reasons already start with the backend's name (a kernel's own error): never "sage: sage: ...".
+    return reason if reason.startswith((f"{name}:", f"{name} ", f"'{name}'")) else f"{name}: {reason}"
+
+
+_decisions: dict[tuple, Decision] = {}
+_lock = threading.Lock()
+_logged: set[tuple] = set()
+_forget_hooks: list[Callable[[], None]] = []  # caches built on decisions (the eager path's fast keys)
+
+
+@caches.on_forget
+def forget() -> None:
+    with _lock:
+        _decisions.clear()
+        _logged.clear()
+        for hook in _forget_hooks:
+            hook()
+
+
+def fallback_order(requested: str) -> list[str]:
+    order, queue = [], [requested]
+    while queue:
+        name = queue.pop(0)
+        if name in order or not registry.is_known(name) or registry.resolver(name) is not None:
+            continue
+        order.append(name)
+        queue.extend(registry.get(name).fallback)
+    order.extend(n for n in FINAL_FALLBACKS if n not in order)
+    return order
+
+
+def _reasons(name: str, spec, inputs: AttentionInputs) -> list[str]:
+    """Every reason: what this machine lacks, then what these inputs ask that the backend cannot do."""
+    reasons = list(registry.availability_reasons(name))
+    try:
+        reasons += [r for r in spec.not_supported_reasons(inputs) + checks.semantic_reasons(spec, inputs)
+                    if r not in reasons]
+    except Exception as exc:  # a backend's own limit check must not hide the others' reasons
+        reasons.append(f"its input check failed ({type(exc).__name__}: {exc})")
+    return reasons
+
+
+def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str) -> Decision:
+    checks.check_structure(inputs)
+    chain = fallback_order(requested) if policy == "fallback" else [requested]
+    decision = Decision(requested, [], trust_sensitive=any(registry.get(n).hub is not None for n in chain))
+    plain_mask = inputs.mask_kind in ("bool", "key_padding") and len(inputs.mask_shape or ()) == 4
+    for name in chain:
+        spec = registry.get(name)
+        reasons = _reasons(name, spec, inputs)
+        if not reasons:
+            try:
+                runner = registry.prepare(name)
+            except KernelLoadError as exc:
+                reasons = [str(exc)]
+            else:
+                convert = inputs.mask_kind not in ("none", "blockmask") and not (
+                    plain_mask and spec.mask_format == "native")
+                decision.candidates.append(Candidate(name, spec, runner, spec.layout != layout, convert))
+                continue
+        decision.skipped.append((name, reasons))
+    if not decision.candidates:
+        raise BackendNotSupportedError(requested, inputs.describe(), decision.skipped, policy)
+    return decision
+
+
+def decision_for(requested: str, policy: str, inputs: AttentionInputs, layout: str) -> Decision:
+    machine = current_machine()  # a simulated machine (use_machine) gets its own decisions
+    key = (requested, policy, inputs, layout, trust.scope_key(), id(machine))
+    decision = _decisions.get(key)
+    if decision is None:
+        decision = decide(requested, policy, inputs, layout)
+        decision.machine = machine
+        with _lock:  # a thread that decided the same call first wins: one Decision, one set of demotions
+            decision = _decisions.setdefault(key, decision)
+    return decision
+
+
+def log_once(requested: str, served: str, reasons: tuple[str, ...]) -> None:
+    key = (requested, served, reasons)
+    if key in _logged:
+        return
+    _logged.add(key)
+    logger.warning("attention backend '%s' fell back to '%s': %s", requested, served, "; ".join(reasons))
+
+
+def demote(decision: Decision, name: str, reason: str) -> None:
+    """A backend that failed at run time is skipped for this signature from now on, with the reason."""
+    with _lock:
+        if not any(c.name == name for c in decision.candidates):
+            return  # another thread demoted it first
+        decision.candidates = [c for c in decision.candidates if c.name != name]
+        decision.skipped.append((name, [reason]))
+        decision._reasons.clear()
+    logger.warning("attention backend '%s' failed (%s); falling back for these inputs", name, reason)

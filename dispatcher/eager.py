@@ -1,0 +1,121 @@
+"""The eager path: decide (a dict lookup once a signature is decided), run, fall back, record.
+
+The first call of a signature validates everything and builds its `AttentionInputs`; repeat calls look
+the decision up by a key of shapes, dtypes, devices and flags read straight off the tensors, and pay for
+nothing else but the checks every call gets.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import checks, decisions, registry, state, trust
+from .call import AttentionCall
+from .execute import run
+from .inputs import describe_call
+from .machine import current_machine
+from .report import current_recorder
+
+# fast key -> Decision, or _TRUST_SENSITIVE when the decision also depends on trust settings: then
+# (fast key, trust.scope_key()) holds it. Forgotten with the decisions.
+_fast: dict = {}
+_TRUST_SENSITIVE = object()
+decisions._forget_hooks.append(_fast.clear)
+
+
+def dispatch_eager(call: AttentionCall):
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, \
+        policy, return_lse, call_site, recorder = call
+    checks.check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                           attention_kwargs)
+    requested = backend if backend is not None else state.active_backend()
+    if policy is None:
+        policy = state.active_policy()
+    m = attn_mask
+    fast_key = (requested, policy, layout, query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
+                query.device, key.device, value.device,
+                None if m is None else (type(m), getattr(m, "dtype", None), getattr(m, "shape", None),
+                                        getattr(m, "device", None)),
+                is_causal, dropout_p > 0, scale is None, enable_gqa, return_lse,
+                torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
+                id(current_machine()))  # kept alive by the decision (decision.machine), so the id stays unique
+    try:
+        decision = _fast.get(fast_key)
+        if decision is _TRUST_SENSITIVE:
+            decision = _fast.get((fast_key, trust.scope_key()))
+    except TypeError:  # an unhashable mask: the full path below raises the real error
+        decision, fast_key = None, None
+    if decision is None:
+        decision = _first_call(fast_key, requested, policy, call)
+    mode = state.active_checks()
+    if mode != "off":
+        checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, requested)
+    if recorder is None:
+        recorder = current_recorder()
+    # Backends that failed this call are demoted only once a later one serves it: a call that no backend can
+    # run (a bad argument a kernel rejects, memory exhausted everywhere) raises and changes no decision.
+    failed = []  # (name, why it is demoted, the error recorded)
+    candidates = decision.candidates
+    if attention_kwargs:  # only backends that pass every key on to their kernel may run it
+        candidates = checks.candidates_for_attention_kwargs(decision.requested, policy, candidates, attention_kwargs)
+    last_index = len(candidates) - 1
+    for index, candidate in enumerate(candidates):
+        try:
+            out = run(candidate, call)
+        except Exception as exc:
+            if policy == "strict" or index == last_index or isinstance(exc, checks.AttentionInputError):
+                raise
+            error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+            failed.append((candidate.name, f"raised {error}", error))
+            continue
+        name = candidate.name
+        if mode != "off":
+            try:  # a non-finite output from finite inputs: this backend is broken for them, like one that raises
+                checks.check_values({"output": out[0] if return_lse else out}, mode, name)
+            except checks.AttentionInputError as exc:
+                if policy == "strict" or index == last_index:
+                    raise
+                failed.append((name, str(exc), str(exc)))
+                continue
+        if failed or name != decision.requested or recorder is not None:
+            _account(decision, name, failed, recorder, call_site, requested)
+        return out
+    raise AssertionError("unreachable: a decision always has a candidate")
+
+
+def _account(decision, name, failed, recorder, call_site, requested) -> None:
+    """What a served call leaves behind: demotions, the fallback log line, the recorder's count."""
+    for failed_name, why, error in failed:
+        decisions.demote(decision, failed_name, why)
+        if recorder is not None:
+            recorder.record_error(call_site, failed_name, error)
+    reasons = decision.reasons_for(name) if name != decision.requested else ()
+    if reasons:
+        decisions.log_once(decision.requested, name, reasons)
+    if recorder is not None:
+        recorder.record(call_site, requested, name, reasons)  # requested may be a pseudo-backend ("auto")
+
+
+def _first_call(fast_key, requested, policy, call: AttentionCall):
+    """The first call of a signature: validate, describe, resolve a pseudo-backend, decide; remember it."""
+    if not registry.is_known(requested):
+        raise registry.UnknownBackendError(registry.unknown_message(requested))
+    policy = state.validate_policy(policy)
+    query, key, value, attn_mask = call.query, call.key, call.value, call.attn_mask
+    checks.check_shapes(query, key, value, call.layout, attn_mask)
+    inputs = describe_call(query, key, value, attn_mask, call.dropout_p, call.is_causal, call.scale, call.enable_gqa,
+                           call.return_lse, call.layout)
+    sensitive = False
+    name = requested
+    resolve = registry.resolver(requested)
+    if resolve is not None:
+        checks.check_structure(inputs)
+        name, sensitive = resolve(inputs, call, timing=True)
+    decision = decisions.decision_for(name, policy, inputs, call.layout)
+    if fast_key is not None:
+        if sensitive or decision.trust_sensitive:
+            _fast[fast_key] = _TRUST_SENSITIVE
+            _fast[(fast_key, trust.scope_key())] = decision
+        else:
+            _fast[fast_key] = decision
+    return decision

@@ -1,0 +1,30 @@
+"""Run one backend on one call: the kernel's layout (views, never copies) and mask format, its keywords."""
+
+from __future__ import annotations
+
+from . import masks
+from .call import AttentionCall
+from .decisions import Candidate
+
+
+def run(candidate: Candidate, call: AttentionCall):
+    """The backend's result in the call's layout: out, or (out, lse) with return_lse."""
+    # One unpacking, not nine attribute reads: this runs on every call.
+    query, key, value, mask, dropout_p, is_causal, scale, enable_gqa, extra, _, _, _, return_lse, _, _ = call
+    name, spec, runner, transpose, convert_mask = candidate
+    if transpose:
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if convert_mask:
+        mask = masks.convert(mask, spec.mask_format, query.dtype)
+    if extra:
+        result = runner(query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa, return_lse=return_lse, **extra)
+    else:
+        result = runner(query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa, return_lse=return_lse)
+    if not transpose:
+        return result
+    if return_lse:
+        out, lse = result
+        return out.transpose(1, 2), lse.transpose(1, 2)
+    return result.transpose(1, 2)

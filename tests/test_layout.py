@@ -1,0 +1,88 @@
+"""The house rules of docs/layout.md, read from the code's own imports (AST, nothing is run)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "dispatcher"
+COMFY_NAMES = {"comfy", "comfy_api", "comfy_extras", "nodes", "server", "utils", "folder_paths", "execution"}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Modules of the package this file imports (resolved relative imports), and absolute top-level names."""
+    module = _module(path)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                if node.module:
+                    found.add(target)
+                found.update(f"{target}.{alias.name}" for alias in node.names)  # `from . import x` (or a name)
+            else:
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def _relative(path: Path, name: str) -> bool:
+    return not any(isinstance(node, ast.Import) and any(a.name == name for a in node.names) or
+                   isinstance(node, ast.ImportFrom) and not node.level and node.module == name
+                   for node in ast.walk(ast.parse(path.read_text())))
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: {t for t in _imports(path) if t in files and t != name} for name, path in files.items()}
+
+
+def test_the_library_never_imports_comfyui_or_uses_absolute_self_imports():
+    for path in PACKAGE.rglob("*.py"):
+        tops = {name.split(".")[0] for name in _imports(path) if not name.startswith("dispatcher")}
+        assert not tops & COMFY_NAMES, (path, tops & COMFY_NAMES)
+        # Relative imports only: the folder is installed under another name (attention_dispatch) too.
+        absolute = [n for n in _imports(path) if n == "dispatcher" or n.startswith("dispatcher.")
+                    if not _relative(path, n)]
+        assert not absolute or path.name == "example.py", (path, absolute)
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in graph:
+        if node not in state:
+            visit(node, [node])
+
+
+def test_wings_are_reached_only_from_above():
+    """The core never imports the tools or `auto`; `auto` never imports the tools; parallel sits above dispatch."""
+    graph = _graph()
+    for name, targets in graph.items():
+        wing = name.split(".")[1] if name.count(".") >= 1 else ""
+        core = wing not in ("tools", "auto", "parallel", "__main__") and name != "dispatcher"
+        if core:
+            assert not [t for t in targets if t.startswith(("dispatcher.tools", "dispatcher.auto", "dispatcher.parallel"))], (
+                name, targets)
+        if wing == "auto":
+            assert not [t for t in targets if t.startswith("dispatcher.tools")], (name, targets)

@@ -1,0 +1,244 @@
+"""Queue-time validation of every input of every node, Trust Remote Kernels' publishers, and what the reports
+say when nodes are chained (CPU, no ComfyUI: tests/node_stub.py). The same cases inside a real ComfyUI, through
+its HTTP API: tests/integration/test_node_inputs.py."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import types
+
+import pytest
+
+import node_stub
+from test_adapter import PACK
+
+BAD_NUMBERS = ["abc", None, float("nan"), float("inf"), -float("inf"), True, [1], {"x": 1}]
+
+
+@pytest.fixture
+def nodes(monkeypatch):
+    for var in ("DIFFUSERS_DISABLE_REMOTE_CODE", "DIFFUSERS_TRUST_REMOTE_KERNELS"):
+        monkeypatch.delenv(var, raising=False)
+    return node_stub.install(monkeypatch)
+
+
+def _untrusted(nodes):
+    """A publisher of a registered Hub backend that is not trusted by default (SageAttention today)."""
+    publishers = nodes.hub_publishers()
+    name = sorted(p for p in publishers if p not in nodes.TRUSTED_PUBLISHERS)[0]
+    return name, publishers[name]
+
+
+def _good(nodes):
+    """A valid value for every field of every node, and each node's validate_inputs."""
+    return {
+        nodes.SetAttentionBackend: (nodes.SET_FIELDS, {"backend": "native", "policy": "fallback",
+                                                       "start_percent": 0.0, "end_percent": 1.0}),
+        nodes.SetClipAttentionBackend: (nodes.CLIP_FIELDS, {"backend": "native", "policy": "strict"}),
+        nodes.AttentionChecks: (nodes.CHECKS_FIELDS, {"mode": "warn", "compare": True, "compare_every": 10}),
+        nodes.TrustRemoteKernels: (nodes.TRUST_FIELDS, {"publishers": _untrusted(nodes)[0]}),
+    }
+
+
+def _bad_values(field):
+    if field.kind == "combo":
+        return ["explode", "", None, 3, ["native"], field.default.upper() + "x"]
+    if field.kind in ("float", "int"):
+        bad = BAD_NUMBERS + [field.min - 1, field.max + 1]
+        return bad + ([2.5] if field.kind == "int" else [])
+    if field.kind == "bool":
+        return ["false", None, 0]
+    return [None, 3, ["a"]]
+
+
+def test_every_node_checks_every_input(nodes):
+    """One helper for every input of every node: a bad value of any field is refused with a message naming
+    that input; nothing raises; the good values pass."""
+    cases = 0
+    for node, (fields, good) in _good(nodes).items():
+        assert node.validate_inputs(**good) is True, node
+        assert {f.name for f in fields} == set(good), node
+        for field in fields:
+            for bad in _bad_values(field):
+                answer = node.validate_inputs(**{**good, field.name: bad})
+                assert isinstance(answer, str) and answer.startswith(f"{field.name}:") or \
+                    f"{field.name}:" in answer, (node, field.name, bad, answer)
+                cases += 1
+    assert cases > 60
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("abc", "start_percent: 'abc' is not a number"),
+    (None, "start_percent: no value (null); expected a number from 0 to 1"),
+    (float("nan"), "start_percent: nan is not a finite number"),
+    (1.5, "start_percent: 1.5 is above the maximum 1"),
+    (-0.1, "start_percent: -0.1 is below the minimum 0"),
+])
+def test_set_window_numbers_never_crash(nodes, value, expected):
+    answer = nodes.SetAttentionBackend.validate_inputs("native", "fallback", value, 1.0)
+    assert answer.startswith(expected), answer
+    assert "0 <= start_percent <= end_percent <= 1" in answer
+
+
+def test_cross_field_rules(nodes):
+    answer = nodes.SetAttentionBackend.validate_inputs("native", "fallback", 0.8, 0.2)
+    assert answer == "start_percent 0.8 is after end_percent 0.2 (the step window needs 0 <= start_percent <= " \
+                     "end_percent <= 1)"
+    strict = nodes.SetAttentionBackend.validate_inputs("flash", "strict", 0.0, 1.0)
+    assert strict.startswith("backend: attention backend 'flash' cannot run on this machine (policy strict)")
+    assert "pip install" in strict
+    assert nodes.SetAttentionBackend.validate_inputs("flash", "fallback", 0.0, 1.0) is True
+    assert "cannot run" in nodes.SetClipAttentionBackend.validate_inputs("flash", "strict")
+    # every problem at once, each named
+    many = nodes.SetAttentionBackend.validate_inputs("flsh", "Strict", "abc", None)
+    assert [p.split(":")[0] for p in many.split("; ") if ":" in p.split(" ")[0]] == [
+        "backend", "policy", "start_percent", "end_percent"], many
+
+
+def test_unknown_values_name_the_close_match(nodes):
+    answer = nodes.SetAttentionBackend.validate_inputs("flsh", "fallback", 0.0, 1.0)
+    assert answer == ("backend: unknown attention backend 'flsh'. Did you mean 'flash'? Valid: auto, comfy default, "
+                      + ", ".join(nodes.backend_names())), answer
+    assert "Did you mean 'strict'?" in nodes.SetClipAttentionBackend.validate_inputs("native", "Strict")
+    explode = nodes.AttentionChecks.validate_inputs("explode", False, 10)
+    assert explode == "mode: unknown checks mode 'explode'. Valid: raise, warn", explode
+    assert "Did you mean 'raise'?" in nodes.AttentionChecks.validate_inputs("RAISE", False, 10)
+    assert nodes.AttentionChecks.validate_inputs("warn", False, 0) == "compare_every: 0 is below the minimum 1"
+
+
+def test_inputs_the_prompt_does_not_carry_are_left_to_comfyui(nodes):
+    """ComfyUI reports a missing required input itself; validate_inputs does not add a second message."""
+    assert nodes.SetAttentionBackend.validate_inputs(backend="native") is True
+    assert nodes.AttentionChecks.validate_inputs() is True
+
+
+# ------------------------------------------------------------------------------------------------ Trust
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("*", "wildcards are not supported"),
+    ("{P}/sage-attention", "is a repo id or URL: trust is per publisher (the part before '/'), so write '{P}'"),
+    ("https://huggingface.co/{P}", "write '{P}'"),
+    ("{P_SWAP}", "'{P_SWAP}' is not '{P}': publishers match exactly, case included; write '{P}'"),
+    ("KERNELS-COMMUNITY", "write 'kernels-community'"),
+    ("{P}\x00x", "contains spaces or control characters"),
+    ("{P} x", "contains spaces or control characters"),
+    ("-bad-", "is not a Hugging Face user or organisation name"),
+    ("someone", "no backend here loads Hub kernels from 'someone', so trusting it changes nothing"),
+    ("{P}x", "Did you mean '{P}'?"),
+])
+def test_trust_refuses_what_cannot_apply(nodes, text, fragment):
+    publisher, _ = _untrusted(nodes)
+    values = {"P": publisher, "P_SWAP": publisher.swapcase()}
+    text, fragment = text.format(**values), fragment.format(**values)
+    answer = nodes.TrustRemoteKernels.validate_inputs(f"{publisher}\n{text}")
+    assert isinstance(answer, str) and answer.startswith("publishers: ") and fragment in answer, answer
+    out = nodes.TrustRemoteKernels.execute(text)
+    (names,) = out.result
+    assert "Trusted for the connected models" not in out.ui["text"][0], out.ui  # never confirmed
+    if text not in ("someone", f"{publisher}x"):
+        assert names == (), names  # can never match: not passed on
+
+
+def test_trust_confirms_only_what_applies(nodes, monkeypatch):
+    publisher, backends = _untrusted(nodes)
+    assert nodes.TrustRemoteKernels.validate_inputs(f"{publisher}, kernels-community\n\n") is True
+    assert nodes.TrustRemoteKernels.validate_inputs("") is True
+    out = nodes.TrustRemoteKernels.execute(f"{publisher}, kernels-community\n{publisher}")
+    assert out.result == (tuple(sorted(["kernels-community", publisher])),)
+    lines = out.ui["text"][0].split("\n")
+    assert lines[0] == f"Trusted for the connected models: {publisher} ({', '.join(backends)})", lines
+    assert lines[1] == "Already trusted by default (changes nothing): kernels-community"
+    # the example workflow's text
+    only_default = nodes.TrustRemoteKernels.execute("kernels-community").ui["text"][0]
+    assert only_default == "Already trusted by default (changes nothing): kernels-community"
+    assert "kernels-community" in nodes.TrustRemoteKernels.execute("").ui["text"][0]
+    monkeypatch.setenv("DIFFUSERS_TRUST_REMOTE_KERNELS", "true")
+    assert "already trusts every publisher" in nodes.TrustRemoteKernels.execute(publisher).ui["text"][0]
+    monkeypatch.setenv("DIFFUSERS_DISABLE_REMOTE_CODE", "true")
+    assert "DIFFUSERS_DISABLE_REMOTE_CODE=true wins" in nodes.TrustRemoteKernels.execute(publisher).ui["text"][0]
+
+
+# ------------------------------------------------------------------------------------------------ chains
+
+
+class Executor:
+    """ComfyUI's WrapperExecutor as the OUTER_SAMPLE wrappers see it: callable, and `class_obj` is the guider
+    whose model_options are the sampled model's."""
+
+    def __init__(self, model):
+        self.class_obj = types.SimpleNamespace(model_options=model.model_options)
+
+    def __call__(self, *args, **kwargs):
+        return "latent"
+
+
+def _as(monkeypatch, node, node_id):
+    monkeypatch.setattr(node, "hidden", types.SimpleNamespace(unique_id=node_id), raising=False)
+
+
+def _run(model):
+    """Run every OUTER_SAMPLE wrapper of the sampled model; the reports they publish, by node."""
+    reports = importlib.import_module(f"{PACK}.nodes.reports")
+    reports.clear()
+    for wrapper in model.outer_wrappers():
+        wrapper(Executor(model))
+    return {(r["kind"], r["node"]): r for r in reports.latest()["reports"]}
+
+
+def test_chained_set_nodes_say_which_one_wins(nodes, monkeypatch):
+    _as(monkeypatch, nodes.SetAttentionBackend, "1")
+    (a,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "native", "fallback", 0.0, 1.0).result
+    _as(monkeypatch, nodes.SetAttentionBackend, "2")
+    (b,) = nodes.SetAttentionBackend.execute(a, "flex", "fallback", 0.0, 1.0).result
+    got = _run(b)
+    upstream, downstream = got[("model", "1")], got[("model", "2")]
+    assert upstream["overridden_by"]["node"] == "2" and upstream["overridden_by"]["backend"] == "flex"
+    assert upstream["notes"][0].startswith("Overridden: Set Attention Backend #2 (flex) comes after this node")
+    assert "nearest the sampler wins" in upstream["notes"][0]
+    assert downstream["replaces"]["node"] == "1" and "overridden_by" not in downstream
+    assert downstream["notes"][0].startswith("Takes over from Set Attention Backend #1 (native) upstream")
+    # The upstream node's own output, sampled directly, is not overridden.
+    alone = _run(a)[("model", "1")]
+    assert "overridden_by" not in alone and alone["notes"] == []
+
+
+def test_windowed_downstream_set_node_leaves_calls_outside_its_window(nodes, monkeypatch):
+    _as(monkeypatch, nodes.SetAttentionBackend, "1")
+    (a,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "native", "fallback", 0.0, 1.0).result
+    _as(monkeypatch, nodes.SetAttentionBackend, "2")
+    (b,) = nodes.SetAttentionBackend.execute(a, "flex", "fallback", 0.5, 1.0).result
+    got = _run(b)
+    assert "wins inside its step window 0.50..1.00" in got[("model", "1")]["notes"][0]
+    assert "outside this node's step window 0.50..1.00 #1's backend runs" in got[("model", "2")]["notes"][0]
+
+
+@pytest.mark.parametrize("compare", [False, True])
+def test_checks_before_set_say_they_saw_no_calls(nodes, monkeypatch, compare):
+    _as(monkeypatch, nodes.AttentionChecks, "5")
+    (c,) = nodes.AttentionChecks.execute(node_stub.FakeModel(), "warn", compare, 1).result
+    _as(monkeypatch, nodes.SetAttentionBackend, "6")
+    (s,) = nodes.SetAttentionBackend.execute(c, "native", "fallback", 0.0, 1.0).result
+    report = _run(s)[("checks", "5")]
+    assert report["no_calls"] is True and report["replaced_by"]["node"] == "6"
+    assert report["notes"] == ["Saw no attention calls: Set Attention Backend #6 (native) comes after these checks "
+                               "and replaced the attention they wrap. Put Attention Checks after Set Attention "
+                               "Backend."]
+
+
+def test_checks_with_no_samples_never_read_as_clean(nodes, monkeypatch):
+    _as(monkeypatch, nodes.SetAttentionBackend, "6")
+    (s,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "native", "fallback", 0.0, 1.0).result
+    _as(monkeypatch, nodes.AttentionChecks, "5")
+    (c,) = nodes.AttentionChecks.execute(s, "warn", True, 1).result
+    report = _run(c)[("checks", "5")]  # the sampler made no attention call at all
+    assert report["compare"]["samples"] == 0 and report["no_calls"] is True
+    assert "nothing was compared" in report["notes"][0] and "replaced_by" not in report
+
+
+def test_message_text_is_plain(nodes):
+    """Messages quote odd values with repr (control characters stay visible) and stay short."""
+    answer = nodes.SetAttentionBackend.validate_inputs("x\x1b[31m" * 40, "fallback", 0.0, 1.0)
+    assert "\x1b" not in answer and "\u2026" in answer
+    assert not math.isnan(len(answer))

@@ -1,0 +1,266 @@
+"""Dispatcher semantics (issue #15): mask precision, Dv != D, SDPA's broadcasting, attention_kwargs, flex under
+inductor with every mask shape, strict reasons, and the (B, Lk) / (Lq, Lk) mask ambiguity."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dispatcher
+from dispatcher import AttentionInputError, BackendNotSupportedError, checks, dispatch_attention_fn, masks, registry
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile",
+                                        "ignore:return_lse is deprecated")
+
+CPU_BACKENDS = ("native", "_native_math", "_native_flash", "flex")
+
+
+def qkv(b=2, lq=32, lk=32, h=4, d=32, dv=None, bk=None, hk=None, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, lq, h, d, generator=gen)
+    k = torch.randn(bk or b, lk, hk or h, d, generator=gen)
+    v = torch.randn(bk or b, lk, hk or h, dv or d, generator=gen)
+    return tuple(x.to(dtype) for x in (q, k, v))
+
+
+def sdpa(q, k, v, **kwargs):
+    """Torch's own SDPA on BSHD tensors (the reference users compare against)."""
+    return F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), **kwargs).transpose(1, 2)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# ------------------------------------------------------------------------------------------- mask precision
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_float32_mask_keeps_its_precision_with_half_inputs(backend, dtype, return_lse):
+    """A float32 additive mask with half inputs was cast to half first: ~5x SDPA's error (bf16, std 10:
+    1.29e-2 against SDPA's 2.38e-3). Every CPU backend must now be as accurate as SDPA on the same call."""
+    if return_lse and not registry.get(backend).lse:
+        pytest.skip(f"{backend} has no log-sum-exp")
+    q, k, v = qkv(lq=64, lk=64, d=64)
+    mask = torch.randn(2, 1, 64, 64, generator=torch.Generator().manual_seed(1)) * 10
+    exact = sdpa(q.double(), k.double(), v.double(), attn_mask=mask.double())
+    low = tuple(x.to(dtype) for x in (q, k, v))
+    sdpa_error = rel(sdpa(*low, attn_mask=mask), exact)
+    out = dispatch_attention_fn(*low, attn_mask=mask, backend=backend, policy="strict", return_lse=return_lse)
+    out = out[0] if return_lse else out
+    assert out.dtype == dtype
+    assert rel(out, exact) <= 1.5 * sdpa_error, (rel(out, exact), sdpa_error)
+
+
+def test_mask_formats_keep_float32_where_the_kernel_adds_in_float32():
+    f32 = torch.randn(1, 1, 4, 4)
+    assert masks.convert(f32, "native", torch.bfloat16).dtype == torch.float32  # on the CPU, SDPA takes it
+    assert masks.convert(f32, "precise", torch.bfloat16).dtype == torch.float32
+    assert masks.convert(f32.double(), "native", torch.float16).dtype == torch.float32
+    assert masks.convert(f32.half(), "precise", torch.bfloat16).dtype == torch.float32  # lossless, not bf16
+    assert masks.convert(f32, "native", torch.float64).dtype == torch.float64
+    assert masks.convert(f32, "additive", torch.bfloat16).dtype == torch.bfloat16  # xFormers demands the query's
+    keep = torch.rand(1, 1, 4, 4) > 0.5
+    assert masks.convert(keep, "precise", torch.bfloat16) is not None and masks.convert(keep, "precise",
+                                                                                        torch.bfloat16).dtype == torch.bool
+
+
+# ------------------------------------------------------------------------------------------ Dv != D
+
+def test_every_backend_declares_different_value_dim():
+    """Declared per backend; the SDPA reference and the math kernel take it (as SDPA and diffusers do)."""
+    declared = {name: registry.get(name).different_value_dim for name in registry.names()}
+    assert declared["native"] and declared["_native_math"] and declared["flex"]
+    assert not declared["_native_flash"]  # the CPU flash kernel raises "Q/K/V should have the same head size"
+
+
+@pytest.mark.parametrize("policy", ["strict", "fallback"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_value_head_dim_different_from_query(backend, policy):
+    q, k, v = qkv(d=64, dv=32)
+    ref = sdpa(q, k, v)
+    if policy == "strict" and not registry.get(backend).different_value_dim:
+        with pytest.raises(BackendNotSupportedError, match="value head dim 32 differs from query head dim 64"):
+            dispatch_attention_fn(q, k, v, backend=backend, policy=policy)
+        return
+    rec = dispatcher.Recorder()
+    with dispatcher.recording(rec):
+        out = dispatch_attention_fn(q, k, v, backend=backend, policy=policy)
+    assert out.shape == (2, 32, 4, 32)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if policy == "fallback" and not registry.get(backend).different_value_dim:
+        assert rec.served_by("native") == 1
+
+
+# --------------------------------------------------------------------------------- SDPA's broadcasting
+
+BROADCASTS = {"kv_batch_1": dict(bk=1), "one_kv_head": dict(hk=1), "both": dict(bk=1, hk=1)}
+
+
+@pytest.mark.parametrize("case", sorted(BROADCASTS))
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_sdpa_broadcasting_is_accepted(backend, case):
+    q, k, v = qkv(**BROADCASTS[case])
+    ref = sdpa(q, k, v)  # SDPA broadcasts both without enable_gqa
+    for layout in ("BSHD", "BHSD"):
+        args = (q, k, v) if layout == "BSHD" else tuple(x.transpose(1, 2) for x in (q, k, v))
+        out = dispatch_attention_fn(*args, backend=backend, policy="strict", layout=layout)
+        out = out if layout == "BSHD" else out.transpose(1, 2)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if registry.get(backend).lse:
+        out, lse = dispatch_attention_fn(q, k, v, backend=backend, policy="strict", return_lse=True)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert lse.shape == (2, 32, 4)
+
+
+def test_broadcasting_that_sdpa_refuses_is_still_refused():
+    q, k, v = qkv()
+    with pytest.raises(AttentionInputError, match="batch sizes differ"):
+        dispatch_attention_fn(q, k[:1], v, backend="native")  # key and value disagree
+    q3, k3, v3 = qkv(b=3, bk=2)
+    with pytest.raises(AttentionInputError, match="batch sizes differ"):
+        dispatch_attention_fn(q3, k3, v3, backend="native")
+    q, k, v = qkv(hk=2)
+    with pytest.raises(AttentionInputError, match="enable_gqa=True"):
+        dispatch_attention_fn(q, k, v, backend="native")  # 2 of 4 heads is GQA, not a broadcast
+
+
+def test_backends_that_cannot_broadcast_the_batch_say_why():
+    inputs = types.SimpleNamespace(batch=2, batch_kv=1)
+    can = {name for name in registry.names() if not checks.semantic_reasons(registry.get(name), inputs)}
+    assert {"native", "_native_math", "_native_flash", "_native_efficient", "_native_cudnn", "flex"} <= can
+    for name in ("flash", "flash_hub", "sage", "xformers", "_flash_3", "sage_hub"):
+        (reason,) = checks.semantic_reasons(registry.get(name), inputs)
+        assert "key/value batch 1 broadcast over query batch 2 is not supported" in reason and "native" in reason
+    assert checks.semantic_reasons(registry.get("flash"), types.SimpleNamespace(batch=2, batch_kv=2)) == []
+
+
+def test_batch_broadcast_is_part_of_the_decision():
+    """Needs AttentionInputs.batch_kv: a decision for key/value batch 2 must not be reused for batch 1."""
+    q, k, v = qkv(bk=1)
+    inputs = dispatcher.inputs.describe_call(q, k, v, None, 0.0, False, None, False, False, "BSHD")
+    assert inputs.batch_kv == 1
+
+
+# -------------------------------------------------------------------------------------- attention_kwargs
+
+def test_every_builtin_backend_declares_its_attention_kwargs():
+    for name in registry.names():
+        spec = registry.get(name)
+        assert isinstance(getattr(spec.fn, "attention_semantics", None), checks.Semantics), name
+    honour = {name for name in registry.names()
+              if "window_size" in checks.semantics_of(registry.get(name)).attention_kwargs}
+    assert honour == {"flash", "flash_hub", "flash_varlen", "flash_varlen_hub", "_flash_3", "_flash_varlen_3",
+                      "_flash_3_hub", "_flash_3_varlen_hub"}
+
+
+def _candidates(*names):
+    """What a decision holds: [(name, spec, runner)], best first."""
+    return [(name, registry.get(name), registry.get(name).fn) for name in names]
+
+
+def test_unknown_attention_kwargs_name_the_key_and_who_honours_it():
+    candidates = _candidates("native", "_native_math")  # what "flash" falls back to on a CPU
+    with pytest.raises(checks.AttentionKwargsError) as info:
+        checks.candidates_for_attention_kwargs("flash", "fallback", candidates, {"window_size": (8, 8)})
+    text = str(info.value)
+    honoured_line = next(line for line in text.splitlines() if "'window_size' is honoured by" in line)
+    assert all(name in honoured_line for name in ("flash", "flash_hub", "_flash_3", "_flash_3_hub"))
+    assert "select one of them (backend='" in honoured_line and "or drop the key" in honoured_line
+    assert "unexpected keyword" not in text and "math_attention" not in text
+    assert isinstance(info.value, TypeError)
+    with pytest.raises(checks.AttentionKwargsError, match="'no_such_key' is honoured by no attention backend"):
+        checks.candidates_for_attention_kwargs("native", "fallback", candidates, {"no_such_key": 1})
+    with pytest.raises(checks.AttentionKwargsError, match="pass them as arguments"):
+        checks.candidates_for_attention_kwargs("native", "fallback", candidates, {"scale": 0.5})
+    assert checks.candidates_for_attention_kwargs("native", "fallback", candidates, {}) is candidates
+
+
+def test_custom_backend_attention_kwargs_come_from_its_signature():
+    def windowed(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, softcap=None):
+        return sdpa(q, k, v)
+
+    def anything(q, k, v, **kwargs):
+        return sdpa(q, k, v)
+    dispatcher.register_backend("windowed_test", windowed, devices=("cpu",))
+    dispatcher.register_backend("anything_test", anything, devices=("cpu",))
+    assert checks.semantics_of(registry.get("windowed_test")).attention_kwargs == {"softcap"}
+    assert checks.semantics_of(registry.get("anything_test")).attention_kwargs is None
+    assert checks.attention_kwargs_reasons(registry.get("windowed_test"), {"softcap"}) == []
+    assert checks.attention_kwargs_reasons(registry.get("windowed_test"), {"window_size"})
+
+
+def test_unknown_attention_kwargs_fail_before_any_backend_runs():
+    q, k, v = qkv()
+    with pytest.raises(checks.AttentionKwargsError, match="'window_size' is honoured by flash"):
+        dispatch_attention_fn(q, k, v, backend="flash", attention_kwargs={"window_size": (8, 8)})
+
+
+# ------------------------------------------------------------------- every mask shape under inductor
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_inductor_compiles_every_mask_shape(backend):
+    """One inductor compile per backend (CPU inductor is slow) covering every mask rank and size-1 axis: flex
+    failed with NoValidChoicesError on any mask with a size-1 axis (its indexer captured a 0-dim tensor).
+    Sizes of 16 (not 8): CPU inductor's flex computes garbage at Lq = 8, D = 16 in torch 2.13."""
+    torch._dynamo.reset()
+    b, s, h, d = 2, 16, 2, 16
+    q, k, v = qkv(b=b, lq=s, lk=s, h=h, d=d)
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(s, s), (1, s, s), (b, s, s), (1, 1, s, s), (b, 1, s, s), (1, h, s, s), (b, h, s, s), (b, 1, 1, s)]
+    mask_list = [torch.randn(*shape, generator=gen) for shape in shapes]
+    mask_list.append(torch.rand(b, 1, 1, s, generator=gen) > 0.3)  # bool key padding
+    mask_list[-1][..., 0] = True
+    if backend == "flex":  # each mask is one more flex kernel (~8 s each): one of each size-1 pattern
+        mask_list = [mask_list[i] for i in (0, 4, 5, 8)]
+
+    def block(q, k, v):
+        return [dispatch_attention_fn(q, k, v, attn_mask=m, backend=backend, policy="strict") for m in mask_list]
+    compiled = torch.compile(block, fullgraph=True)(q, k, v)
+    for out, mask in zip(compiled, mask_list):
+        ref = sdpa(q, k, v, attn_mask=masks.to_4d(mask))
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------- strict reasons
+
+def test_strict_error_lists_availability_and_input_reasons():
+    q, k, v = qkv(d=300, dtype=torch.float64)
+    with pytest.raises(BackendNotSupportedError) as info:
+        dispatch_attention_fn(q, k, v, backend="flash", policy="strict")
+    text = str(info.value)
+    assert "flash-attn" in text  # availability: the package is missing
+    assert "dtype float64 is not supported" in text and "head dim 300 is not supported" in text
+
+
+# ---------------------------------------------------------------------- (B, Lk) against (Lq, Lk)
+
+def test_two_d_mask_is_lq_lk_and_the_ambiguous_case_is_refused():
+    q, k, v = qkv(b=2, lq=2, lk=16)  # B == Lq: (2, 16) is (Lq, Lk) here, (B, Lk) key padding in diffusers
+    mask = torch.rand(2, 16, generator=torch.Generator().manual_seed(0)) > 0.3
+    mask[:, 0] = True
+    with pytest.raises(AttentionInputError, match=r"ambiguous.*attn_mask\[:, None, None, :\]"):
+        dispatch_attention_fn(q, k, v, attn_mask=mask, backend="native")
+    # saying which: 4-D
+    padded = dispatch_attention_fn(q, k, v, attn_mask=mask[:, None, None, :], backend="native")
+    torch.testing.assert_close(padded, sdpa(q, k, v, attn_mask=mask[:, None, None, :]))
+    rows = dispatch_attention_fn(q, k, v, attn_mask=mask[None, None], backend="native")
+    torch.testing.assert_close(rows, sdpa(q, k, v, attn_mask=mask))
+
+
+def test_two_d_mask_shapes_that_are_not_ambiguous():
+    q, k, v = qkv(b=2, lq=8, lk=16)
+    rows = torch.randn(8, 16)  # (Lq, Lk): B != Lq
+    torch.testing.assert_close(dispatch_attention_fn(q, k, v, attn_mask=rows, backend="native"),
+                               sdpa(q, k, v, attn_mask=rows))
+    one = torch.randn(1, 16)  # (1, Lk): both readings agree
+    torch.testing.assert_close(dispatch_attention_fn(q, k, v, attn_mask=one, backend="native"),
+                               sdpa(q, k, v, attn_mask=one))
+    with pytest.raises(AttentionInputError, match=r"\(B, Lk\) key padding as diffusers' native.*attn_mask\[:, None"):
+        dispatch_attention_fn(q, k, v, attn_mask=torch.randn(2, 16), backend="native")
