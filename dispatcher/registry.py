@@ -59,7 +59,7 @@ def remove(name: str) -> None:
 
 
 def set_priority(order) -> None:
-    """The one priority list of built-in backends, best first."""
+    """The one priority list, best first (built-in backends; a custom one may be named too)."""
     with _lock:
         _priority.clear()
         _priority.update((name, i) for i, name in enumerate(order))
@@ -67,13 +67,20 @@ def set_priority(order) -> None:
 
 
 def names() -> list[str]:
-    """Built-in backends in priority order, then custom ones in registration order."""
+    """Backends the priority list names, in its order; then the other built-in ones, then custom ones, each in
+    registration order."""
     with _lock:  # another thread may be registering one (iterating a changing dict raises)
         current = list(_specs.values())
-    builtin = [s.name for s in current if not s.custom]
-    last = len(_priority)
-    builtin.sort(key=lambda n: _priority.get(n, last))  # stable: unlisted ones keep registration order
-    return builtin + [s.name for s in current if s.custom]
+        rank = dict(_priority)
+    listed = sorted((s.name for s in current if s.name in rank), key=rank.__getitem__)
+    return (listed + [s.name for s in current if s.name not in rank and not s.custom]
+            + [s.name for s in current if s.name not in rank and s.custom])
+
+
+def priority() -> tuple[str, ...]:
+    """The priority list in force (a custom backend may be put in it with `set_priority`)."""
+    with _lock:
+        return tuple(sorted(_priority, key=_priority.__getitem__))
 
 
 def builtin_names() -> tuple[str, ...]:

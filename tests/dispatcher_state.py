@@ -16,3 +16,4 @@ def remove_custom_backends(d, keep: set[str]) -> None:
     for name in d.registry.names():
         if name not in keep and d.registry.get(name).custom:
             d.unregister_backend(name)
+    d.registry.set_priority(d.backends.PRIORITY)  # a test may have ranked a custom backend first

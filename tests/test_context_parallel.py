@@ -330,13 +330,13 @@ def test_lse_merge_of_two_key_blocks_is_exact_attention():
 def test_compiled_callers_route_inside_a_block_and_not_after(monkeypatch):
     from dispatcher.parallel import attention
     routed = []
-    real = attention.context_parallel_attention
+    real = attention._run  # where the dispatcher's hook sends a described call
 
-    def spy(*args, **kwargs):
-        routed.append(kwargs.get("config"))
-        return real(*args, **kwargs)
+    def spy(config, call, *args):
+        routed.append(config)
+        return real(config, call, *args)
 
-    monkeypatch.setattr(attention, "context_parallel_attention", spy)
+    monkeypatch.setattr(attention, "_run", spy)
     torch._dynamo.reset()
     q, k, v = (torch.randn(1, 16, 2, 8) for _ in range(3))
     f = torch.compile(lambda q, k, v: dispatcher.dispatch_attention_fn(q, k, v, backend="_native_math") * 2,

@@ -160,6 +160,7 @@ def test_every_backend_of_the_chain_failing_raises_and_demotes_nothing(monkeypat
     def sdpa_oom(*args, **kwargs):
         raise torch.OutOfMemoryError("out of memory (simulated)")
     monkeypatch.setattr(native_module, "F", type("F", (), {"scaled_dot_product_attention": staticmethod(sdpa_oom)}))
+    monkeypatch.setattr(native_module, "_scaled_dot_product_attention", sdpa_oom)
     monkeypatch.setattr(native_module, "_math", sdpa_oom)
     recorder = Recorder()
     with recording(recorder), pytest.raises(torch.OutOfMemoryError):

@@ -80,7 +80,7 @@ def nodes(monkeypatch, repos, tmp_path):
         spec = pd.register_backend(f"{org.replace('-', '_')}_hub", pd.registry.get("flash_hub").fn, devices=("cpu",),
                                    causal=True, lse=True, gqa=True,
                                    hub_kernel=pd.HubKernel(repo.repo_id, "flash_attn_func", version=1))
-        pd.registry.add(dataclasses.replace(spec, preference=1000), replace=True)  # what `auto` would pick first
+        pd.registry.set_priority((spec.name,) + pd.registry.priority())  # what `auto` would pick first
     yield module
     remove_custom_backends(pd, before)
     pd.hub.forget_loaded()
@@ -217,7 +217,7 @@ def test_dispatcher_auto_never_downloads(monkeypatch, repos, spy, tmp_path):
         spec = dispatcher.register_backend(f"auto_{org.replace('-', '_')}", registry.get("flash_hub").fn,
                                            devices=("cpu",),
                                            hub_kernel=dispatcher.HubKernel(repo.repo_id, "flash_attn_func", version=1))
-        registry.add(dataclasses.replace(spec, preference=1000), replace=True)
+        registry.set_priority((spec.name,) + registry.priority())
     q = torch.randn(1, 8, 2, 16)
     with dispatcher.auto.using(dispatcher.auto.Tuner(cache_path=None, max_signatures=0)):
         rec = dispatcher.Recorder()

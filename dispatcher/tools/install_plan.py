@@ -278,7 +278,7 @@ def _classify(name: str, machine: Machine, reasons: list[str]) -> tuple[str, lis
     spec = registry.get(name)
     found: dict[str, list[str]] = {}
     steps, explained = [], 0
-    for req in spec.requires:
+    for req in spec.requirements:
         if isinstance(req, Probe):
             continue  # real calls only run inside availability_reasons, once everything else is met
         reason = req.reason(machine)
