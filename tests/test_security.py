@@ -467,8 +467,6 @@ def test_install_py_fetches_nothing_with_disable(tmp_path, repos):
     """install.py (plan, dry run and real run) with DIFFUSERS_DISABLE_REMOTE_CODE=true and a Hub backend that
     fits this machine: no connection, no kernel code asked for, no lock written. The same run without it
     does try to fetch (so the guard would have seen it)."""
-    if not (ROOT / "install.py").exists():
-        pytest.skip("install.py is not there yet")
     config = {"backends": [{"name": "sec_fetch_hub", "repo_id": repos[TRUSTED].repo_id, "version": 1},
                            {"name": "sec_untrusted_hub", "repo_id": repos[UNTRUSTED].repo_id, "version": 1}],
               "steps": [{"id": f"{mode}-{value}", "argv": [*argv, "--json", "--only", "sec_fetch_hub,sec_untrusted_hub"],
