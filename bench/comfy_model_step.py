@@ -35,9 +35,10 @@ CONFIGS = {  # WAN 2.1 t2v 1.3B at 480p x 81 frames: latent (16, 21, 60, 104) ->
 }
 
 
-def load_pack():
-    spec = importlib.util.spec_from_file_location("attention_dispatch_pack", ROOT / "__init__.py",
-                                                  submodule_search_locations=[str(ROOT)])
+def load_pack(folder: Path = ROOT):
+    """(adapter, dispatcher) of the pack in `folder`, imported as a package the way ComfyUI loads it."""
+    spec = importlib.util.spec_from_file_location("attention_dispatch_pack", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
     pack = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = pack
     spec.loader.exec_module(pack)

@@ -14,7 +14,6 @@ The ratio bare/x is the fraction of the bare call's speed the pack reaches (1.0 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
 import statistics
@@ -24,18 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_pack(folder: Path = ROOT):
-    spec = importlib.util.spec_from_file_location("attention_dispatch_pack", folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
-    pack = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = pack
-    spec.loader.exec_module(pack)
-    from attention_dispatch_pack import dispatcher
-    from attention_dispatch_pack.nodes import adapter
-    return dispatcher, adapter
+from comfy_model_step import ROOT, load_pack  # bench/ is on sys.path when a script of it runs
 
 
 def main(argv=None) -> int:
@@ -47,7 +35,7 @@ def main(argv=None) -> int:
     parser.add_argument("--pack", type=Path, default=ROOT, help="measure the pack in this folder")
     args = parser.parse_args(argv)
     b, h, length, d = (int(x) for x in args.shape.split(","))
-    dispatcher, adapter = load_pack(args.pack)
+    adapter, dispatcher = load_pack(args.pack)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q3, k3, v3 = (torch.randn(b, length, h * d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     q4, k4, v4 = (t.view(b, length, h, d) for t in (q3, k3, v3))

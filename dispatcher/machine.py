@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib.metadata
+import platform
 import threading
 from dataclasses import dataclass, field, replace
 
@@ -32,6 +34,19 @@ def track(*distributions: str) -> None:
 
 def tracked_distributions() -> tuple[str, ...]:
     return tuple(_tracked)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU's model name ('AMD EPYC ...'), else what the platform module says; '' when nothing does."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or ""
 
 
 @dataclass(frozen=True)

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import platform
-from pathlib import Path
 from typing import Any
 
 from ..machine import Machine, current_machine
+from ..machine import cpu_model as machine_cpu_model
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
+    """The CPU's name as the disk cache keys it ('cpu' when unknown)."""
+    return machine_cpu_model() or "cpu"
 
 
 def machine_fingerprint(machine: Machine | None = None) -> dict[str, Any]:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import textwrap
-from pathlib import Path
 
 from .. import env, hub, registry
+from ..machine import cpu_model as machine_cpu_model
 from ..machine import current_machine
 from ..registry import list_backends
 
@@ -17,13 +16,7 @@ DEVICE_NAMES = {"cuda": "NVIDIA CUDA GPU", "rocm": "AMD ROCm GPU", "mps": "Apple
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+    return machine_cpu_model() or "unknown CPU"
 
 
 def machine_text(m: dict) -> str:
