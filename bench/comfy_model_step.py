@@ -6,6 +6,11 @@ cfg batch 2 (kernels of 0.03-0.2 ms, where the per-call cost of the Python aroun
     COMFYUI_PATH=/path/to/ComfyUI python bench/comfy_model_step.py --model sdxl --json out.json
     (--model tiny for a CPU smoke run)
 
+--backends takes backend names, each optionally with a quality-guard setting: `auto_fast:guard=off`,
+`sage:guard=all/10` (mode/every). `--steps N` also runs N Euler steps of a sampling run from the same start for
+every configuration and reports how far each final latent is from `auto_exact`'s and from ComfyUI's default.
+`--compile` times the model under torch.compile (inductor) instead and counts its graph breaks.
+
 It imports ComfyUI from COMFYUI_PATH at run time (nothing of ComfyUI lives in this repository) and
 the pack from this checkout, and times the model's forward pass with CUDA events.
 """
@@ -73,8 +78,10 @@ def build_model(cfg: dict, device: str, dtype, operations):
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=sorted(CONFIGS), default="wan1.3b")
-    parser.add_argument("--backends", default="auto,native,_native_cudnn,_flash_3,flex,sage,_native_flash")
+    parser.add_argument("--backends", default="auto_exact,auto_fast,native,_native_cudnn,_flash_3,flex,sage")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=0, help="also run a sampling run of this many Euler steps")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model; count graph breaks")
     parser.add_argument("--json")
     args = parser.parse_args()
     comfy_path = os.environ.get("COMFYUI_PATH")
@@ -103,14 +110,20 @@ def main() -> int:
         with torch.no_grad():
             return model(*args_, **kwargs, transformer_options=dict(transformer_options))
 
+    model_key = f"bench-{args.model}"  # the override's model identity: verdicts and demotions are per model
     configs = {"comfy default": ({}, None)}
-    for backend in [b for b in args.backends.split(",") if b]:
-        if backend != "auto" and dispatcher.availability_reasons(backend):
+    for entry in [b for b in args.backends.split(",") if b]:
+        backend, _, option = entry.partition(":guard=")
+        mode, _, every = option.partition("/")
+        if backend not in dispatcher.auto.PSEUDO_BACKENDS and dispatcher.availability_reasons(backend):
             print(f"{backend:16} unavailable: {'; '.join(dispatcher.availability_reasons(backend))[:90]}")
             continue
-        recorder = dispatcher.Recorder(backend)
-        configs[backend] = ({"optimized_attention_override": adapter.make_override(backend, "fallback", recorder)},
-                            recorder)
+        recorder = dispatcher.Recorder(entry)
+        guard = dict(guard=mode or None, guard_every=int(every) if every else None)
+        override = adapter.make_override(backend, "fallback", recorder, model=model_key, **guard)
+        configs[entry] = ({"optimized_attention_override": override}, recorder)
+    if args.compile:
+        return compiled_step(args, forward_args, configs, device)
     # One warm-up step each (`auto` tunes, flex compiles), then rounds that run every configuration once in
     # turn: drift of the host or the GPU clock hits all of them alike (the SDXL step is partly CPU-bound).
     outputs = {name: forward(options).float() for name, (options, _) in configs.items()}
@@ -132,13 +145,95 @@ def main() -> int:
             row["calls"] = [{k: r[k] for k in ("site", "served", "calls")} for r in snapshot]
         rows.append(row)
         print(f"{name:16} {ms:9.1f} {base_ms / ms:8.3f} {diff:9.2e}  {', '.join(row.get('served', []))}")
-    if "auto" in configs:  # what it measured per attention signature of the model, and why it chose
-        next(r for r in rows if r["attention"] == "auto")["tuning"] = dispatcher.auto.report()
+    for row in rows:
+        recorder = configs[row["attention"]][1]
+        if recorder is not None:
+            row["guard"] = recorder.snapshot()["guard"]
+    report = None
+    if any(name.split(":")[0] in dispatcher.auto.PSEUDO_BACKENDS for name in configs):
+        report = dispatcher.auto.report()  # per signature: every candidate's error on the model's own values
         print(dispatcher.auto.explain())
+    sampling = sampling_run(args.steps, forward_args, configs) if args.steps else None
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "config": cfg, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-            "torch": torch.__version__, "dtype": str(dtype), "runs": args.runs, "rows": rows}, indent=1))
+            "torch": torch.__version__, "dtype": str(dtype), "runs": args.runs, "rows": rows, "tuning": report,
+            "sampling": sampling, "packages": dispatcher.current_machine().packages}, indent=1, default=str))
+    return 0
+
+
+def sampling_run(steps: int, forward_args, configs) -> dict:
+    """`steps` Euler steps of x' = x - dt * model(x, t) from the same start for each configuration: the final
+    latents' relative differences to auto_exact's and to ComfyUI's default (how far a run drifts, not a step)."""
+    import torch
+    model, args_, kwargs = forward_args
+    start = args_[0].clone()
+    finals = {}
+    for name, (options, _) in configs.items():
+        x = start.clone()
+        with torch.no_grad():
+            for i in range(steps):
+                t = torch.full_like(args_[1], 999.0 * (1 - i / steps))
+                x = x - (1.0 / steps) * model(x, t, *args_[2:], **kwargs, transformer_options=dict(options))
+        finals[name] = x.float()
+    result = {"steps": steps, "vs_comfy_default": {}, "vs_auto_exact": {}}
+    for name, x in finals.items():
+        for ref_name, key in (("comfy default", "vs_comfy_default"), ("auto_exact", "vs_auto_exact")):
+            if ref_name in finals:
+                ref = finals[ref_name]
+                result[key][name] = float((x - ref).norm() / ref.norm())
+    print(f"sampling run of {steps} steps, final latent relative difference:")
+    for name in finals:
+        print(f"  {name:24} vs comfy default {result['vs_comfy_default'].get(name, float('nan')):.2e}"
+              f"   vs auto_exact {result['vs_auto_exact'].get(name, float('nan')):.2e}")
+    return result
+
+
+def compiled_step(args, forward_args, configs, device) -> int:
+    """Each configuration with the model under torch.compile (inductor): graph breaks, compile time, step time."""
+    import time
+
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    model, args_, kwargs = forward_args
+    rows = []
+    for name, (options, recorder) in configs.items():
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            compiled(*args_, **kwargs, transformer_options=dict(options))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+        breaks = sum(counters["graph_break"].values())
+        times = []
+        for _ in range(args.runs):
+            with torch.no_grad():
+                if device == "cuda":
+                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    begin.record()
+                    compiled(*args_, **kwargs, transformer_options=dict(options))
+                    end.record()
+                    torch.cuda.synchronize()
+                    times.append(begin.elapsed_time(end))
+                else:
+                    t1 = time.perf_counter()
+                    compiled(*args_, **kwargs, transformer_options=dict(options))
+                    times.append((time.perf_counter() - t1) * 1e3)
+        row = {"attention": name, "compile_s": compile_s, "graph_breaks": breaks,
+               "graph_break_reasons": sorted(counters["graph_break"])[:10], "ms": statistics.median(times),
+               "samples_ms": times}
+        if recorder is not None:
+            row["served"] = sorted({r["served"] for r in recorder.snapshot()["rows"]})
+        rows.append(row)
+        print(f"compiled {name:24} {row['ms']:9.1f} ms  graph breaks {breaks}  compile {compile_s:.0f} s  "
+              f"{', '.join(row.get('served', []))}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "compiled": True, "torch": torch.__version__,
+                                               "rows": rows}, indent=1, default=str))
     return 0
 
 

@@ -6,7 +6,8 @@
 """
 
 from . import backends as _backends  # noqa: F401  (registers the built-in backends)
-from . import auto  # noqa: F401  (registers `auto` and `auto_exact`: auto.tune / report / explain / clear_cache)
+from . import auto  # noqa: F401  (registers auto_exact / auto_fast / auto: auto.tune / report / explain / clear_cache)
+from . import guard  # noqa: F401  (the quality guard's modes and bounds)
 from .call import AttentionCall
 from .checks import AttentionInputError
 from .decisions import BackendNotSupportedError, fallback_order
@@ -23,14 +24,17 @@ from .registry import names as backend_names
 from .registry import remove as unregister_backend
 from .report import Recorder, recording
 from .spec import BackendSpec, HeadDims, HubKernel
-from .state import (active_backend, active_checks, active_policy, attention_backend, attention_checks, fallback_policy,
-                    set_attention_backend, set_checks, set_fallback_policy, validate_backend)
+from .guard import AttentionQualityError
+from .state import (active_backend, active_checks, active_guard, active_model, active_policy, attention_backend,
+                    attention_checks, fallback_policy, model_scope, quality_guard, set_attention_backend, set_checks,
+                    set_fallback_policy, set_quality_guard, validate_backend)
 from .trust import TRUSTED_PUBLISHERS, trusted_publishers
 
 BUILTIN_NAMES = _registry.builtin_names()  # in priority order
 
 __all__ = [
-    "AttentionCall", "AttentionInputError", "AttentionInputs", "BUILTIN_NAMES", "BackendNotSupportedError", "BackendSpec", "BackendStatus",
+    "AttentionCall", "AttentionInputError", "AttentionInputs", "AttentionQualityError", "active_guard",
+    "active_model", "guard", "model_scope", "quality_guard", "set_quality_guard", "BUILTIN_NAMES", "BackendNotSupportedError", "BackendSpec", "BackendStatus",
     "BackendUnavailableError", "HeadDims", "HubKernel", "KernelLoadError", "LoadedKernel", "Machine", "Recorder",
     "TRUSTED_PUBLISHERS", "UnknownBackendError", "active_backend", "active_checks", "active_policy",
     "attention_backend", "attention_checks", "availability_reasons", "backend_names", "current_machine", "detect",

@@ -28,6 +28,8 @@ class AttentionCall(NamedTuple):
     return_lse: bool = False
     call_site: str = "attention"
     recorder: Any = None  # None: the active `recording()` block's
+    model: str | None = None  # whose activations these are (accuracy verdicts are per model); None: the active scope
+    guard: tuple | None = None  # (mode, every) of the quality guard; None: the active setting
 
 
 # tuple.__new__ directly: the generated __new__ costs a Python frame per call on the hot path.

@@ -1,7 +1,7 @@
 """`dispatch_attention_fn` inside torch.compile: no graph break, static or dynamic shapes.
 
 Dynamo cannot trace contextvars, locks or logging, which the eager path uses. So a traced call takes
-one of two routes:
+one of three routes:
 - static sizes: the whole decision is made by `_traced_plan`, which dynamo runs once per trace (an
   `assume_constant_result` function) and bakes into the graph: the chosen kernel is traced in, at no
   cost per call. The backend, policy, checks, trust scope and recorder active when the graph is traced
@@ -11,6 +11,8 @@ one of two routes:
   on the lengths (the tuner's choice, a kernel's length rules), which a constant cannot hold. The call
   becomes one opaque op whose body is the eager dispatcher, deciding with the real sizes on every run
   (a dict lookup), counting every call, falling back as usual.
+- live values needed (`auto_fast`, whose verdicts are made on the call's own tensors, or a kernel the quality
+  guard watches, which compares and may recompute on the host): the same opaque op, at any sizes.
 Bad inputs and calls no route can take (a BlockMask with dynamic sizes, attention_kwargs, a recorder
 without a serial, gradients with dynamic sizes) run the eager path, which raises the real error or
 serves the call (one graph break).
@@ -32,6 +34,7 @@ from .inputs import AttentionInputs, describe_call
 from .report import by_serial, current_recorder
 
 _traced_candidates: dict[tuple, Any] = {}
+RUNTIME = "<runtime op>"  # a traced plan that runs the call as the opaque op (the eager path inside)
 _FIELDS = tuple(f.name for f in fields(AttentionInputs))
 
 
@@ -41,8 +44,11 @@ def _eager():
     return _traced_candidates["<eager>"]
 
 
-def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial, attention_kwargs_keys=()):
-    """Runs eagerly at trace time: (served backend, checks mode), or None when the eager path must raise."""
+def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial, attention_kwargs_keys=(),
+                 model=None, quality_guard=None):
+    """Runs eagerly at trace time: (served backend, checks mode), (RUNTIME, checks mode) when the call must
+    run as the opaque op (it needs live values: `auto_fast`'s verdicts, a guarded kernel), or None when the
+    eager path must raise."""
     _eager()
     if signature is None:
         return None
@@ -51,19 +57,28 @@ def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial,
         if not registry.is_known(requested):
             return None
         policy = state.validate_policy(policy) if policy is not None else state.active_policy()
+        model = model if model is not None else state.active_model()
+        quality_guard = quality_guard if quality_guard is not None else state.active_guard()
         inputs = AttentionInputs(*signature)
         chosen = requested
         resolve = registry.resolver(requested)
-        if resolve is not None:  # a choice made eagerly (or on disk) before, else the priority order
+        if resolve is not None:
             checks.check_structure(inputs)
-            chosen = resolve(inputs, None, timing=False)[0]
-        decision = decisions.decision_for(chosen, policy, inputs, layout)
+            if registry.needs_live_values(requested):
+                _runtime_op()
+                return RUNTIME, state.active_checks()
+            # a choice made eagerly (or on disk) before, else the priority order
+            chosen = resolve(inputs, None, model=model, timing=False)[0]
+        decision = decisions.decision_for(chosen, policy, inputs, layout, model, quality_guard)
     except Exception:
         return None
     candidate = decision.candidates[0]
     if attention_kwargs_keys:
         candidate = checks.candidates_for_attention_kwargs(decision.requested, policy, decision.candidates,
                                                            dict.fromkeys(attention_kwargs_keys))[0]
+    elif candidate.guard_every:  # the guard compares and may recompute: host work a graph cannot hold
+        _runtime_op()
+        return RUNTIME, state.active_checks()
     name = candidate.name
     _traced_candidates[(name, layout)] = candidate
     reasons = decision.reasons_for(name) if name != decision.requested else ()
@@ -125,19 +140,20 @@ def _define(name: str):
     @torch.library.custom_op(name, mutates_args=())
     def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
              dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, backend: Optional[str],
-             layout: str, policy: Optional[str], return_lse: bool, call_site: str,
-             recorder_serial: int) -> tuple[torch.Tensor, torch.Tensor]:
+             layout: str, policy: Optional[str], return_lse: bool, call_site: str, recorder_serial: int,
+             model: Optional[str], guard_mode: Optional[str], guard_every: int) -> tuple[torch.Tensor, torch.Tensor]:
         # The eager path itself (this body also runs when the op is traced by make_fx or export).
+        quality_guard = None if guard_mode is None else (guard_mode, guard_every)
         result = dispatch_eager(AttentionCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                               None, backend, layout, policy, return_lse, call_site,
-                                              by_serial(recorder_serial)))
+                                              by_serial(recorder_serial), model, quality_guard))
         out, lse = result if return_lse else (result, query.new_empty(0, dtype=torch.float32))
         # An op's outputs are fresh, dense tensors, as the fake below promises the compiler.
         return out.contiguous(), lse.contiguous()
 
     @call.register_fake
     def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, layout, policy,
-          return_lse, call_site, recorder_serial):
+          return_lse, call_site, recorder_serial, model, guard_mode, guard_every):
         out = query.new_empty((*query.shape[:-1], value.shape[-1]))
         # The LSE is (B, Sq, H) in BSHD and (B, H, Sq) in BHSD: the query's shape without its last axis.
         return out, query.new_empty(query.shape[:-1] if return_lse else (0,), dtype=torch.float32)
@@ -148,17 +164,25 @@ def _serial_of(recorder) -> int | None:
     return 0 if recorder is None else getattr(recorder, "serial", None)
 
 
+def _as_op(call: AttentionCall, serial: int):
+    """The call as one opaque op whose body is the eager path (real sizes and values at run time)."""
+    guard_mode, guard_every = call.guard if call.guard is not None else (None, 0)
+    out, lse = _runtime_op()(call.query, call.key, call.value, call.attn_mask, float(call.dropout_p), call.is_causal,
+                             call.scale, call.enable_gqa, call.backend, call.layout, call.policy, call.return_lse,
+                             call.call_site, serial, call.model, guard_mode, guard_every)
+    return (out, lse) if call.return_lse else out
+
+
 def dispatch_traced(call: AttentionCall):
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, \
-        policy, return_lse, call_site, recorder = call
+        policy, return_lse, call_site, recorder, model, quality_guard = call
     serial = _serial_of(recorder)
     shaped = serial is not None and query.dim() == key.dim() == value.dim() == 4 and layout in ("BSHD", "BHSD")
+    opaque = (not attention_kwargs and (attn_mask is None or isinstance(attn_mask, torch.Tensor))
+              and not (query.requires_grad or key.requires_grad or value.requires_grad))
     if shaped and _symbolic_sizes():
-        if (not attention_kwargs and (attn_mask is None or isinstance(attn_mask, torch.Tensor))
-                and not (query.requires_grad or key.requires_grad or value.requires_grad)):
-            out, lse = _runtime_op()(query, key, value, attn_mask, float(dropout_p), is_causal, scale, enable_gqa,
-                                     backend, layout, policy, return_lse, call_site, serial)
-            return (out, lse) if return_lse else out
+        if opaque:
+            return _as_op(call, serial)
         shaped = False
     inputs = None
     if shaped:
@@ -168,10 +192,12 @@ def dispatch_traced(call: AttentionCall):
     # Plain constants (dynamo hands an assume_constant_result function no real dataclass instance).
     signature = None if inputs is None else tuple(getattr(inputs, f) for f in _FIELDS)
     plan = _traced_plan(backend, policy, signature, layout, call_site, serial,
-                        tuple(sorted(attention_kwargs)) if attention_kwargs else ())
+                        tuple(sorted(attention_kwargs)) if attention_kwargs else (), model, quality_guard)
     if plan is None:
         return _eager()(call)
     name, mode = plan
+    if name == RUNTIME:
+        return _as_op(call, serial) if opaque else _eager()(call)
     candidate = _traced_candidates[(name, layout)]
     if mode != "off":
         checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, name)

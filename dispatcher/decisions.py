@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
-from . import caches, checks, registry, trust
+from . import caches, checks, guard, registry, trust
 from .hub import KernelLoadError
 from .inputs import AttentionInputs
 from .machine import current_machine
@@ -44,6 +44,7 @@ class Candidate(NamedTuple):
     runner: Callable
     transpose: bool  # the kernel's layout is not the call's: swap the sequence and head axes (views)
     convert_mask: bool  # the mask needs converting to the kernel's format (False: it takes it as given)
+    guard_every: int = 0  # the quality guard checks every Nth call of it (0: unguarded)
 
 
 @dataclass
@@ -53,6 +54,8 @@ class Decision:
     skipped: list = field(default_factory=list)  # [(name, [reasons])]
     machine: object = None  # the machine it was made for (kept so its id in the cache key stays unique)
     trust_sensitive: bool = False  # a Hub backend in the chain: the decision depends on trust settings
+    inputs_description: str = ""
+    guard_counts: dict = field(default_factory=dict, repr=False, compare=False)  # (name, site) -> calls seen
     _reasons: dict = field(default_factory=dict, repr=False, compare=False)  # served -> reasons_for(served)
 
     def reasons_for(self, served: str) -> tuple[str, ...]:
@@ -110,10 +113,12 @@ def _reasons(name: str, spec, inputs: AttentionInputs) -> list[str]:
     return reasons
 
 
-def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str) -> Decision:
+def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str,
+           quality_guard: tuple = (guard.DEFAULT_MODE, guard.DEFAULT_EVERY)) -> Decision:
     checks.check_structure(inputs)
     chain = fallback_order(requested) if policy == "fallback" else [requested]
-    decision = Decision(requested, [], trust_sensitive=any(registry.get(n).hub is not None for n in chain))
+    decision = Decision(requested, [], trust_sensitive=any(registry.get(n).hub is not None for n in chain),
+                        inputs_description=inputs.describe())
     plain_mask = inputs.mask_kind in ("bool", "key_padding") and len(inputs.mask_shape or ()) == 4
     for name in chain:
         spec = registry.get(name)
@@ -126,7 +131,8 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str) ->
             else:
                 convert = inputs.mask_kind not in ("none", "blockmask") and not (
                     plain_mask and spec.mask_format == "native")
-                decision.candidates.append(Candidate(name, spec, runner, spec.layout != layout, convert))
+                decision.candidates.append(Candidate(name, spec, runner, spec.layout != layout, convert,
+                                                     guard.every_for(spec, quality_guard)))
                 continue
         decision.skipped.append((name, reasons))
     if not decision.candidates:
@@ -134,12 +140,15 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str) ->
     return decision
 
 
-def decision_for(requested: str, policy: str, inputs: AttentionInputs, layout: str) -> Decision:
+def decision_for(requested: str, policy: str, inputs: AttentionInputs, layout: str, model: str = "unscoped",
+                 quality_guard: tuple = (guard.DEFAULT_MODE, guard.DEFAULT_EVERY)) -> Decision:
+    """The decision for a signature, per model (demotions by the quality guard belong to the model they were
+    seen on) and guard setting."""
     machine = current_machine()  # a simulated machine (use_machine) gets its own decisions
-    key = (requested, policy, inputs, layout, trust.scope_key(), id(machine))
+    key = (requested, policy, inputs, layout, trust.scope_key(), id(machine), model, quality_guard)
     decision = _decisions.get(key)
     if decision is None:
-        decision = decide(requested, policy, inputs, layout)
+        decision = decide(requested, policy, inputs, layout, quality_guard)
         decision.machine = machine
         with _lock:  # a thread that decided the same call first wins: one Decision, one set of demotions
             decision = _decisions.setdefault(key, decision)

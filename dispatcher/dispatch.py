@@ -11,6 +11,7 @@ from .call import AttentionCall, new_call
 from .compiled import dispatch_traced
 from .decisions import BackendNotSupportedError, fallback_order  # noqa: F401  (public names)
 from .eager import dispatch_eager
+from .guard import settings as _guard_settings
 from .report import recording
 
 # dispatcher.parallel's router (answers NotImplemented outside its context) and a flag it sets while any
@@ -23,7 +24,8 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                           enable_gqa: bool = False, attention_kwargs: dict | None = None, *, backend: str | None = None,
                           layout: str = "BSHD", policy: str | None = None, return_lse: bool = False,
-                          call_site: str = "attention", recorder=None):
+                          call_site: str = "attention", recorder=None, model: str | None = None,
+                          guard: str | tuple | None = None, guard_every: int | None = None):
     """Scaled dot-product attention through the selected backend.
 
     query (B, Sq, H, D), key/value (B, Sk, Hk, D) in the default layout 'BSHD' (diffusers'), or
@@ -33,13 +35,21 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     (B, Sq, H) for BSHD or (B, H, Sq) for BHSD, float32.
     recorder: count this call in it (anything with Recorder's `record`/`record_error`) instead of in the
     active `recording()` block's, without a context manager per call.
+    model: whose activations these are (default: the active `model_scope`); `auto`'s accuracy verdicts and the
+    quality guard's demotions are kept per model.
+    guard / guard_every: the quality guard for this call ('quantised' | 'all' | 'off', every Nth call per call
+    site; default: the active `quality_guard` setting); a (mode, every) tuple from `guard.settings` is taken as is.
     """
+    if guard is not None or guard_every is not None:
+        if type(guard) is not tuple:
+            guard = _guard_settings(guard if guard is not None else "quantised", guard_every)
     if torch.compiler.is_dynamo_compiling():  # dynamo traces the class call, not tuple.__new__
         return dispatch_call(AttentionCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                            attention_kwargs, backend, layout, policy, return_lse, call_site,
-                                           recorder))
+                                           recorder, model, guard))
     call = new_call(AttentionCall, (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                    attention_kwargs, backend, layout, policy, return_lse, call_site, recorder))
+                                    attention_kwargs, backend, layout, policy, return_lse, call_site, recorder, model,
+                                    guard))
     if _context_parallel_on:
         return dispatch_call(call)
     return dispatch_eager(call)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, decisions, registry, state, trust
+from . import checks, decisions, guard, registry, state, trust
 from .call import AttentionCall
 from .execute import run
 from .inputs import describe_call
@@ -25,12 +25,16 @@ decisions._forget_hooks.append(_fast.clear)
 
 def dispatch_eager(call: AttentionCall):
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, \
-        policy, return_lse, call_site, recorder = call
+        policy, return_lse, call_site, recorder, model, quality_guard = call
     checks.check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                            attention_kwargs)
     requested = backend if backend is not None else state.active_backend()
     if policy is None:
         policy = state.active_policy()
+    if model is None:
+        model = state.active_model()
+    if quality_guard is None:
+        quality_guard = state.active_guard()
     m = attn_mask
     fast_key = (requested, policy, layout, query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
                 query.device, key.device, value.device,
@@ -38,7 +42,8 @@ def dispatch_eager(call: AttentionCall):
                                         getattr(m, "device", None)),
                 is_causal, dropout_p > 0, scale is None, enable_gqa, return_lse,
                 torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
-                id(current_machine()))  # kept alive by the decision (decision.machine), so the id stays unique
+                id(current_machine()),  # kept alive by the decision (decision.machine), so the id stays unique
+                model, quality_guard)
     try:
         decision = _fast.get(fast_key)
         if decision is _TRUST_SENSITIVE:
@@ -46,7 +51,7 @@ def dispatch_eager(call: AttentionCall):
     except TypeError:  # an unhashable mask: the full path below raises the real error
         decision, fast_key = None, None
     if decision is None:
-        decision = _first_call(fast_key, requested, policy, call)
+        decision = _first_call(fast_key, requested, policy, model, quality_guard, call)
     mode = state.active_checks()
     if mode != "off":
         checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, requested)
@@ -69,6 +74,8 @@ def dispatch_eager(call: AttentionCall):
             failed.append((candidate.name, f"raised {error}", error))
             continue
         name = candidate.name
+        if candidate.guard_every:
+            out, name = _guarded(decision, candidate, call, out, recorder, policy)
         if mode != "off":
             try:  # a non-finite output from finite inputs: this backend is broken for them, like one that raises
                 checks.check_values({"output": out[0] if return_lse else out}, mode, name)
@@ -96,7 +103,35 @@ def _account(decision, name, failed, recorder, call_site, requested) -> None:
         recorder.record(call_site, requested, name, reasons)  # requested may be a pseudo-backend ("auto")
 
 
-def _first_call(fast_key, requested, policy, call: AttentionCall):
+def _guarded(decision, candidate, call, out, recorder, policy):
+    """The quality guard after `candidate` served `call` (see guard.py): on a check call compare it with exact
+    attention; on a failure demote the kernel, recompute the call with the next exact backend, report.
+    Returns (the result the caller gets, the backend that served it)."""
+    counts = decision.guard_counts
+    key = (candidate.name, call.call_site)
+    seen = counts.get(key, 0)
+    counts[key] = seen + 1
+    if seen % candidate.guard_every or not guard.checkable(call):
+        return out, candidate.name
+    why, error = guard.problem(call, out[0] if call.return_lse else out, candidate.spec)
+    if why is None:
+        if recorder is not None and hasattr(recorder, "record_guard"):
+            recorder.record_guard(call.call_site, candidate.name, error=error)
+        return out, candidate.name
+    replacement = next((c for c in decision.candidates if c.name != candidate.name and not c.spec.quantised), None)
+    if recorder is not None and hasattr(recorder, "record_guard_failure"):
+        recorder.record_guard_failure(call.call_site, candidate.name, why, replacement.name if replacement else "")
+    if policy == "strict" or replacement is None:
+        raise guard.AttentionQualityError(
+            f"attention backend '{candidate.name}' failed the quality guard at {call.call_site}: {why}. "
+            + ("Policy 'strict' lets no other backend serve the call: use policy 'fallback' to recompute such calls "
+               "exactly, or pick an exact backend." if policy == "strict" else "No exact backend can serve it."))
+    decisions.demote(decision, candidate.name, f"quality guard at {call.call_site}: {why}; from then on "
+                                               f"'{replacement.name}' serves these inputs for this model")
+    return run(replacement, call), replacement.name
+
+
+def _first_call(fast_key, requested, policy, model, quality_guard, call: AttentionCall):
     """The first call of a signature: validate, describe, resolve a pseudo-backend, decide; remember it."""
     if not registry.is_known(requested):
         raise registry.UnknownBackendError(registry.unknown_message(requested))
@@ -110,8 +145,8 @@ def _first_call(fast_key, requested, policy, call: AttentionCall):
     resolve = registry.resolver(requested)
     if resolve is not None:
         checks.check_structure(inputs)
-        name, sensitive = resolve(inputs, call, timing=True)
-    decision = decisions.decision_for(name, policy, inputs, call.layout)
+        name, sensitive = resolve(inputs, call, model=model, timing=True)
+    decision = decisions.decision_for(name, policy, inputs, call.layout, model, quality_guard)
     if fast_key is not None:
         if sensitive or decision.trust_sensitive:
             _fast[fast_key] = _TRUST_SENSITIVE

@@ -10,8 +10,8 @@ from .decisions import Candidate
 def run(candidate: Candidate, call: AttentionCall):
     """The backend's result in the call's layout: out, or (out, lse) with return_lse."""
     # One unpacking, not nine attribute reads: this runs on every call.
-    query, key, value, mask, dropout_p, is_causal, scale, enable_gqa, extra, _, _, _, return_lse, _, _ = call
-    name, spec, runner, transpose, convert_mask = candidate
+    query, key, value, mask, dropout_p, is_causal, scale, enable_gqa, extra, _, _, _, return_lse, _, _, _, _ = call
+    _, spec, runner, transpose, convert_mask, _ = candidate
     if transpose:
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if convert_mask:

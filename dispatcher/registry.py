@@ -20,9 +20,12 @@ _availability: dict[tuple[str, int], tuple[Machine, tuple[str, ...]]] = {}
 # The one priority list (dispatcher/backends/__init__.py sets it): listings and `auto` follow it; backends
 # it does not name come after, in registration order.
 _priority: dict[str, int] = {}
-# Names that are not kernels but choose one per call (`auto`, `auto_exact`): name -> resolver(inputs, call)
-# returning (backend name, whether the choice depends on trust settings). Registered by their wing.
+# Names that are not kernels but choose one per call (`auto_exact`, `auto_fast`, `auto`): name ->
+# resolver(inputs, call, *, model, timing) returning (backend name, whether the choice depends on trust
+# settings). Registered by their wing. `_live` names those whose choice needs the call's live values (a
+# traced call then runs as an opaque op, deciding at run time).
 _resolvers: dict[str, Callable] = {}
+_live: set[str] = set()
 
 
 class UnknownBackendError(ValueError):
@@ -87,11 +90,20 @@ def builtin_names() -> tuple[str, ...]:
     return tuple(n for n in names() if not _specs[n].custom)
 
 
-def add_resolver(name: str, resolve: Callable) -> None:
-    """A pseudo-backend: `resolve(inputs, call)` -> (backend name, trust-sensitive), decided per signature."""
+def add_resolver(name: str, resolve: Callable, *, needs_live_values: bool = False) -> None:
+    """A pseudo-backend: `resolve(inputs, call, *, model, timing)` -> (backend name, trust-sensitive), decided per
+    signature and model; needs_live_values: its choice cannot be made from a signature alone (in a trace)."""
     with _lock:
         _resolvers[name] = resolve
+        if needs_live_values:
+            _live.add(name)
+        else:
+            _live.discard(name)
     caches.forget()
+
+
+def needs_live_values(name: str) -> bool:
+    return name in _live
 
 
 def resolver(name: str) -> Callable | None:
@@ -196,13 +208,15 @@ def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD",
                      causal: bool = False, scale: bool = True, gqa: bool = False, dropout: bool = False,
                      lse: bool = False, backward: bool = True, requires=(), fallback=("native",),
                      error_bound: float = 2e-2, description: str = "", hub_kernel: HubKernel | None = None,
-                     replace: bool = False) -> BackendSpec:
+                     quantised: bool = False, replace: bool = False) -> BackendSpec:
     """Register your own attention function under `name` (like transformers' AttentionInterface.register).
 
     `fn(query, key, value, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)` receives
     tensors in `layout` and a mask already converted to `mask_format` ('additive', 'bool', 'native' =
     as given, or a name added with `masks.register_mask_format`). Declare what it supports: the
-    dispatcher never hands it inputs it did not declare, and says why when it falls back.
+    dispatcher never hands it inputs it did not declare, and says why when it falls back. `quantised`: its
+    error is above bf16 rounding (int8/fp8 arithmetic): `auto_exact` never picks it, `auto_fast` only after
+    judging it on the model's activations, and the quality guard watches it by default.
     """
     if not name or not isinstance(name, str):
         raise ValueError("a custom attention backend needs a non-empty string name")
@@ -221,7 +235,7 @@ def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD",
         requires=tuple(requires) + ((kernels_requirement(hub_kernel),) if hub_kernel is not None else ()),
         masks=frozenset(masks) | {"none"}, mask_format=mask_format, causal=causal, scale=scale, gqa=gqa,
         dropout=dropout, lse=lse, backward=backward, fallback=tuple(fallback), error_bound=error_bound,
-        hub=hub_kernel, custom=True,
+        hub=hub_kernel, custom=True, quantised=bool(quantised),
     )
     return add(spec, replace=replace)
 

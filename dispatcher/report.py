@@ -12,6 +12,7 @@ from collections import Counter
 # Recorders by serial number: a compiled graph cannot hold a recorder object, so it names one by its
 # `serial` (a plain int dynamo can bake in) and the call looks it up (see compiled.py).
 _by_serial: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_AUTOS = ("auto", "auto_exact", "auto_fast")  # pseudo-backends (dispatcher.auto.PSEUDO_BACKENDS)
 _serials = itertools.count(1)
 
 
@@ -38,6 +39,7 @@ class Recorder:
         self._calls: Counter = Counter()  # (site, requested, served) -> calls
         self._reasons: dict[tuple[str, str, str], list[str]] = {}
         self._errors: dict[tuple[str, str], str] = {}
+        self._guard: dict[tuple[str, str], dict] = {}  # (site, backend) -> checks, max_error, failures
 
     def __deepcopy__(self, memo):  # ComfyUI deep-copies model options; a recorder is shared, not copied
         return self
@@ -54,11 +56,30 @@ class Recorder:
         with self._lock:
             self._errors[(site, backend)] = error
 
+    def record_guard(self, site: str, backend: str, checks: int = 1, error: float | None = None) -> None:
+        """A passed quality-guard check (error: relative error on the sampled rows)."""
+        with self._lock:
+            entry = self._guard_entry(site, backend)
+            entry["checks"] += checks
+            if error is not None and (entry["max_error"] is None or error > entry["max_error"]):
+                entry["max_error"] = error
+
+    def record_guard_failure(self, site: str, backend: str, reason: str, replacement: str) -> None:
+        """A failed check: the call was recomputed with `replacement` ("" when none could), the kernel demoted."""
+        with self._lock:
+            entry = self._guard_entry(site, backend)
+            entry["checks"] += 1
+            entry["failures"].append({"reason": reason, "replacement": replacement})
+
+    def _guard_entry(self, site, backend) -> dict:
+        return self._guard.setdefault((site, backend), {"checks": 0, "max_error": None, "failures": []})
+
     def clear(self) -> None:
         with self._lock:
             self._calls.clear()
             self._reasons.clear()
             self._errors.clear()
+            self._guard.clear()
 
     @property
     def total_calls(self) -> int:
@@ -72,13 +93,16 @@ class Recorder:
     def snapshot(self) -> dict:
         with self._lock:
             rows = [{"site": site, "requested": requested, "served": served, "calls": calls,
-                     # "auto" names no backend: serving its choice is no fallback, unless reasons say otherwise
-                     "fell_back": requested != served and (requested != "auto" or bool(self._reasons.get(
+                     # an auto names no backend: serving its choice is no fallback, unless reasons say otherwise
+                     "fell_back": requested != served and (requested not in _AUTOS or bool(self._reasons.get(
                          (site, requested, served)))),
                      "reasons": self._reasons.get((site, requested, served), [])}
                     for (site, requested, served), calls in sorted(self._calls.items())]
             errors = [{"site": site, "backend": backend, "error": error} for (site, backend), error in self._errors.items()]
-        return {"label": self.label, "calls": sum(r["calls"] for r in rows), "rows": rows, "errors": errors}
+            guard = [{"site": site, "backend": backend, "checks": e["checks"], "max_error": e["max_error"],
+                      "failures": list(e["failures"])} for (site, backend), e in sorted(self._guard.items())]
+        return {"label": self.label, "calls": sum(r["calls"] for r in rows), "rows": rows, "errors": errors,
+                "guard": guard}
 
     def summary(self) -> str:
         snap = self.snapshot()
@@ -92,6 +116,14 @@ class Recorder:
             lines.append(line)
         for err in snap["errors"]:
             lines.append(f"  {err['site']}: {err['backend']} failed: {err['error']}")
+        for g in snap["guard"]:
+            line = f"  {g['site']}: quality guard checked {g['backend']} {g['checks']} times"
+            if g["max_error"] is not None:
+                line += f", max error {g['max_error']:.1e}"
+            for failure in g["failures"]:
+                line += (f"; FAILED: {failure['reason']}, " + (f"recomputed with {failure['replacement']} and demoted"
+                                                              if failure["replacement"] else "no exact backend left"))
+            lines.append(line)
         return "\n".join(lines)
 
 

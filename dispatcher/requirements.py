@@ -21,6 +21,8 @@ _import_lock = threading.Lock()
 
 def import_error(module: str) -> str | None:
     """The error importing `module` raises on this machine (cached), or None if it imports."""
+    if module in _import_errors:  # no lock once known: kernels call this per call, also inside torch.compile
+        return _import_errors[module]
     with _import_lock:
         if module not in _import_errors:
             try:

@@ -12,7 +12,7 @@ import contextvars
 import logging
 import threading
 
-from . import env, registry
+from . import env, guard, registry
 
 logger = logging.getLogger("attention_dispatch")
 
@@ -27,6 +27,13 @@ _checks_override: str | None = None  # registry switch; None: follow DIFFUSERS_A
 _active_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("attn_dispatch_backend", default=None)
 _active_policy: contextvars.ContextVar[str | None] = contextvars.ContextVar("attn_dispatch_policy", default=None)
 _active_checks: contextvars.ContextVar[str | None] = contextvars.ContextVar("attn_dispatch_checks", default=None)
+_active_model: contextvars.ContextVar[str | None] = contextvars.ContextVar("attn_dispatch_model", default=None)
+_active_guard: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("attn_dispatch_guard", default=None)
+_default_guard = (guard.DEFAULT_MODE, guard.DEFAULT_EVERY)
+
+# The model scope of calls that name none: accuracy verdicts made under it stay in this process (never on disk),
+# since nothing says which model they were measured on.
+UNSCOPED_MODEL = "unscoped"
 
 
 def validate_backend(name: str) -> str:
@@ -150,3 +157,45 @@ def attention_checks(mode: str | bool = "raise"):
         yield
     finally:
         _active_checks.reset(token)
+
+
+def validate_model(model) -> str:
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError(f"model must be a non-empty string naming the model whose activations these calls carry "
+                         f"(accuracy verdicts and quality-guard demotions are kept per model); got {model!r}")
+    return model
+
+
+def active_model() -> str:
+    return _active_model.get() or UNSCOPED_MODEL
+
+
+@contextlib.contextmanager
+def model_scope(model: str):
+    """Calls inside the block carry activations of `model` (a stable name or content fingerprint): `auto`'s
+    accuracy verdicts and the quality guard's demotions are kept per model, and reused from disk only for it."""
+    token = _active_model.set(validate_model(model))
+    try:
+        yield model
+    finally:
+        _active_model.reset(token)
+
+
+def set_quality_guard(mode: str = guard.DEFAULT_MODE, every: int | None = None) -> None:
+    """Process default of the quality guard (see dispatcher.guard): 'quantised' | 'all' | 'off', every Nth call."""
+    global _default_guard
+    _default_guard = guard.settings(mode, every)
+
+
+def active_guard() -> tuple:
+    return _active_guard.get() or _default_guard
+
+
+@contextlib.contextmanager
+def quality_guard(mode: str = "all", every: int | None = None):
+    """The quality guard for the calls inside the block (mode 'quantised' | 'all' | 'off', every Nth call)."""
+    token = _active_guard.set(guard.settings(mode, every))
+    try:
+        yield
+    finally:
+        _active_guard.reset(token)

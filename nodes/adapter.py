@@ -13,10 +13,16 @@ Decisions, documented once:
   compute softmax in fp32. We keep that promise by running the dispatcher on fp32 copies and casting
   the output back; a backend without fp32 support then falls back (policy "fallback") or fails ("strict").
 - `low_precision_attention=False` (newer ComfyUI, e.g. WAN I2V image cross-attention) with a quantised
-  backend (`spec.quantised`): the first non-quantised backend in that backend's fallback chain runs instead.
-- "auto": the dispatcher's `auto` (times and validates every backend that supports the call, caches the
-  winner per signature on disk); with `low_precision_attention=False` the dispatcher's `auto_exact`, which
-  never picks a quantised kernel. It never downloads code: Hub kernels count once fetched and trusted.
+  backend (`spec.quantised`): the first non-quantised backend in that backend's fallback chain runs instead;
+  `auto_fast` becomes `auto_exact` there.
+- "auto_exact" / "auto_fast" ("auto" = auto_exact, for older workflows): the dispatcher's autos (time and validate
+  every backend that supports the call on its live values, cache the winner per signature). They never download
+  code: Hub kernels count once fetched and trusted.
+- model: the model's identity (nodes/model_identity.py), passed with every call: `auto_fast`'s verdicts and the
+  quality guard's demotions are kept per model. guard: (mode, every) for the quality guard, worked out once here.
+- blocks: (start, end) of the block range (nodes/blocks.py); calls from other blocks are delegated like calls
+  outside the step window. When a call says no usable block position, the backend serves it and the site is
+  noted once (in `block_notes`, which the node's report reads).
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ import torch
 
 from ..dispatcher import attention_checks, dispatch_attention_fn, fallback_order, get_backend_spec, trusted_publishers
 from ..dispatcher import checks as _checks
+from ..dispatcher.auto import AUTO, AUTO_EXACT, AUTO_FAST
+from ..dispatcher.guard import settings as guard_settings
 from ..dispatcher.report import register as register_recorder
+from .blocks import blocks_text, in_blocks, is_default
 from .window import in_window
 
-AUTO = "auto"
-AUTO_EXACT = "auto_exact"  # the dispatcher's `auto` without quantised kernels
+AUTOS = (AUTO_EXACT, AUTO_FAST, AUTO)  # dispatcher.auto.PSEUDO_BACKENDS: "auto" is auto_exact (older workflows)
 COMFY_DEFAULT = "comfy default"
 PASS_THROUGH = "pass through"  # checks/compare only: every call goes to `previous` (or `func`)
 _HALF = (torch.float16, torch.bfloat16)
@@ -66,6 +74,16 @@ class _Relabel:
 
     def record_error(self, site, backend, error):
         self.target.record_error(site, backend, error)
+
+    def record_guard(self, site, backend, checks=1, error=None):
+        target = getattr(self.target, "record_guard", None)
+        if target is not None:
+            target(site, backend, checks=checks, error=error)
+
+    def record_guard_failure(self, site, backend, reason, replacement):
+        target = getattr(self.target, "record_guard_failure", None)
+        if target is not None:
+            target(site, backend, reason, replacement)
 
 
 def _unwrap(t):
@@ -135,28 +153,43 @@ def _signature(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_r
 class AttentionOverride:
     """The `optimized_attention_override` of one Set Attention Backend node (or Attention Checks node).
 
-    backend: a dispatcher backend name, "auto" or "comfy default"; policy: "fallback" | "strict";
-    recorder: a `Recorder` (shared across clones); window: (start_percent, end_percent) or None;
-    trust: publishers allowed for Hub kernels; checks: None | "raise" | "warn";
-    compare: a `Comparison` or None; previous: the override that was installed before this one.
+    backend: a dispatcher backend name, "auto_exact", "auto_fast" ("auto") or "comfy default";
+    policy: "fallback" | "strict"; recorder: a `Recorder` (shared across clones); window: (start_percent,
+    end_percent) or None; trust: publishers allowed for Hub kernels; checks: None | "raise" | "warn";
+    compare: a `Comparison` or None; previous: the override that was installed before this one;
+    model: the model's identity string (None: the dispatcher's active scope); guard: the quality guard's mode
+    ("quantised" | "all" | "off"; None: the dispatcher's default) and guard_every; blocks: (block_start, block_end)
+    or None (every block); block_notes: a dict, site -> why the block range cannot apply there (shared with the
+    node's report and with overrides rebuilt from this one's config).
 
     Per call signature (shapes, dtype, mask kind, flags, block) the first call validates and plans; repeat
     calls cost a dict lookup, the views and the dispatcher's own lookup (see `_Plan`).
     """
 
     def __init__(self, backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
-                 compare=None, previous=None):
+                 compare=None, previous=None, model: str | None = None, guard: str | None = None,
+                 guard_every: int | None = None, blocks=None, block_notes: dict | None = None):
         self.backend, self.policy, self.recorder = backend, policy, recorder
         self.window = tuple(window) if window is not None else None
         self.trust = frozenset(trust or ())
         self.checks, self.compare, self.previous = checks, compare, previous
+        self.model = model
+        # (mode, every), checked once here: the dispatcher takes a tuple as is (no per-call parsing)
+        if guard is None and guard_every is None:
+            self.guard = None
+        else:
+            self.guard = guard_settings(guard if guard is not None else "quantised", guard_every)
+        self.blocks = None if blocks is None or is_default(*blocks) else (int(blocks[0]), int(blocks[1]))
+        self.block_notes = {} if block_notes is None else block_notes
+        self._outside_blocks = None if self.blocks is None else f"outside the block range {blocks_text(self.blocks)}"
         self._plans: dict[tuple, _Plan] = {}
         # Made here, not in a traced call (torch.compile cannot trace registering one); others on first use.
         self._relabels: dict[tuple, _Relabel] = {} if recorder is None else {(): _Relabel(recorder, backend)}
         # Read by the Attention Checks node to rebuild this override with checks on, and by the report.
         self.attention_dispatch = {"backend": backend, "policy": policy, "recorder": recorder, "window": self.window,
                                    "trust": tuple(sorted(self.trust)), "checks": checks, "compare": compare,
-                                   "previous": previous}
+                                   "previous": previous, "model": model, "guard": guard, "guard_every": guard_every,
+                                   "blocks": self.blocks, "block_notes": self.block_notes}
 
     def __deepcopy__(self, memo):  # ModelPatcher.clone() deep-copies model_options: every clone shares this one
         return self
@@ -187,6 +220,12 @@ class AttentionOverride:
         window = self.window
         if window is not None and not in_window(to, window):
             return self._delegate(f"outside the step window {window[0]:.2f}..{window[1]:.2f}", func, *args, plan.site)
+        if self.blocks is not None:
+            inside = in_blocks(to, self.blocks)
+            if inside is False:
+                return self._delegate(self._outside_blocks, func, *args, plan.site)
+            if inside is not True and plan.site not in self.block_notes:  # the range cannot apply: noted once
+                self.block_notes[plan.site] = inside
         if plan.reason is not None:
             return self._delegate(plan.reason, func, *args, plan.site)
 
@@ -224,7 +263,7 @@ class AttentionOverride:
             mask = mask[None, None]                # dispatcher refuses a bare 2-D mask with B == Lq as ambiguous
         return dispatch_attention_fn(qs, ks, vs, attn_mask=mask, scale=plan.scale, enable_gqa=plan.gqa,
                                      backend=plan.name, layout=plan.layout, policy=self.policy, call_site=plan.site,
-                                     recorder=plan.relabel)
+                                     recorder=plan.relabel, model=self.model, guard=self.guard)
 
     def _record(self, site, requested, served, reasons):
         if self.recorder is not None:
@@ -295,9 +334,9 @@ class AttentionOverride:
         backend = self.backend
         plan.name, plan.notes = backend, ()
         if kwargs.get("low_precision_attention", True) is False:  # the model asked for full precision here
-            if backend == AUTO:
+            if backend == AUTO_FAST or backend == AUTO:
                 plan.name = AUTO_EXACT
-            elif backend != AUTO_EXACT and get_backend_spec(backend).quantised:
+            elif backend not in AUTOS and get_backend_spec(backend).quantised:
                 replacement = _non_quantised(backend)
                 plan.notes = (f"low_precision_attention=False: quantised '{backend}' replaced by '{replacement}'",)
                 plan.name = replacement
@@ -306,6 +345,8 @@ class AttentionOverride:
 
 
 def make_override(backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
-                  compare=None, previous=None) -> AttentionOverride:
+                  compare=None, previous=None, model=None, guard=None, guard_every=None, blocks=None,
+                  block_notes=None) -> AttentionOverride:
     """An `optimized_attention_override` for one Set Attention Backend node (see `AttentionOverride`)."""
-    return AttentionOverride(backend, policy, recorder, window, trust, checks, compare, previous)
+    return AttentionOverride(backend, policy, recorder, window, trust, checks, compare, previous, model, guard,
+                             guard_every, blocks, block_notes)

@@ -1,6 +1,6 @@
 """Compare a sample of attention calls against exact attention and keep the largest relative error.
 
-The reference is the pack's one exact attention (float64, `dispatcher.auto.reference`) on a sample of query
+The reference is the pack's one exact attention (float64, `dispatcher.reference`) on a sample of query
 rows, and the error is its relative Frobenius error, the measure every accuracy check of the pack uses.
 Why a sample: the reference costs a second attention call, so only every `every`-th call pays it.
 The object is shared between ModelPatcher clones (`__deepcopy__` returns self), like the Recorder.
@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from ..dispatcher.auto.reference import exact_attention, relative_error, sample_rows
+from ..dispatcher.reference import exact_attention, relative_error, sample_rows
 
 ROWS = 64  # query rows compared per sampled call
 

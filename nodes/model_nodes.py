@@ -7,11 +7,15 @@ from comfy_api.latest import io
 from ..dispatcher import (TRUSTED_PUBLISHERS, Recorder, availability_reasons, backend_names, get_backend_spec,
                           trusted_publishers)
 from ..dispatcher import env as _env
+from ..dispatcher.auto import FAST_BOUND
+from ..dispatcher.guard import DEFAULT_EVERY
+from . import blocks as _blocks
 from . import reports
 from . import validation as v
-from .adapter import AUTO, COMFY_DEFAULT, PASS_THROUGH, make_override
+from .adapter import AUTO, AUTO_EXACT, AUTO_FAST, AUTOS, COMFY_DEFAULT, PASS_THROUGH, make_override
 from .clip_patch import patch_clip
 from .compare import Comparison
+from .model_identity import model_key
 
 CATEGORY = "advanced/attention"
 OVERRIDE_KEY = "optimized_attention_override"
@@ -23,8 +27,12 @@ CHECK_MODES = ["raise", "warn"]
 # when a sampler runs to say which Set Attention Backend node took over (see _chain_notes).
 CHAIN_KEY = "attention_dispatch_chain"
 CHAIN_RULE = ("Chained Set Attention Backend nodes: the one nearest the sampler wins; an upstream one only "
-              "serves the calls the downstream one passes on (outside its step window).")
+              "serves the calls the downstream one passes on (outside its step window or block range).")
 WINDOW_RULE = "the step window needs 0 <= start_percent <= end_percent <= 1"
+# The quality guard's modes as the node shows them -> the dispatcher's (dispatcher.guard.GUARD_MODES).
+GUARD_MODES = {"quantised kernels": "quantised", "every kernel": "all", "off": "off"}
+DEFAULT_GUARD = "quantised kernels"
+BLOCK_LIMIT = 10000
 # NODE_ID_IN_CACHE_KEY: each node's output carries its own Recorder labelled with its node id. ComfyUI
 # 0.3.64 leaves the node id out of a V3 node's cache key even with hidden unique_id (it looks for the
 # string in a tuple), so two identical nodes would share one output and one report; not_idempotent puts
@@ -32,12 +40,14 @@ WINDOW_RULE = "the step window needs 0 <= start_percent <= end_percent <= 1"
 
 
 def backend_options() -> list[str]:
-    return [AUTO, COMFY_DEFAULT] + backend_names()
+    """The dropdown: the two autos first, ComfyUI's own attention, then every registry backend. `auto` (= auto_exact)
+    is accepted but not listed (older workflows)."""
+    return [AUTO_EXACT, AUTO_FAST, COMFY_DEFAULT] + backend_names()
 
 
 def unavailable_message(backend: str, policy: str) -> str | bool:
     """queue-time check: True, or why this backend cannot be used here (with the install command)."""
-    if backend in (AUTO, COMFY_DEFAULT):
+    if backend in AUTOS or backend == COMFY_DEFAULT:
         return True
     if not isinstance(backend, str) or backend not in backend_names():
         return v.check_value(_backend_field(""), backend) or f"unknown attention backend {backend!r}"
@@ -60,17 +70,26 @@ def unavailable_message(backend: str, policy: str) -> str | bool:
 # node's validate_inputs checks every value against it (ComfyUI 0.3.64 checks no V3 combo value).
 
 def _backend_field(tooltip: str) -> v.Field:
-    return v.Field("backend", "combo", options=backend_options, default=AUTO, noun="attention backend",
-                   tooltip=tooltip)
+    return v.Field("backend", "combo", options=backend_options, default=AUTO_EXACT, noun="attention backend",
+                   tooltip=tooltip, accepted=(AUTO,))
 
 
 def _policy_field(tooltip: str) -> v.Field:
     return v.Field("policy", "combo", options=POLICIES, default="fallback", noun="policy", tooltip=tooltip)
 
 
+AUTOS_TOOLTIP = ("auto_exact (default): the fastest exact kernel for each call, judged on this model's own "
+                 "activations; never a quantised kernel. auto_fast: also quantised kernels such as SageAttention "
+                 f"whose error on this model's activations stays within {FAST_BOUND:.0e}, watched by the quality "
+                 "guard. ")
+BLOCKS_TOOLTIP = ("Blocks outside block_start..block_end go where calls outside the step window go (an upstream Set "
+                  "Attention Backend, else ComfyUI's attention). Needs a model that tells attention its block "
+                  "position: newer ComfyUI's Flux, WAN, Chroma and Lumina, and the SD/SDXL UNet, do; ComfyUI "
+                  "0.3.64's WAN and Flux do not, and the report then says the range cannot apply.")
+
 SET_FIELDS = (
-    _backend_field("Attention backend. 'auto' = best available for each call; 'comfy default' = ComfyUI's own "
-                   "attention. GET /attention_dispatch/backends says why each one can or cannot run here."),
+    _backend_field("Attention backend. " + AUTOS_TOOLTIP + "'comfy default' = ComfyUI's own attention. "
+                   "GET /attention_dispatch/backends says why each one can or cannot run here."),
     _policy_field("fallback: calls the backend cannot run go to the next backend in its chain (reported). "
                   "strict: the prompt fails instead."),
     v.Field("start_percent", "float", default=0.0, min=0.0, max=1.0, step=0.01, rule=WINDOW_RULE,
@@ -78,9 +97,28 @@ SET_FIELDS = (
     v.Field("end_percent", "float", default=1.0, min=0.0, max=1.0, step=0.01, rule=WINDOW_RULE,
             tooltip="Use the backend up to this point (1 = last step); outside the window the previous override "
                     "(an upstream Set Attention Backend) or ComfyUI's attention runs."),
+    v.Field("block_start", "int", default=0, min=-BLOCK_LIMIT, max=BLOCK_LIMIT, rule=_blocks.RANGE_RULE,
+            optional=True,
+            tooltip="First transformer block that uses this backend (0 = the first; negative counts from the end, "
+                    "-1 = the last). " + BLOCKS_TOOLTIP),
+    v.Field("block_end", "int", default=-1, min=-BLOCK_LIMIT, max=BLOCK_LIMIT, rule=_blocks.RANGE_RULE,
+            optional=True,
+            tooltip="Last transformer block that uses this backend (-1 = the last block; negative counts from the "
+                    "end). " + BLOCKS_TOOLTIP),
+    v.Field("quality_guard", "combo", options=list(GUARD_MODES), default=DEFAULT_GUARD, noun="quality guard mode",
+            optional=True,
+            tooltip="While sampling, compare a sample of calls with exact attention on a few query rows. 'quantised "
+                    "kernels': only quantised kernels such as SageAttention (also those auto_fast picks); 'every "
+                    "kernel': all of them (for a custom or new kernel); 'off': no checks. On a failed check (NaN/Inf, "
+                    "or an error past the kernel's bound) that call is recomputed with an exact kernel, the kernel is "
+                    "demoted for this model and call shape until ComfyUI restarts, and this node's report says so."),
+    v.Field("guard_every", "int", default=DEFAULT_EVERY, min=1, max=100000, optional=True,
+            tooltip="The quality guard checks one call in this many per call site (and always the first). On a "
+                    "failed check the call is recomputed exactly, the kernel demoted for this model and call shape, "
+                    "and this node's report says so."),
 )
 CLIP_FIELDS = (
-    _backend_field("Attention backend for the text encoder ('comfy default' = unchanged)."),
+    _backend_field("Attention backend for the text encoder. " + AUTOS_TOOLTIP + "'comfy default' = unchanged."),
     _policy_field("fallback: unsupported calls run the next backend in the chain; strict: fail."),
 )
 CHECKS_FIELDS = (
@@ -101,17 +139,18 @@ TRUST_FIELDS = (
 
 
 def widget(field: v.Field):
-    """The io input of one field."""
+    """The io input of one field. An optional one (added after the node was published) keeps older API prompts,
+    which do not carry it, valid: execute's default applies."""
+    common = {"default": field.default, "tooltip": field.tooltip, "optional": field.optional}
     if field.kind == "combo":
-        return io.Combo.Input(field.name, options=field.choices(), default=field.default, tooltip=field.tooltip)
+        return io.Combo.Input(field.name, options=field.choices(), **common)
     if field.kind == "float":
-        return io.Float.Input(field.name, default=field.default, min=field.min, max=field.max, step=field.step,
-                              tooltip=field.tooltip)
+        return io.Float.Input(field.name, min=field.min, max=field.max, step=field.step, **common)
     if field.kind == "int":
-        return io.Int.Input(field.name, default=field.default, min=field.min, max=field.max, tooltip=field.tooltip)
+        return io.Int.Input(field.name, min=field.min, max=field.max, **common)
     if field.kind == "bool":
-        return io.Boolean.Input(field.name, default=field.default, tooltip=field.tooltip)
-    return io.String.Input(field.name, default=field.default, tooltip=field.tooltip, **field.extra)
+        return io.Boolean.Input(field.name, **common)
+    return io.String.Input(field.name, **common, **field.extra)
 
 
 def _window_rule(good: dict) -> list[str]:
@@ -119,6 +158,12 @@ def _window_rule(good: dict) -> list[str]:
     if start is not None and end is not None and start > end:
         return [f"start_percent {start:g} is after end_percent {end:g} ({WINDOW_RULE})"]
     return []
+
+
+def _block_rule(good: dict) -> list[str]:
+    start, end = good.get("block_start"), good.get("block_end")
+    problem = None if start is None or end is None else _blocks.range_problem(start, end)
+    return [problem] if problem else []
 
 
 def _availability_rule(good: dict) -> list[str]:
@@ -164,6 +209,18 @@ def _window_text(entry) -> str:
     return "" if (start <= 0.0 and end >= 1.0) else f"{start:.2f}..{end:.2f}"
 
 
+def _scope_text(entry) -> str:
+    """'step window 0.50..1.00', 'block range 2..-1', both joined by 'and', or '' (every call)."""
+    parts = []
+    window = _window_text(entry)
+    if window:
+        parts.append(f"step window {window}")
+    start, end = entry.get("blocks") or _blocks.DEFAULT_RANGE
+    if not _blocks.is_default(start, end):
+        parts.append(f"block range {start}..{end}")
+    return " and ".join(parts)
+
+
 def _chain_notes(kind: str, node_id, chain) -> dict:
     """What a report must say when a Set Attention Backend node after this one (nearer the sampler) took over."""
     if not chain:
@@ -175,17 +232,17 @@ def _chain_notes(kind: str, node_id, chain) -> dict:
     if not later:
         return {}
     winner = later[-1]
-    window = _window_text(winner)
+    scope = _scope_text(winner)
     who = f"Set Attention Backend #{winner['node']} ({winner.get('backend')})"
     if kind == "model":
-        if window:
-            note = (f"{who} comes after this node and wins inside its step window {window}; this node's backend "
+        if scope:
+            note = (f"{who} comes after this node and wins inside its {scope}; this node's backend "
                     "serves only the calls outside it. " + CHAIN_RULE)
         else:
             note = f"Overridden: {who} comes after this node and this node's backend serves no calls. " + CHAIN_RULE
         return {"overridden_by": winner, "notes": [note]}
-    if window:
-        note = (f"{who} comes after these checks and runs its own attention inside its step window {window}: they "
+    if scope:
+        note = (f"{who} comes after these checks and runs its own attention inside its {scope}: they "
                 "saw only the calls outside it. Put Attention Checks after Set Attention Backend.")
         return {"replaced_by": winner, "notes": [note]}
     note = (f"Saw no attention calls: {who} comes after these checks and replaced the attention they wrap. "
@@ -193,21 +250,28 @@ def _chain_notes(kind: str, node_id, chain) -> dict:
     return {"replaced_by": winner, "no_calls": True, "notes": [note]}
 
 
-def _run_wrapper(kind: str, node_id, recorder=None, compare=None, info=None):
+def _run_wrapper(kind: str, node_id, recorder=None, compare=None, info=None, block_notes=None):
     """WrappersMP.OUTER_SAMPLE: wraps one sampling run; resets the counters and publishes the report."""
     def wrapper(executor, *args, **kwargs):
         if recorder is not None:
             recorder.clear()
         if compare is not None:
             compare.clear()
+        if block_notes is not None:
+            block_notes.clear()
         try:
             return executor(*args, **kwargs)
         finally:
             data = dict(info or {})
             data["notes"] = list(data.get("notes", ()))
             if recorder is not None:
-                data["recorder"] = recorder.snapshot()
+                snapshot = recorder.snapshot()
+                data["recorder"] = snapshot
                 data["summary"] = recorder.summary()
+                data["guard"] = reports.guard_results(snapshot)
+                data["fallback_every_call"] = reports.every_call_fallbacks(snapshot)
+            if block_notes is not None and data.get("blocks"):
+                data["blocks"] = reports.block_results(data["blocks"], dict(block_notes))
             chained = _chain_notes(kind, node_id, _chain_of_run(executor))
             data["notes"] += chained.pop("notes", [])
             data.update(chained)
@@ -257,31 +321,45 @@ class SetAttentionBackend(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, backend=v.MISSING, policy=v.MISSING, start_percent=v.MISSING, end_percent=v.MISSING):
-        values = {"backend": backend, "policy": policy, "start_percent": start_percent, "end_percent": end_percent}
-        return validate(SET_FIELDS, values, _window_rule, _availability_rule)
+    def validate_inputs(cls, backend=v.MISSING, policy=v.MISSING, start_percent=v.MISSING, end_percent=v.MISSING,
+                        block_start=v.MISSING, block_end=v.MISSING, quality_guard=v.MISSING, guard_every=v.MISSING):
+        values = {"backend": backend, "policy": policy, "start_percent": start_percent, "end_percent": end_percent,
+                  "block_start": block_start, "block_end": block_end, "quality_guard": quality_guard,
+                  "guard_every": guard_every}
+        return validate(SET_FIELDS, values, _window_rule, _block_rule, _availability_rule)
 
     @classmethod
-    def execute(cls, model, backend, policy, start_percent, end_percent, trust=None) -> io.NodeOutput:
+    def execute(cls, model, backend, policy, start_percent, end_percent, trust=None, block_start=0, block_end=-1,
+                quality_guard=DEFAULT_GUARD, guard_every=DEFAULT_EVERY) -> io.NodeOutput:
         node_id = cls.hidden.unique_id
         m = model.clone()
         to = m.model_options.setdefault("transformer_options", {})
         previous = to.get(OVERRIDE_KEY)
         recorder = Recorder(label=f"Set Attention Backend #{node_id}: {backend}")
         window = None if (start_percent <= 0.0 and end_percent >= 1.0) else (start_percent, end_percent)
+        blocks = None if _blocks.is_default(block_start, block_end) else (block_start, block_end)
+        block_notes: dict = {}
+        key = model_key(model)
+        guard = GUARD_MODES[quality_guard]
         to[OVERRIDE_KEY] = make_override(backend, policy, recorder, window=window, trust=tuple(trust or ()),
-                                         previous=previous)
+                                         previous=previous, model=key, guard=guard, guard_every=guard_every,
+                                         blocks=blocks, block_notes=block_notes)
         info = {"backend": backend, "policy": policy, "window": [start_percent, end_percent],
-                "chained_previous": previous is not None}
-        entry = {"kind": "model", "node": str(node_id), "backend": backend, "window": [start_percent, end_percent]}
+                "chained_previous": previous is not None, "model": key,
+                "quality_guard": {"mode": guard, "every": guard_every}}
+        if blocks is not None:
+            info["blocks"] = {"range": list(blocks)}
+        entry = {"kind": "model", "node": str(node_id), "backend": backend, "window": [start_percent, end_percent],
+                 "blocks": [block_start, block_end]}
         replaces = _add_to_chain(m, entry)
         if replaces is not None:
             info["replaces"] = replaces
             upstream = f"Set Attention Backend #{replaces['node']} ({replaces.get('backend')})"
+            scope = _scope_text(entry)
             info["notes"] = [f"Takes over from {upstream} upstream: the node nearest the sampler wins"
-                             + (f"; outside this node's step window {start_percent:.2f}..{end_percent:.2f} "
-                                f"#{replaces['node']}'s backend runs." if window is not None else ".")]
-        _add_outer_sample_wrapper(m, _run_wrapper("model", node_id, recorder, info=info))
+                             + (f"; outside this node's {scope} #{replaces['node']}'s backend runs." if scope
+                                else ".")]
+        _add_outer_sample_wrapper(m, _run_wrapper("model", node_id, recorder, info=info, block_notes=block_notes))
         return io.NodeOutput(m)
 
 
@@ -311,7 +389,7 @@ class SetClipAttentionBackend(io.ComfyNode):
         node_id = cls.hidden.unique_id
         c = clip.clone()
         recorder = Recorder(label=f"Set CLIP Attention Backend #{node_id}: {backend}")
-        paths = patch_clip(c, make_override(backend, policy, recorder))
+        paths = patch_clip(c, make_override(backend, policy, recorder, model=model_key(getattr(clip, "patcher", clip))))
         c._attention_dispatch_recorder = recorder  # keeps the live recorder alive as long as the clone
         reports.track_live(f"clip:{node_id}", recorder)
         return io.NodeOutput(c, ui={"text": [f"{backend}: patched {len(paths)} text-encoder attention modules"]})

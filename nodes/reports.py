@@ -57,6 +57,89 @@ def publish(kind: str, node_id, data: dict) -> dict:
     return report
 
 
+# ------------------------------------------------------------------------------------------------ report parts
+# What a node's report says beyond the recorder's rows, computed once here so the route, the badge and the
+# tests read the same thing.
+
+AUTOS = ("auto", "auto_exact", "auto_fast")  # pseudo-backends: serving their choice is no fallback
+
+
+def _delegated(served: str) -> bool:
+    """A call the override handed on (step window, block range, ComfyUI's own attention): no kernel fallback."""
+    return served == "previous override" or served.startswith("comfy:")
+
+
+def every_call_fallbacks(snapshot: dict) -> list[dict]:
+    """Fallbacks that happened on every call the asked-for backend got at a call site (it served none there):
+    [{requested, served: [..], sites: [..], calls, reasons: [..], every_site, text}], one per (requested, served
+    backends). every_site: at every site where that backend was asked for."""
+    per_site: dict[tuple[str, str], dict] = {}
+    for row in snapshot.get("rows", ()) or ():
+        requested, served = row.get("requested"), row.get("served")
+        if not isinstance(requested, str) or not isinstance(served, str) or _delegated(served):
+            continue
+        entry = per_site.setdefault((requested, row.get("site")), {"own": 0, "served": {}, "reasons": []})
+        if row.get("fell_back") and served != requested:
+            entry["served"][served] = entry["served"].get(served, 0) + int(row.get("calls") or 0)
+            entry["reasons"] += [r for r in row.get("reasons") or () if r not in entry["reasons"]]
+        else:
+            entry["own"] += int(row.get("calls") or 0)
+    groups: dict[tuple, dict] = {}
+    sites_of: dict[str, set] = {}
+    for (requested, site), entry in sorted(per_site.items(), key=lambda item: tuple(map(str, item[0]))):
+        sites_of.setdefault(requested, set()).add(site)
+        if entry["own"] or not entry["served"]:
+            continue
+        key = (requested, tuple(sorted(entry["served"])))
+        group = groups.setdefault(key, {"requested": requested, "served": list(key[1]), "sites": [], "calls": 0,
+                                        "reasons": []})
+        group["reasons"] += [r for r in entry["reasons"] if r not in group["reasons"]]
+        group["sites"].append(site)
+        group["calls"] += sum(entry["served"].values())
+    out = []
+    for group in groups.values():
+        group["sites"].sort(key=str)
+        group["every_site"] = set(group["sites"]) == sites_of[group["requested"]]
+        where = "" if group["every_site"] else " at " + ", ".join(map(str, group["sites"]))
+        why = "; ".join(group["reasons"])
+        group["text"] = (f"{group['requested']} fell back to {' / '.join(group['served'])} on every call{where}"
+                         + (f": {why}" if why else ""))
+        out.append(group)
+    return out
+
+
+def guard_results(snapshot: dict) -> list[dict]:
+    """The quality guard's results per (site, kernel): the recorder's entries with a `text` each."""
+    out = []
+    for entry in snapshot.get("guard", ()) or ():
+        backend, site, checks = entry.get("backend"), entry.get("site"), int(entry.get("checks") or 0)
+        failures = list(entry.get("failures") or ())
+        error = entry.get("max_error")
+        text = f"quality guard: {backend} at {site}: {checks} check{'' if checks == 1 else 's'}"
+        if isinstance(error, (int, float)):
+            text += f", max error {error:.1e}"
+        for failure in failures:
+            replacement = failure.get("replacement")
+            text += (f"; FAILED ({failure.get('reason')}): " +
+                     (f"that call was recomputed with {replacement} and {backend} is demoted for this model and call "
+                      "shape" if replacement else "no exact backend was left to recompute it"))
+        out.append({**entry, "failures": failures, "text": text})
+    return out
+
+
+def block_results(blocks: dict, notes: dict) -> dict:
+    """The node's block range and the sites where it could not apply (site -> why, from the override)."""
+    out = dict(blocks)
+    unapplied: dict[str, list[str]] = {}
+    for site, reason in sorted(notes.items(), key=lambda kv: str(kv[0])):
+        unapplied.setdefault(reason, []).append(site)
+    out["unapplied"] = [{"sites": sites, "reason": reason,
+                         "text": f"block range {'..'.join(map(str, out.get('range', ())))} not applied at "
+                                 f"{', '.join(map(str, sites))}: {reason}; every block used the backend"}
+                        for reason, sites in unapplied.items()]
+    return out
+
+
 def track_live(key: str, recorder) -> None:
     """A recorder with no end-of-run hook (text encoders): the route reads it when asked."""
     with _lock:  # latest() may be iterating on the server thread

@@ -22,16 +22,20 @@ MISSING = object()  # an input the prompt does not carry: ComfyUI reports it its
 
 
 class Field:
-    """One widget input: kind is combo | float | int | bool | string."""
+    """One widget input: kind is combo | float | int | bool | string. optional: an input added after the node was
+    published (older API prompts lack it; execute's default applies). accepted: combo values that are valid but not
+    listed (a renamed option older workflows still carry)."""
 
-    __slots__ = ("name", "kind", "options", "default", "min", "max", "step", "tooltip", "noun", "rule", "extra")
+    __slots__ = ("name", "kind", "options", "default", "min", "max", "step", "tooltip", "noun", "rule", "optional",
+                 "accepted", "extra")
 
     def __init__(self, name: str, kind: str, *, default=None, options: Sequence | Callable[[], Sequence] = None,
                  min=None, max=None, step=None, tooltip: str = "", noun: str | None = None, rule: str | None = None,
-                 **extra):
+                 optional: bool = False, accepted: Sequence = (), **extra):
         self.name, self.kind, self.default = name, kind, default
         self.options, self.min, self.max, self.step = options, min, max, step
         self.tooltip, self.noun, self.rule, self.extra = tooltip, noun, rule, extra
+        self.optional, self.accepted = optional, tuple(accepted)
 
     def choices(self) -> list:
         options = self.options() if callable(self.options) else self.options
@@ -60,7 +64,7 @@ def close_matches(value, options: Iterable, n: int = 1) -> list:
 
 def _combo(field: Field, value) -> str | None:
     options = field.choices()
-    if any(type(option) is type(value) and option == value for option in options):
+    if any(type(option) is type(value) and option == value for option in (*options, *field.accepted)):
         return None
     noun = field.noun or "value"
     close = close_matches(value, options)

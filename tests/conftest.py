@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import dispatcher  # from the repository root: pyproject.toml's `pythonpath` puts it (and tests/) on sys.path
+from dispatcher import registry
+from helpers.dispatcher_state import remove_custom_backends, reset
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # `dispatcher` imports from the repo root without installing the pack
-    sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-import dispatcher  # noqa: E402
-from dispatcher import registry  # noqa: E402
-from dispatcher_state import remove_custom_backends, reset  # noqa: E402
 
 # Env vars the dispatcher reads; a developer's shell must not change what the suite sees.
 _DISPATCHER_ENV = ("DIFFUSERS_ATTN_BACKEND", "DIFFUSERS_ATTN_CHECKS", "DIFFUSERS_DISABLE_REMOTE_CODE",

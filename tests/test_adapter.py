@@ -3,53 +3,19 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
+import functools
+import importlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-PACK = "attention_dispatch_pack"
+from helpers import tensors
+from helpers.pack import CALLS, PACK, comfy_func, load_pack
+
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
-
-def _load_pack():
-    # ComfyUI loads the repo root as a package under an arbitrary name; do the same so relative imports work.
-    if PACK not in sys.modules:
-        spec = importlib.util.spec_from_file_location(PACK, ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[PACK] = module
-        spec.loader.exec_module(module)
-    return importlib.import_module(f"{PACK}.nodes.adapter"), importlib.import_module(f"{PACK}.dispatcher"), \
-        importlib.import_module(f"{PACK}.nodes.compare")
-
-
-adapter, dispatcher, compare_mod = _load_pack()
-CALLS = []
-
-
-def comfy_func(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs):
-    """What ComfyUI's attention_pytorch does, written from the contract."""
-    CALLS.append(kwargs)
-    if skip_reshape:
-        b, _, lq, d = q.shape
-        h = q.shape[1]
-    else:
-        b, lq, hd = q.shape
-        h, d = heads, hd // heads
-        q, k, v = (t.view(b, -1, h, d).transpose(1, 2) for t in (q, k, v))
-    if mask is not None:
-        if mask.ndim == 2:
-            mask = mask.unsqueeze(0)
-        if mask.ndim == 3:
-            mask = mask.unsqueeze(1)
-        if not (mask.dtype == torch.bool or mask.is_floating_point()):
-            mask = mask.bool()
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return out if skip_output_reshape else out.transpose(1, 2).reshape(b, lq, h * d)
+adapter, dispatcher, compare_mod = load_pack()
 
 
 def ref(q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False, scale=None):
@@ -73,10 +39,7 @@ def _clear():
     CALLS.clear()
 
 
-def qkv(b=2, lq=16, lk=16, h=2, d=32, dtype=torch.float32):
-    g = torch.Generator().manual_seed(0)
-    return (torch.randn(b, lq, h * d, generator=g, dtype=dtype), torch.randn(b, lk, h * d, generator=g, dtype=dtype),
-            torch.randn(b, lk, h * d, generator=g, dtype=dtype))
+qkv = functools.partial(tensors.qkv, b=2, lq=16, lk=16, h=2, d=32, flat=True)  # ComfyUI's (B, L, H*D)
 
 
 def rows(rec):
@@ -300,7 +263,8 @@ def test_private_kwargs_never_reach_the_dispatcher(monkeypatch):
 
 def test_auto_with_low_precision_off_never_picks_a_quantised_backend():
     """ComfyUI passes low_precision_attention=False where int8 attention produces NaNs (WAN I2V image
-    cross-attention): `auto` must then choose among exact backends only, even when a quantised one is fastest."""
+    cross-attention): `auto_fast` must then choose among exact backends only (as `auto_exact`), even when a
+    quantised one is fastest."""
     from attention_dispatch_pack.dispatcher.backends.native import sdpa_attention
     from attention_dispatch_pack.dispatcher.registry import add, remove
     from attention_dispatch_pack.dispatcher.spec import FLOATS, BackendSpec, HeadDims
@@ -312,11 +276,11 @@ def test_auto_with_low_precision_off_never_picks_a_quantised_backend():
         q, k, v = qkv()
         exact, lowp = dispatcher.Recorder(), dispatcher.Recorder()
         with dispatcher.auto.using(dispatcher.auto.Tuner(cache_path=None, backends=("test_int8_like",))):
-            out = adapter.make_override("auto", recorder=lowp)(comfy_func, q, k, v, 2, **to_opts())
+            out = adapter.make_override("auto_fast", recorder=lowp)(comfy_func, q, k, v, 2, **to_opts())
         torch.testing.assert_close(out, ref(q, k, v, 2), atol=2e-5, rtol=1e-4)
         assert {r["served"] for r in lowp.snapshot()["rows"]} == {"test_int8_like"}  # the only candidate
-        out = adapter.make_override("auto", recorder=exact)(comfy_func, q, k, v, 2, low_precision_attention=False,
-                                                             **to_opts())
+        out = adapter.make_override("auto_fast", recorder=exact)(comfy_func, q, k, v, 2,
+                                                                  low_precision_attention=False, **to_opts())
         torch.testing.assert_close(out, ref(q, k, v, 2), atol=2e-5, rtol=1e-4)
         served = {r["served"] for r in exact.snapshot()["rows"]}
         assert served and "test_int8_like" not in served

@@ -57,7 +57,7 @@ def test_bench_command_end_to_end_on_small_cpu_shapes(tmp_path):
         assert shape["flops"] == 4 * shape["B"] * shape["H"] * shape["Lq"] * shape["Lk"] * shape["D"]
     assert data["overhead"]["dispatch_us"] > 0 and data["overhead"]["direct_us"] > 0
     assert data["tuning"]["signatures"]  # what auto measured, rejected and chose
-    assert "TFLOP/s" in run.stdout and "auto ->" in run.stdout and "comfy default (reference path" in run.stdout
+    assert "TFLOP/s" in run.stdout and "auto_exact ->" in run.stdout and "comfy default (reference path" in run.stdout
     if HAVE_MPL:
         assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

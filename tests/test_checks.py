@@ -3,10 +3,13 @@ and the actual value; value checks (NaN/Inf) run only while checks are on."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from dispatcher import AttentionInputError, attention_checks, dispatch_attention_fn, set_checks
+from helpers import tensors
 
 B, L, H, D = 2, 6, 2, 16
 
@@ -15,9 +18,7 @@ def t(*shape, dtype=torch.float32, device="cpu"):
     return torch.randn(*shape, dtype=dtype, device=device) if device != "meta" else torch.empty(*shape, device="meta")
 
 
-def qkv(**overrides):
-    q, k, v = t(B, L, H, D), t(B, L, H, D), t(B, L, H, D)
-    return overrides.get("q", q), overrides.get("k", k), overrides.get("v", v)
+qkv = functools.partial(tensors.qkv, b=B, lq=L, lk=L, h=H, d=D)  # q=, k=, v= replace one tensor
 
 
 def fails(*parts, **call):

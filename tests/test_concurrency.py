@@ -8,6 +8,7 @@ every 10 µs during these tests (instead of every 5 ms) so interleavings actuall
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import sys
@@ -23,11 +24,12 @@ from dispatcher import (Recorder, attention_backend, dispatch_attention_fn, env,
                         registry, state, trust)
 from dispatcher import auto as tuner
 
-import kernel_repos as kr
-from test_adapter import PACK, _load_pack, comfy_func
+from helpers import kernel_repos as kr
+from helpers import tensors
+from helpers.pack import PACK, comfy_func, load_pack
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-adapter, pack_dispatcher, _ = _load_pack()
+adapter, pack_dispatcher, _ = load_pack()
 routes = importlib.import_module(f"{PACK}.nodes.routes")
 reports = importlib.import_module(f"{PACK}.nodes.reports")
 THREADS, CALLS = 6, 30
@@ -41,9 +43,7 @@ def fast_switching():
     sys.setswitchinterval(old)
 
 
-def qkv(lq=6, seed=0, h=2, d=8):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(1, lq if i == 0 else 6, h, d, generator=g) for i in range(3))
+qkv = functools.partial(tensors.qkv, b=1, lq=6, lk=6, h=2, d=8)  # k and v keep length 6 whatever lq is
 
 
 def sdpa(q, k, v):

@@ -19,7 +19,7 @@ import torch
 
 import dispatcher
 from dispatcher import parallel
-from gloo_ranks import join_gloo, spawn_ranks
+from helpers.gloo_ranks import join_gloo, spawn_ranks
 
 from dispatcher.parallel import ContextParallelConfig, ContextParallelError, context_parallel, head_plan
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from gloo_ranks import join_gloo, spawn_ranks
-from test_adapter import PACK, _load_pack, comfy_func
+from helpers.gloo_ranks import join_gloo, spawn_ranks
+from helpers.pack import PACK, comfy_func, load_pack
 
-adapter, dispatcher, _ = _load_pack()
+adapter, dispatcher, _ = load_pack()
 parallel = importlib.import_module(f"{PACK}.dispatcher.parallel")
 replicated = importlib.import_module(f"{PACK}.dispatcher.parallel.replicated")
 cp_runtime = importlib.import_module(f"{PACK}.nodes.cp_runtime")
@@ -113,8 +113,8 @@ def _config(c: Case):
 
 
 def _stub_comfy():
-    """comfy_api / comfy.patcher_extension stand-ins (tests/node_stub.py) with the APPLY_MODEL kind too."""
-    import node_stub
+    """comfy_api / comfy.patcher_extension stand-ins (tests/helpers/node_stub.py) with the APPLY_MODEL kind too."""
+    from helpers import node_stub
     for name, module in node_stub.stub_modules().items():
         sys.modules[name] = module
     sys.modules["comfy.patcher_extension"].WrappersMP = types.SimpleNamespace(OUTER_SAMPLE="outer_sample",
@@ -286,7 +286,7 @@ def test_replicated_split_matches_single_process(world, case, tmp_path_factory):
 
 @pytest.fixture
 def node(monkeypatch):
-    import node_stub
+    from helpers import node_stub
     node_stub.install(monkeypatch)
     patcher = sys.modules["comfy.patcher_extension"]
     monkeypatch.setattr(patcher, "WrappersMP", types.SimpleNamespace(OUTER_SAMPLE="outer_sample",

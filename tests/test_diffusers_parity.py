@@ -3,10 +3,13 @@ match it (bit for bit on `native`), where it misreads or drops an argument we re
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from dispatcher import AttentionInputError, checks, dispatch_attention_fn, registry
+from helpers import tensors
 
 ad = pytest.importorskip("diffusers.models.attention_dispatch")
 
@@ -34,12 +37,7 @@ def test_every_hub_backend_points_where_diffusers_points():
     assert set(theirs) <= set(mine), f"diffusers Hub backends we lack: {sorted(set(theirs) - set(mine))}"
 
 
-def qkv(b=2, lq=24, lk=24, h=4, d=32, dv=None, bk=None, hk=None, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, lq, h, d, generator=gen)
-    k = torch.randn(bk or b, lk, hk or h, d, generator=gen)
-    v = torch.randn(bk or b, lk, hk or h, dv or d, generator=gen)
-    return tuple(x.to(dtype) for x in (q, k, v))
+qkv = functools.partial(tensors.qkv, b=2, lq=24, lk=24, h=4, d=32)
 
 
 def theirs(q, k, v, backend="native", **kwargs):

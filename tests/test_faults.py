@@ -10,6 +10,7 @@ unchanged, its original untouched.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import sys
 
@@ -24,20 +25,18 @@ from dispatcher import (AttentionInputError, BackendNotSupportedError, BackendUn
 from dispatcher.machine import current_machine, use_machine
 from dispatcher.requirements import Package, Probe, forget_imports
 
-import kernel_repos as kr
-import node_stub
-from dispatcher_state import remove_custom_backends, reset
-from test_adapter import PACK, _load_pack, comfy_func
+from helpers import kernel_repos as kr
+from helpers import node_stub, tensors
+from helpers.dispatcher_state import remove_custom_backends, reset
+from helpers.pack import PACK, comfy_func, load_pack
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 kernels = pytest.importorskip("kernels")
-adapter, pack_dispatcher, _ = _load_pack()
+adapter, pack_dispatcher, _ = load_pack()
 ORG = "kernels-community"
 
 
-def qkv(b=1, lq=6, lk=6, h=2, d=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(b, s, h, d, generator=g) for s in (lq, lk, lk))
+qkv = functools.partial(tensors.qkv, b=1, lq=6, lk=6, h=2, d=16)
 
 
 def sdpa(q, k, v):
@@ -379,9 +378,7 @@ def nodes(monkeypatch):
     reset(pd)
 
 
-def comfy_qkv(seed, b=1, lq=8, h=2, d=16):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(b, lq, h * d, generator=g) for _ in range(3))
+comfy_qkv = functools.partial(tensors.qkv, b=1, lq=8, lk=8, h=2, d=16, flat=True)  # ComfyUI's (B, L, H*D)
 
 
 def sample(model, steps=3, calls=2, seed=0):
@@ -396,7 +393,7 @@ def sample(model, steps=3, calls=2, seed=0):
             sigmas = torch.linspace(1.0, 0.0, steps + 1)
             options = {**to, "sample_sigmas": sigmas, "sigmas": sigmas[step:step + 1]}
             for i in range(calls):
-                q, k, v = comfy_qkv(seed + 10 * step + i)
+                q, k, v = comfy_qkv(seed=seed + 10 * step + i)
                 outs.append((override(comfy_func, q, k, v, 2, transformer_options=options),
                              comfy_func(q, k, v, 2)))
         return "latent"

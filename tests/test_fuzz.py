@@ -27,8 +27,8 @@ from dispatcher import (AttentionInputError, BackendNotSupportedError, BackendUn
                         UnknownBackendError, dispatch_attention_fn, recording, state)
 from dispatcher import auto as tuner
 
-import node_stub
-from test_adapter import _load_pack, comfy_func
+from helpers import node_stub
+from helpers.pack import comfy_func, load_pack
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -400,7 +400,7 @@ def test_odd_calls_raise_a_documented_error_naming_the_argument(call, mutation, 
 
 # ------------------------------------------------------------------------------------------------ the adapter
 
-adapter, pack_dispatcher, _ = _load_pack()
+adapter, pack_dispatcher, _ = load_pack()
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Hub kernels through the REAL `kernels` library: trust rules, recording, lock files, failures.
 
-Kernel repositories are built on disk (tests/kernel_repos.py) and loaded by `kernels` 0.17 through
+Kernel repositories are built on disk (tests/helpers/kernel_repos.py) and loaded by `kernels` 0.17 through
 LOCAL_KERNELS (read by `kernels` on each call: in process) or the offline HF cache (HF_HUB_CACHE /
 KERNELS_CACHE + HF_HUB_OFFLINE=1, read when huggingface_hub/kernels are imported: in a subprocess).
 No network is needed; `kernels` itself never checks trust on these paths (LOCAL_KERNELS is never
@@ -23,13 +23,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kernel_repos as kr  # noqa: E402
-
-import dispatcher  # noqa: E402
-from dispatcher import caches, env, hub, registry, trust  # noqa: E402
-from dispatcher.machine import Machine, current_machine, use_machine  # noqa: E402
-from dispatcher.spec import HubKernel  # noqa: E402
+import dispatcher
+from dispatcher import caches, env, hub, registry, trust
+from dispatcher.machine import Machine, current_machine, use_machine
+from dispatcher.spec import HubKernel
+from helpers import kernel_repos as kr
+from helpers import tensors
 
 kernels = pytest.importorskip("kernels")
 
@@ -64,8 +63,7 @@ def hub_state(monkeypatch, tmp_path):
 
 @pytest.fixture
 def qkv():
-    torch.manual_seed(0)
-    return tuple(torch.randn(2, 16, 4, 32) for _ in range(3))
+    return tensors.qkv(b=2, lq=16, lk=16, h=4, d=32, seed=0)
 
 
 def reference(q, k, v, causal=False):

@@ -2,9 +2,9 @@
 library, the lock file round trip into the dispatcher, and never breaking an install.
 
 Planning runs in process on machines injected through `use_machine` (dispatcher.install_plan.SIMULATED).
-Fetching runs the real `install.py` in fresh interpreters (tests/install_runner.py) whose
-HF_ENDPOINT points at a local stand-in for the Hub (tests/fake_hub.py) serving kernel repositories
-built with tests/kernel_repos.py: `kernels.install_kernel` takes its normal online path (trust check,
+Fetching runs the real `install.py` in fresh interpreters (tests/helpers/install_runner.py) whose
+HF_ENDPOINT points at a local stand-in for the Hub (tests/helpers/fake_hub.py) serving kernel repositories
+built with tests/helpers/kernel_repos.py: `kernels.install_kernel` takes its normal online path (trust check,
 version branches, variant selection, snapshot download) and nothing leaves the machine.
 """
 
@@ -23,16 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kernel_repos as kr  # noqa: E402
-from fake_hub import FakeHub  # noqa: E402
-
-import dispatcher  # noqa: E402
-from dispatcher import env, hub, registry  # noqa: E402
-from dispatcher.tools import doctor, fetch, install_plan as ip, installer  # noqa: E402
-from dispatcher.machine import current_machine, detect, use_machine  # noqa: E402
-from dispatcher.requirements import EnvOptIn, Package, Probe, TorchVersion  # noqa: E402
-from dispatcher.spec import HubKernel  # noqa: E402
+import dispatcher
+from dispatcher import env, hub, registry
+from dispatcher.tools import doctor, fetch, install_plan as ip, installer
+from dispatcher.machine import current_machine, detect, use_machine
+from dispatcher.requirements import EnvOptIn, Package, Probe, TorchVersion
+from dispatcher.spec import HubKernel
+from helpers import kernel_repos as kr
+from helpers.fake_hub import FakeHub
 
 kernels = pytest.importorskip("kernels")
 
@@ -449,7 +447,7 @@ def _child_env(**extra: str) -> dict:
 def _run_install(config: dict, tmp: Path, **extra_env: str) -> dict[str, dict]:
     path = tmp / f"install-config-{len(list(tmp.glob('install-config-*')))}.json"
     path.write_text(json.dumps(config))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "install_runner.py"), str(path)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "install_runner.py"), str(path)], cwd=ROOT,
                           env=_child_env(**extra_env), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")][-1]

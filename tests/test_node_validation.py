@@ -1,5 +1,5 @@
 """Queue-time validation of every input of every node, Trust Remote Kernels' publishers, and what the reports
-say when nodes are chained (CPU, no ComfyUI: tests/node_stub.py). The same cases inside a real ComfyUI, through
+say when nodes are chained (CPU, no ComfyUI: tests/helpers/node_stub.py). The same cases inside a real ComfyUI, through
 its HTTP API: tests/integration/test_node_inputs.py."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-import node_stub
-from test_adapter import PACK
+from helpers import node_stub
+from helpers.pack import PACK
 
 BAD_NUMBERS = ["abc", None, float("nan"), float("inf"), -float("inf"), True, [1], {"x": 1}]
 
@@ -34,7 +34,9 @@ def _good(nodes):
     """A valid value for every field of every node, and each node's validate_inputs."""
     return {
         nodes.SetAttentionBackend: (nodes.SET_FIELDS, {"backend": "native", "policy": "fallback",
-                                                       "start_percent": 0.0, "end_percent": 1.0}),
+                                                       "start_percent": 0.0, "end_percent": 1.0, "block_start": 0,
+                                                       "block_end": -1, "quality_guard": "quantised kernels",
+                                                       "guard_every": 20}),
         nodes.SetClipAttentionBackend: (nodes.CLIP_FIELDS, {"backend": "native", "policy": "strict"}),
         nodes.AttentionChecks: (nodes.CHECKS_FIELDS, {"mode": "warn", "compare": True, "compare_every": 10}),
         nodes.TrustRemoteKernels: (nodes.TRUST_FIELDS, {"publishers": _untrusted(nodes)[0]}),
@@ -98,7 +100,8 @@ def test_cross_field_rules(nodes):
 
 def test_unknown_values_name_the_close_match(nodes):
     answer = nodes.SetAttentionBackend.validate_inputs("flsh", "fallback", 0.0, 1.0)
-    assert answer == ("backend: unknown attention backend 'flsh'. Did you mean 'flash'? Valid: auto, comfy default, "
+    assert answer == ("backend: unknown attention backend 'flsh'. Did you mean 'flash'? Valid: auto_exact, auto_fast, "
+                      "comfy default, "
                       + ", ".join(nodes.backend_names())), answer
     assert "Did you mean 'strict'?" in nodes.SetClipAttentionBackend.validate_inputs("native", "Strict")
     explode = nodes.AttentionChecks.validate_inputs("explode", False, 10)

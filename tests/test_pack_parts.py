@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
-from test_adapter import PACK, comfy_func
+from helpers.pack import PACK, comfy_func, load_pack
 
+load_pack()
 clip_patch = importlib.import_module(f"{PACK}.nodes.clip_patch")
 reports = importlib.import_module(f"{PACK}.nodes.reports")
 routes = importlib.import_module(f"{PACK}.nodes.routes")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -13,15 +14,13 @@ from dispatcher import (AttentionInputError, BackendNotSupportedError, HeadDims,
                         dispatch_attention_fn, fallback_order, fallback_policy, recording, register_backend,
                         register_mask_format, unregister_backend)
 from dispatcher import masks as masks_module
+from helpers import tensors
 
 LOGGER = "attention_dispatch"
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
-def qkv(b=1, lq=6, lk=6, h=2, d=16, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, lq, h, d, generator=gen, dtype=dtype), torch.randn(b, lk, h, d, generator=gen, dtype=dtype),
-            torch.randn(b, lk, h, d, generator=gen, dtype=dtype))
+qkv = functools.partial(tensors.qkv, b=1, lq=6, lk=6, h=2, d=16)
 
 
 def sdpa_bshd(q, k, v, attn_mask=None):

@@ -26,14 +26,14 @@ import torch
 import dispatcher
 from dispatcher import env, hub, registry, trust
 
-import kernel_repos as kr
-import node_stub
-from dispatcher_state import remove_custom_backends, reset
-from test_adapter import PACK, _load_pack, comfy_func
+from helpers import kernel_repos as kr
+from helpers import node_stub
+from helpers.dispatcher_state import remove_custom_backends, reset
+from helpers.pack import PACK, comfy_func, load_pack
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 kernels = pytest.importorskip("kernels")
-adapter, pack_dispatcher, _ = _load_pack()
+adapter, pack_dispatcher, _ = load_pack()
 routes = importlib.import_module(f"{PACK}.nodes.routes")
 reports = importlib.import_module(f"{PACK}.nodes.reports")
 ROOT = Path(__file__).resolve().parent.parent
@@ -406,14 +406,14 @@ if os.environ.get("ATTN_GUARD_KERNELS"):
 IMPORT_ALL = textwrap.dedent(f'''
     import importlib, importlib.util, sys, types
     sys.path.insert(0, {str(ROOT)!r})
-    sys.path.insert(0, {str(ROOT / "tests")!r})
+    sys.path.insert(0, {str(ROOT / "tests")!r})  # a child process: pytest's pythonpath does not reach it
     import dispatcher, dispatcher.auto, dispatcher.tools.doctor, dispatcher.tools.bench, dispatcher.tools.installer
     spec = importlib.util.spec_from_file_location("packundertest", {str(ROOT / "__init__.py")!r},
                                                   submodule_search_locations=[{str(ROOT)!r}])
     pack = importlib.util.module_from_spec(spec)
     sys.modules["packundertest"] = pack
     spec.loader.exec_module(pack)
-    import node_stub
+    from helpers import node_stub
     for name, module in node_stub.stub_modules().items():
         sys.modules[name] = module
     for sub in ("nodes.adapter", "nodes.routes", "nodes.reports", "nodes.model_nodes", "nodes.clip_patch",
@@ -476,7 +476,7 @@ def test_install_py_fetches_nothing_with_disable(tmp_path, repos):
     path = tmp_path / "install.json"
     path.write_text(json.dumps(config))
     proc, events = guarded_python(tmp_path, None, {"INSTALL_RUNNER_NO_MARKS": "1"}, kernels_guard=True,
-                                  args=(str(ROOT / "tests" / "install_runner.py"), str(path)))
+                                  args=(str(ROOT / "tests" / "helpers" / "install_runner.py"), str(path)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = {s["id"]: s for s in json.loads([ln for ln in proc.stdout.splitlines()
                                              if ln.startswith("RESULTS ")][-1][len("RESULTS "):])}
@@ -490,6 +490,6 @@ def test_install_py_fetches_nothing_with_disable(tmp_path, repos):
     config["steps"] = [{"id": "control", "argv": ["--json", "--only", "sec_fetch_hub"], "env": {TRUST: "true"}}]
     path.write_text(json.dumps(config))
     proc, events = guarded_python(tmp_path, None, {"INSTALL_RUNNER_NO_MARKS": "1"}, kernels_guard=True,
-                                  args=(str(ROOT / "tests" / "install_runner.py"), str(path)))
+                                  args=(str(ROOT / "tests" / "helpers" / "install_runner.py"), str(path)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert events, "the control run fetched nothing: the guard proves nothing"

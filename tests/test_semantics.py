@@ -3,6 +3,7 @@ inductor with every mask shape, strict reasons, and the (B, Lk) / (Lq, Lk) mask 
 
 from __future__ import annotations
 
+import functools
 import types
 
 import pytest
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 import dispatcher
 from dispatcher import AttentionInputError, BackendNotSupportedError, checks, dispatch_attention_fn, masks, registry
+from helpers import tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile",
                                         "ignore:return_lse is deprecated")
@@ -18,12 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 CPU_BACKENDS = ("native", "_native_math", "_native_flash", "flex")
 
 
-def qkv(b=2, lq=32, lk=32, h=4, d=32, dv=None, bk=None, hk=None, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, lq, h, d, generator=gen)
-    k = torch.randn(bk or b, lk, hk or h, d, generator=gen)
-    v = torch.randn(bk or b, lk, hk or h, dv or d, generator=gen)
-    return tuple(x.to(dtype) for x in (q, k, v))
+qkv = functools.partial(tensors.qkv, b=2, lq=32, lk=32, h=4, d=32)
 
 
 def sdpa(q, k, v, **kwargs):

@@ -3,11 +3,20 @@
 //
 // Inputs are the pack's own JSON: GET /attention_dispatch/backends ({backends: [{name, available,
 // reasons, fallback, description, ...}], machine}) and the `attention_dispatch.report` websocket
-// message (nodes/reports.py: {kind, node, prompt_id, backend, policy, recorder: {calls, rows, errors},
-// compare?}).
+// message (nodes/reports.py: {kind, node, prompt_id, backend, policy, recorder: {calls, rows, errors, guard},
+// guard?, fallback_every_call?, blocks?, compare?}).
 
-/** Combo values that are not registry backends and always run. */
-export const ALWAYS_AVAILABLE = new Set(["auto", "comfy default"]);
+/** Combo values that are not registry backends and always run ("auto" = auto_exact, from older workflows). */
+export const ALWAYS_AVAILABLE = new Set(["auto_exact", "auto_fast", "auto", "comfy default"]);
+
+/** What the dropdown says beside the values that are not registry backends. */
+export const PSEUDO_NOTES = {
+  auto_exact: "fastest exact kernel for each call, judged on this model's own activations; never a quantised kernel",
+  auto_fast: "also quantised kernels (SageAttention) whose error on this model's activations stays within 5e-2, " +
+    "watched by the quality guard",
+  auto: "older name of auto_exact: best available exact kernel for each call",
+  "comfy default": "ComfyUI's own attention",
+};
 
 export const MARK_UNAVAILABLE = "\u2717"; // ✗
 export const MARK_AVAILABLE = "\u2713"; // ✓
@@ -62,8 +71,7 @@ export function isUnavailable(index, value) {
 export function menuEntry(index, value) {
   const s = statusOf(index, value);
   if (!s) {
-    const text = value === "auto" ? "best available backend for each call"
-      : value === "comfy default" ? "ComfyUI's own attention" : "";
+    const text = Object.prototype.hasOwnProperty.call(PSEUDO_NOTES, value) ? PSEUDO_NOTES[value] : "";
     return { value, label: String(value), note: text, title: text, unavailable: false };
   }
   if (s.available) {
@@ -217,12 +225,25 @@ export function summarizeReport(report) {
     const sites = [...e.sites.entries()].map(([s, n]) => `${s} ${n}`).join(", ");
     lines.push(`Ran: ${name} \u2014 ${plural(e.calls, "call")}${sites ? ` (${sites})` : ""}`);
   }
+  // A fallback on every call (the backend never ran at those sites) says so in its line; one the rows do not show
+  // (an older report) gets a line of its own.
+  const everyCall = everyCallFallbacksOf(report);
+  const shown = new Set();
   for (const fb of fallbacks.values()) {
     const why = [...new Set([...fb.reasons].map((r) => reasonText(r, fb.requested)))].filter(Boolean).join("; ");
+    const every = everyCall.find((e) => e.requested === fb.requested && e.served.includes(fb.served));
+    if (every) shown.add(every);
+    const tag = !every ? "" : every.every_site ? " (every call)" : ` (every call at ${every.sites.join(", ")})`;
     lines.push(`${MARK_WARNING} Fell back: ${fb.requested} \u2192 ${fb.served} for ${plural(fb.calls, "call")}` +
-      (why ? `: ${why}` : ""));
+      tag + (why ? `: ${why}` : ""));
   }
+  for (const e of everyCall) if (!shown.has(e)) lines.push(`${MARK_WARNING} ${everyCallText(e)}`);
   for (const err of errors) lines.push(`${MARK_UNAVAILABLE} ${err.backend} failed at ${err.site}: ${err.error}`);
+  const guard = guardOf(report);
+  const caught = guard.filter((g) => g.failures.length);
+  for (const g of guard) lines.push(...guardLines(g));
+  const unapplied = unappliedBlocksOf(report);
+  for (const u of unapplied) lines.push(`${MARK_WARNING} ${unappliedText(report, u)}`);
   if (ms != null) lines.push(`Time in attention: ${formatMs(ms)}`);
   lines.push(...notes);
 
@@ -230,15 +251,83 @@ export function summarizeReport(report) {
   const names = order.map(([n]) => n);
   let badge = calls ? `${names.length > 1 ? `${top} +${names.length - 1}` : top} \u00b7 ${plural(calls, "call")}`
     : overriddenBy ? `overridden by #${overriddenBy.node}` : "no attention calls";
-  if (ms != null) badge += ` \u00b7 ${formatMs(ms)}`;
-  const level = errors.length ? "error" : fallbacks.size || (overriddenBy && !calls) ? "warn" : calls ? "ok" : "info";
+  // What needs a look comes first on the badge: a kernel the guard caught, a backend that never ran, a block
+  // range that could not apply.
+  if (caught.length) {
+    const g = caught[0];
+    const to = g.failures.map((f) => f.replacement).filter(Boolean)[0];
+    badge = `guard caught ${g.backend}${to ? ` \u2192 ${to}` : ""}`;
+  } else if (everyCall.length) {
+    const e = everyCall[0];
+    badge = `${e.requested} \u2192 ${e.served.join("/")} every call`;
+  } else if (unapplied.length) {
+    badge = "block range not applied";
+  }
+  if (ms != null && !caught.length && !everyCall.length && !unapplied.length) badge += ` \u00b7 ${formatMs(ms)}`;
+  const level = errors.length ? "error"
+    : fallbacks.size || caught.length || everyCall.length || unapplied.length || (overriddenBy && !calls) ? "warn"
+      : calls ? "ok" : "info";
   badge = `${level === "ok" ? MARK_AVAILABLE : level === "info" ? "" : MARK_WARNING} ${truncate(badge, 40)}`.trim();
   return {
     badge, lines, level, calls, requested,
     served: Object.fromEntries(order.map(([n, e]) => [n, e.calls])),
     fallbacks: [...fallbacks.values()].map((f) => ({ ...f, reasons: [...f.reasons] })),
-    errors, timeMs: ms,
+    errors, timeMs: ms, guard, everyCall, unappliedBlocks: unapplied,
   };
+}
+
+function strings(list) {
+  return Array.isArray(list) ? list.map(String) : [];
+}
+
+/** The report's quality-guard results ({site, backend, checks, max_error, failures: [{reason, replacement}]}). */
+export function guardOf(report) {
+  const list = Array.isArray(report?.guard) ? report.guard
+    : Array.isArray(report?.recorder?.guard) ? report.recorder.guard : [];
+  return list.filter((g) => g && typeof g === "object").map((g) => ({
+    site: String(g.site ?? ""), backend: String(g.backend ?? ""), checks: Number(g.checks) || 0,
+    max_error: Number.isFinite(g.max_error) ? g.max_error : null,
+    failures: (Array.isArray(g.failures) ? g.failures : []).filter((f) => f && typeof f === "object")
+      .map((f) => ({ reason: String(f.reason ?? ""), replacement: String(f.replacement ?? "") })),
+  }));
+}
+
+function guardLines(g) {
+  const err = g.max_error != null ? `, max error ${g.max_error.toExponential(1)}` : "";
+  const lines = [`Quality guard: ${g.backend} at ${g.site} \u2014 ${plural(g.checks, "check")}${err}`];
+  for (const f of g.failures) {
+    lines.push(`${MARK_WARNING} Quality guard caught ${g.backend} at ${g.site}: ${f.reason}; ` + (f.replacement
+      ? `that call was recomputed with ${f.replacement}, and ${g.backend} is demoted for this model and call shape`
+      : "no exact backend was left to recompute it"));
+  }
+  return lines;
+}
+
+/** Fallbacks that happened on every call at their sites (nodes/reports.py every_call_fallbacks). */
+export function everyCallFallbacksOf(report) {
+  const list = Array.isArray(report?.fallback_every_call) ? report.fallback_every_call : [];
+  return list.filter((e) => e && typeof e === "object" && typeof e.requested === "string").map((e) => ({
+    requested: e.requested, served: strings(e.served), sites: strings(e.sites), calls: Number(e.calls) || 0,
+    reasons: strings(e.reasons), every_site: e.every_site !== false,
+  }));
+}
+
+function everyCallText(e) {
+  const where = e.every_site ? "" : ` at ${e.sites.join(", ")}`;
+  const why = [...new Set(e.reasons.map((r) => reasonText(r, e.requested)))].filter(Boolean).join("; ");
+  return `${e.requested} fell back to ${e.served.join(" / ")} on every call${where}${why ? `: ${why}` : ""}`;
+}
+
+/** Sites where the node's block range could not apply ({sites, reason}). */
+export function unappliedBlocksOf(report) {
+  const list = Array.isArray(report?.blocks?.unapplied) ? report.blocks.unapplied : [];
+  return list.filter((u) => u && typeof u === "object").map((u) => ({ sites: strings(u.sites),
+                                                                     reason: String(u.reason ?? "") }));
+}
+
+function unappliedText(report, u) {
+  const range = Array.isArray(report?.blocks?.range) ? ` ${report.blocks.range.join("..")}` : "";
+  return `Block range${range} not applied at ${u.sites.join(", ")}: ${u.reason}; every block used the backend.`;
 }
 
 /** The report's `notes` (why a node ran nothing, which node took over): plain strings. */
@@ -298,6 +387,22 @@ export function mergeReports(reports) {
                                            elapsed_s, ...rest }) => rest);
   const out = { ...last, runs: list.length, recorder: { ...(last.recorder ?? {}), rows: merged, errors,
     calls: merged.reduce((a, r) => a + r.calls, 0) } };
+  const guard = new Map();
+  for (const g of list.flatMap((r) => guardOf(r))) {
+    const key = `${g.site}\u0000${g.backend}`;
+    const prev = guard.get(key);
+    if (!prev) { guard.set(key, { ...g, failures: [...g.failures] }); continue; }
+    prev.checks += g.checks;
+    if (g.max_error != null && (prev.max_error == null || g.max_error > prev.max_error)) prev.max_error = g.max_error;
+    prev.failures.push(...g.failures);
+  }
+  out.guard = [...guard.values()];
+  out.recorder.guard = out.guard;
+  const unique = (items) => [...new Map(items.map((x) => [JSON.stringify(x), x])).values()];
+  out.fallback_every_call = unique(list.flatMap((r) => everyCallFallbacksOf(r)));
+  if (last.blocks && typeof last.blocks === "object") {
+    out.blocks = { ...last.blocks, unapplied: unique(list.flatMap((r) => unappliedBlocksOf(r))) };
+  }
   for (const k of [...MS_KEYS, ...S_KEYS]) { delete out[k]; delete out.recorder[k]; }
   delete out.recorder.timing;
   if (ms != null) out.attention_ms = ms;

@@ -1,31 +1,35 @@
-"""`auto` and `auto_exact`: for each attention signature, the fastest backend whose result is correct, measured once.
+"""`auto_exact` and `auto_fast`: for each attention signature and model, the fastest backend that keeps the picture.
 
-For a call signature met for the first time (device, dtype, B, H, Hk, Lq, Lk, D, Dv, mask kind and
-shape, causal, GQA, scale, dropout, lse, grad), the tuner
+- `auto_exact`: exact kernels only (error at bf16 rounding level; never a quantised kernel).
+- `auto_fast`: also quantised kernels (SageAttention's int8/fp8) whose relative error on the model's own
+  activations is at most `FAST_BOUND` (docs/auto.md says why that number); the quality guard
+  (dispatcher/guard.py) then watches them while sampling.
+- `auto`: the name older workflows and callers use, the same as `auto_exact`.
+
+For a call signature met for the first time, the tuner
 - lists the candidates: every registered backend that can run on this machine and supports the call
   (Hub kernels only once fetched or loaded: `auto` never downloads code on its own);
-- runs each on random inputs of that signature (its own seeded generator: the caller's RNG stream is
-  untouched; memory capped by shrinking the lengths), checks the output against exact attention
-  computed in float64 on a sample of query rows (relative error within the backend's `error_bound`,
-  no NaN/Inf), so a kernel producing noise (Sage on some builds) is rejected with the reason;
-- times the valid ones (warm-up, then the median of a few runs; CUDA events on GPUs) within a time
-  budget per signature, and keeps the fastest.
-Decisions live in memory (the dispatcher's hot path never comes back here once decided) and on disk
-(JSON, `ATTN_DISPATCH_TUNE_CACHE` or ~/.cache/attention_dispatch/tune.json), keyed by the machine:
-GPU name and capability (or CPU model), torch and the attention packages' versions. Any version change,
-or a change in the set of candidates, means measuring again. Past `max_signatures` timed signatures per
-process, or when timing is impossible (dropout, inside torch.compile tracing), the declared
-priority order decides without timing. `report()` / `explain()` say what was measured, rejected
-and chosen, and what it cost.
+- judges each on the call's own query/key/value/mask (the live tensors, not noise): its output against exact
+  attention computed in float64 on a sample of query rows; NaN/Inf or an error past its bound rejects it,
+  with the reason. A verdict belongs to the model it was made on (`model=` / `model_scope`);
+- times the valid ones on the same tensors (warm-up, then the median of a few runs; CUDA events on GPUs)
+  within a time budget per signature, and keeps the fastest (a preferred one within timing noise wins ties).
+Decisions live in memory (the hot path never comes back here once decided) and on disk (JSON,
+`ATTN_DISPATCH_TUNE_CACHE` or ~/.cache/attention_dispatch/tune.json), keyed by the machine (GPU or CPU
+model, torch and attention package versions) and the set of candidates. On disk, timings are shared by
+every model; verdicts are kept per model and reused only for the same model (calls without a model scope
+keep theirs in memory). `tune(signature)` without tensors times on noise and leaves verdicts to the first
+live call; noise never admits a quantised kernel. Past `max_signatures` timed signatures per process, or
+when timing is impossible (dropout, a traced `auto_exact` call), the priority order decides among exact
+kernels. `report()` / `explain()` say what was judged, timed, rejected and chosen, and what it cost.
 
-`auto_exact` is the same with exact kernels only (never a quantised one, e.g. int8 SageAttention).
-
-    from dispatcher import auto
-    out = dispatch_attention_fn(q, k, v, backend="auto")
+    from dispatcher import auto, model_scope
+    with model_scope("my-unet"):
+        out = dispatch_attention_fn(q, k, v, backend="auto_fast")
     print(auto.explain())
 
-This wing registers the two pseudo-backends with the registry; the dispatcher asks the registry for them
-and never imports this package.
+This wing registers the pseudo-backends with the registry; the dispatcher asks the registry for them and
+never imports this package.
 """
 
 from __future__ import annotations
@@ -39,12 +43,14 @@ from ..inputs import AttentionInputs
 from .cache import CACHE_FORMAT, ENV_CACHE, default_cache_path  # noqa: F401  (public names)
 from .fingerprint import cpu_model, fingerprint_key, machine_fingerprint  # noqa: F401
 from .measure import QUADRATIC_MEMORY  # noqa: F401
-from .reference import exact_attention, first_line, non_finite, relative_error, sample_rows  # noqa: F401
+from ..reference import exact_attention, first_line, non_finite, relative_error, sample_rows  # noqa: F401
 from .tuner import (DEFAULT_BUDGET_S, DEFAULT_MAX_SIGNATURES, ENV_BUDGET, ENV_MAX_SIGNATURES,  # noqa: F401
-                    CandidateResult, Tuner, TuneRecord, pick)
+                    FAST_BOUND, CandidateResult, Tuner, TuneRecord, pick)
 
-AUTO = "auto"
 AUTO_EXACT = "auto_exact"
+AUTO_FAST = "auto_fast"
+AUTO = "auto"  # kept for older workflows and callers: the same as auto_exact
+PSEUDO_BACKENDS = (AUTO_EXACT, AUTO_FAST, AUTO)
 
 _default: Tuner | None = None
 _default_lock = threading.Lock()
@@ -106,13 +112,14 @@ def clear_cache(disk: bool = True) -> None:
 
 
 def _resolver(exact: bool):
-    def resolve(inputs: AttentionInputs, call, *, timing: bool) -> tuple[str, bool]:
-        if call is None:
-            return default_tuner().choose(inputs, timing=timing, exact=exact)
-        return default_tuner().choose(inputs, layout=call.layout, timing=timing, exact=exact,
-                                      tensors=(call.query, call.key, call.value, call.attn_mask))
+    def resolve(inputs: AttentionInputs, call, *, model: str, timing: bool) -> tuple[str, bool]:
+        return default_tuner().choose(inputs, layout=call.layout if call is not None else "BSHD", live=call,
+                                      timing=timing, exact=exact, model=model)
     return resolve
 
 
-registry.add_resolver(AUTO, _resolver(exact=False))
-registry.add_resolver(AUTO_EXACT, _resolver(exact=True))
+# Inside torch.compile both decide at run time in one opaque op (their verdicts need the live values; measured on
+# the H200, the op costs nothing in a compiled WAN step and keeps it free of graph breaks).
+registry.add_resolver(AUTO_EXACT, _resolver(exact=True), needs_live_values=True)
+registry.add_resolver(AUTO_FAST, _resolver(exact=False), needs_live_values=True)
+registry.add_resolver(AUTO, _resolver(exact=True), needs_live_values=True)  # the older name: the same as auto_exact

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import caches, env, registry, trust
+from .. import caches, env, registry, state, trust
 from ..call import AttentionCall
 from ..checks import check_shapes, check_structure
 from ..decisions import Candidate
@@ -23,7 +23,7 @@ from ..inputs import AttentionInputs, describe_call
 from . import cache
 from .fingerprint import fingerprint_key, machine_fingerprint
 from .measure import QUADRATIC_MEMORY, random_inputs, shrink, sync, time_calls, validate
-from .reference import exact_attention, first_line, sample_rows
+from ..reference import exact_attention, first_line, sample_rows
 
 logger = logging.getLogger("attention_dispatch")
 
@@ -32,6 +32,10 @@ ENV_MAX_SIGNATURES = "ATTN_DISPATCH_TUNE_MAX_SIGNATURES"
 DEFAULT_BUDGET_S = 2.0
 DEFAULT_MAX_SIGNATURES = 32
 DEFAULT_TIE_MARGIN = 0.03  # at most: how much a later backend in priority order must beat an earlier one by
+# `auto_fast` admits a quantised kernel whose relative error on the model's own activations (sampled query rows
+# against float64 exact attention) is at most this; see docs/auto.md for the measurements behind it.
+FAST_BOUND = 5e-2
+LIVE, NOISE, DISK = "live values", "noise", "disk"
 
 
 def pick(valid: list, tie_margin: float):
@@ -56,7 +60,7 @@ def _spread(times_ms: list[float]) -> float:
 @dataclass
 class CandidateResult:
     name: str
-    status: str  # chosen | valid | rejected | untimed
+    status: str  # chosen | valid | rejected | untimed | unjudged (quantised, and no live values to judge it on)
     priority: int = 0  # its place among the candidates, in the registry's priority order
     error_bound: float = 0.0
     rel_error: float | None = None
@@ -79,6 +83,8 @@ class TuneRecord:
     layout: str = "BSHD"
     trust_sensitive: bool = False
     exact: bool = False  # decided for auto_exact (no quantised kernel)
+    model: str = state.UNSCOPED_MODEL  # whose activations the verdicts were made on
+    judged_on: str = ""  # live values | noise (provisional, judged again on the first live call) | disk
 
     @property
     def rejected(self) -> list[CandidateResult]:
@@ -86,7 +92,7 @@ class TuneRecord:
 
     def as_dict(self) -> dict[str, Any]:
         return {"signature": self.signature.as_dict(), "description": self.signature.describe(), "exact": self.exact,
-                "chosen": self.chosen,
+                "model": self.model, "judged_on": self.judged_on, "chosen": self.chosen,
                 "source": self.source, "reason": self.reason, "seconds": round(self.seconds, 4),
                 "layout": self.layout, "timed_shape": self.timed_shape,
                 "candidates": [asdict(c) for c in self.candidates],
@@ -143,35 +149,35 @@ class Tuner:
         return 512 << 20
 
     # -- the dispatcher's entry
-    def choose(self, inputs: AttentionInputs, *, layout: str = "BSHD", tensors=None, timing: bool = True,
-               exact: bool = False) -> tuple[str, bool]:
-        """(backend name, whether the choice depends on trust settings) for these inputs; exact=True: never a
-        quantised kernel."""
-        key = self._key(inputs, exact)
+    def choose(self, inputs: AttentionInputs, *, layout: str = "BSHD", live: AttentionCall | None = None,
+               timing: bool = True, exact: bool = False, model: str = state.UNSCOPED_MODEL) -> tuple[str, bool]:
+        """(backend name, whether the choice depends on trust settings) for these inputs of `model`; live: the
+        call itself (its tensors judge accuracy); exact=True: never a quantised kernel."""
+        key = self._key(inputs, exact, model)
         hit = self._choices.get(key)
         if hit is not None:
             return hit
         with self._lock:
             hit = self._choices.get(key)
             if hit is None:
-                record = self._resolve(inputs, exact, layout=layout, tensors=tensors, timing=timing)
+                record = self._resolve(inputs, exact, layout=layout, live=live, timing=timing, model=model)
                 hit = (record.chosen, record.trust_sensitive)
-                if timing or record.source != "preference":  # a traced guess must not stop a later measurement
-                    self._choices[key] = hit
+                if record.judged_on in (LIVE, DISK) or record.source in ("only-candidate", "none"):
+                    self._choices[key] = hit  # a provisional choice (no live values yet) is made again next time
         return hit
 
     @staticmethod
-    def _key(sig: AttentionInputs, exact: bool) -> tuple:
-        """What a choice depends on besides the signature: trust settings and the machine (use_machine)."""
-        return sig, exact, trust.scope_key(), fingerprint_key(machine_fingerprint())
+    def _key(sig: AttentionInputs, exact: bool, model: str) -> tuple:
+        """What a choice depends on besides the signature: the model, trust settings and the machine."""
+        return sig, exact, model, trust.scope_key(), fingerprint_key(machine_fingerprint())
 
     def tune(self, what, key=None, value=None, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-             return_lse=False, dropout_p=0.0, layout="BSHD", force=False, exact=False) -> TuneRecord:
-        """Decide `auto` for an AttentionInputs signature or tensors (query[, key, value]) now; the record.
-
-        force=True measures again even when memory or disk already has a decision; exact=True: as `auto_exact`.
-        """
-        tensors = None
+             return_lse=False, dropout_p=0.0, layout="BSHD", force=False, exact=False, model=None) -> TuneRecord:
+        """Decide `auto` for tensors (query[, key, value]: judged on them) or an AttentionInputs signature (timed
+        on noise; its verdicts wait for live values) now; the record. force=True measures again even when memory
+        or disk already has a decision; exact=True: as `auto_exact`; model: default the active `model_scope`."""
+        live = None
+        model = state.validate_model(model) if model is not None else state.active_model()
         if isinstance(what, AttentionInputs):
             inputs = what
         elif isinstance(what, torch.Tensor):
@@ -181,14 +187,17 @@ class Tuner:
             inputs = describe_call(what, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                                    layout)
             check_structure(inputs)
-            tensors = (what, key, value, attn_mask)
+            live = AttentionCall(what, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                 layout=layout, return_lse=return_lse)
         else:
             raise TypeError(f"tune() takes an AttentionInputs signature or a query tensor; got {type(what).__name__}")
         with self._lock:
-            record = self._resolve(inputs, exact, layout=layout, tensors=tensors, timing=True, use_disk=not force)
+            record = self._resolve(inputs, exact, layout=layout, live=live, timing=True, model=model,
+                                   use_disk=not force)
             if force:
                 caches.forget()  # the dispatcher's decisions may hold the previous choice
-            self._choices[self._key(inputs, exact)] = (record.chosen, record.trust_sensitive)
+            if record.judged_on in (LIVE, DISK):
+                self._choices[self._key(inputs, exact, model)] = (record.chosen, record.trust_sensitive)
         return record
 
     # -- reports
@@ -212,8 +221,11 @@ class Tuner:
                  f"{sum(r.seconds for r in records):.2f} s spent (budget {self.time_budget_s:g} s per signature, "
                  f"at most {self.max_signatures} timed)"]
         for r in records:
+            kind = "auto_exact" if r.exact else "auto_fast"
+            judged = f", judged on {r.judged_on}" if r.judged_on else ""
             lines.append(f"  {r.signature.describe()}")
-            lines.append(f"    -> {r.chosen} ({r.source}{': ' + r.reason if r.reason else ''}; {r.seconds:.2f} s)")
+            lines.append(f"    {kind} for model {r.model} -> {r.chosen} ({r.source}{judged}"
+                         f"{': ' + r.reason if r.reason else ''}; {r.seconds:.2f} s)")
             for c in r.candidates:
                 timing = f"{c.median_ms:.3f} ms" if c.median_ms is not None else "not timed"
                 error = f"err {c.rel_error:.1e}" if c.rel_error is not None else "err -"
@@ -267,87 +279,105 @@ class Tuner:
         return names, skipped, sensitive  # registry.names() is the priority order
 
     # -- deciding
-    def _resolve(self, sig: AttentionInputs, exact: bool, *, layout: str, tensors, timing: bool,
+    def _resolve(self, sig: AttentionInputs, exact: bool, *, layout: str, live, timing: bool, model: str,
                  use_disk: bool = True) -> TuneRecord:
         start = time.perf_counter()
         names, skipped, sensitive = self.candidates(sig, exact)
         record = TuneRecord(sig, names[0] if names else "native", "preference", skipped=skipped, layout=layout,
-                            trust_sensitive=sensitive, exact=exact)
-        record.candidates = [CandidateResult(n, "untimed", i, registry.get(n).error_bound) for i, n in enumerate(names)]
+                            trust_sensitive=sensitive, exact=exact, model=model)
+        record.candidates = [CandidateResult(n, "untimed", i, _bound(registry.get(n))) for i, n in enumerate(names)]
+        from_disk = use_disk and len(names) > 1 and self._from_disk(record, names)
+        judged = from_disk and all(c.status in ("valid", "rejected") for c in record.candidates)
+        timed = from_disk and all(c.median_ms is not None for c in record.candidates if c.status == "valid")
         if not names:
             record.source, record.reason = "none", "no backend supports these inputs; 'native' explains why"
         elif len(names) == 1:
             record.source, record.reason = "only-candidate", ""
-        elif use_disk and self._from_disk(record, names):
-            pass
+        elif judged and timed and any(c.status == "valid" for c in record.candidates):
+            record.source, record.judged_on = "disk", DISK
+            record.chosen = pick([c for c in record.candidates if c.status == "valid"], self.tie_margin).name
         elif not timing:
             record.reason = "decided while torch.compile traces, which cannot time kernels: preference order"
         elif sig.dropout:
             record.reason = "dropout makes outputs random, so they cannot be validated: preference order"
-        elif sig.mask_kind == "blockmask" and (tensors is None or tensors[3] is None):
+        elif sig.mask_kind == "blockmask" and (live is None or live.attn_mask is None):
             record.reason = "a BlockMask cannot be synthesised for timing: preference order"
-        elif self._timed >= self.max_signatures:
+        elif self._timed >= self.max_signatures and not (timed and live is not None):
             record.reason = (f"the limit of {self.max_signatures} timed signatures per process is reached "
                              f"({ENV_MAX_SIGNATURES}): preference order")
-        elif self.time_budget_s <= 0:
+        elif self.time_budget_s <= 0 and not (timed and live is not None):
             record.reason = f"the time budget is {self.time_budget_s:g} s ({ENV_BUDGET}): preference order"
         else:
-            self._timed += 1
+            if not timed:
+                self._timed += 1
             try:
-                self._measure(sig, record, names, layout, tensors, start)
+                self._measure(sig, record, names, layout, live, start)
             except Exception as exc:  # tuning must never break the call it was made for
                 logger.warning("auto: tuning %s failed (%s: %s); using the preference order", sig.describe(),
                                type(exc).__name__, exc)
-                record.source, record.chosen = "preference", names[0]
+                record.source, record.judged_on = "preference", ""
                 record.reason = f"tuning failed ({type(exc).__name__}: {exc}): preference order"
-            if record.source == "timed":
+            if record.source in ("timed", "judged"):
                 self._to_disk(record, names)
         record.seconds = time.perf_counter() - start
         if record.source == "preference" and names:
-            record.chosen = next((c.name for c in record.candidates if c.status != "rejected"), names[0])
+            # Without a verdict on this model's values, never a quantised kernel.
+            record.chosen = next((c.name for c in record.candidates if c.status != "rejected"
+                                  and not registry.get(c.name).quantised), names[0])
         for c in record.candidates:
-            if c.name == record.chosen and c.status in ("valid", "untimed"):
+            if c.name == record.chosen and c.status in ("valid", "untimed", "unjudged"):
                 c.status = "chosen"
-        self._records[(sig, exact)] = record
-        if record.source == "timed":
+        self._records[(sig, exact, model)] = record
+        if record.source in ("timed", "judged"):
             rejected = "; ".join(f"{c.name} ({c.reason})" for c in record.rejected)
-            logger.info("auto: %s -> %s (%d candidates, %.2f s)%s", sig.describe(), record.chosen, len(names),
-                        record.seconds, f"; rejected: {rejected}" if rejected else "")
+            logger.info("auto: %s (model %s) -> %s (%d candidates, judged on %s, %.2f s)%s", sig.describe(), model,
+                        record.chosen, len(names), record.judged_on, record.seconds,
+                        f"; rejected: {rejected}" if rejected else "")
             for c in record.rejected:
-                logger.warning("auto rejected attention backend '%s' for %s: %s", c.name, sig.describe(), c.reason)
+                logger.warning("auto rejected attention backend '%s' for %s (model %s): %s", c.name, sig.describe(),
+                               model, c.reason)
         return record
 
-    def _measure(self, sig, record, names, layout, live, start):
+    def _inputs(self, sig, layout, live):
+        """(inputs to run candidates on, their signature, whether they are the caller's live values)."""
+        if live is not None:  # the call's own tensors: verdicts on them, and no copy to allocate
+            return live._replace(dropout_p=0.0, attention_kwargs=None, backend=None, recorder=None), sig, True
         device = torch.device(sig.device)
         cap = self._memory_cap(device)
         run_sig = shrink(sig, cap)
+        q, k, v, mask = random_inputs(run_sig, layout)
+        scale = (0.9 / math.sqrt(sig.head_dim)) if sig.custom_scale else None
+        return AttentionCall(q, k, v, mask, 0.0, run_sig.is_causal, scale, run_sig.enable_gqa, None, layout=layout,
+                             return_lse=run_sig.return_lse), run_sig, False
+
+    def _measure(self, sig, record, names, layout, live, start):
+        """Judge (on live values) and time (where the disk has no timing) every candidate not known yet."""
+        device = torch.device(sig.device)
+        cap = self._memory_cap(device)
+        attention_call, run_sig, is_live = self._inputs(sig, layout, live)
         if run_sig != sig:
             record.timed_shape = {"len_q": run_sig.len_q, "len_kv": run_sig.len_kv,
                                   "why": f"the inputs would exceed the tuning memory cap of {cap >> 20} MiB"}
-        q, k, v, mask = random_inputs(run_sig, layout, live if run_sig == sig else None)
-        scale = (0.9 / math.sqrt(sig.head_dim)) if sig.custom_scale else None
+        q, k, v, mask = attention_call[:4]
         rows = sample_rows(run_sig.len_q, self.validation_rows)
         with torch.no_grad():
-            ref_out, ref_lse = exact_attention(q, k, v, mask, run_sig.is_causal, scale, layout, rows)
-        attention_call = AttentionCall(q, k, v, mask, 0.0, run_sig.is_causal, scale, run_sig.enable_gqa, None,
-                                       layout=layout, return_lse=run_sig.return_lse)
+            ref_out, ref_lse = exact_attention(q, k, v, mask, run_sig.is_causal, attention_call.scale, layout, rows)
         score_bytes = run_sig.batch * run_sig.heads_q * run_sig.len_q * run_sig.len_kv * 4
         by_name = {c.name: c for c in record.candidates}
-        valid: list[CandidateResult] = []
+        timed_any = False
         # A first call may JIT-compile (Triton, inductor): that one-off cost is not charged to the budget,
         # or the first candidate in preference order would use it up and win untimed.
         compiling = 0.0
         for position, name in enumerate(names):
             result = by_name[name]
-            elapsed = time.perf_counter() - start - compiling
-            if valid and elapsed >= self.time_budget_s:
-                result.reason = f"not timed: the {self.time_budget_s:g} s budget for this signature was spent"
-                continue
-            if name in QUADRATIC_MEMORY and score_bytes > cap:
-                result.reason = (f"not timed: it materialises the {score_bytes >> 20} MiB score matrix, over the "
-                                 f"tuning memory cap")
+            known = result.status in ("valid", "rejected")  # this model's verdict, from disk
+            if known and (result.status == "rejected" or result.median_ms is not None):
                 continue
             spec = registry.get(name)
+            if name in QUADRATIC_MEMORY and score_bytes > cap:
+                result.reason = (f"not run: it materialises the {score_bytes >> 20} MiB score matrix, over the "
+                                 f"tuning memory cap")
+                continue
             try:
                 runner = registry.prepare(name)
             except Exception as exc:
@@ -358,30 +388,46 @@ class Tuner:
             def call(candidate=candidate):
                 return run(candidate, attention_call)
 
-            self.timing_calls += 1
-            try:
-                with torch.no_grad():
-                    t0 = time.perf_counter()
-                    result_value = call()
-                    sync(device)
-                    first = time.perf_counter() - t0
-                    compiling += first
-            except Exception as exc:
-                if device.type == "cuda":
-                    with contextlib.suppress(Exception):
-                        torch.cuda.empty_cache()
-                result.status = "rejected"
-                result.reason = f"raised {first_line(exc)}"
+            if not known:
+                try:
+                    with torch.no_grad():
+                        t0 = time.perf_counter()
+                        result_value = call()
+                        sync(device)
+                        first = time.perf_counter() - t0
+                        compiling += first
+                except Exception as exc:
+                    if device.type == "cuda":
+                        with contextlib.suppress(Exception):
+                            torch.cuda.empty_cache()
+                    result.status = "rejected"
+                    result.reason = f"raised {first_line(exc)}"
+                    continue
+                result.first_call_ms = first * 1e3
+                out, lse = result_value if run_sig.return_lse else (result_value, None)
+                problem = validate(out, lse, ref_out, ref_lse, rows, layout, result.error_bound, result)
+                del result_value, out, lse
+                if problem:
+                    result.status = "rejected"
+                    result.reason = problem + (" on this model's own activations" if is_live else " on noise")
+                    continue
+                if is_live:
+                    result.status = "valid"
+                elif spec.quantised:  # noise passes no verdict on a quantised kernel: its error depends on values
+                    result.status = "unjudged"
+                    result.reason = "quantised: admitted only once judged on the model's own activations"
+                else:
+                    result.status = "valid"  # exact by declaration and on noise; judged again on live values
+            if result.median_ms is not None:
                 continue
-            result.first_call_ms = first * 1e3
-            out, lse = result_value if run_sig.return_lse else (result_value, None)
-            problem = validate(out, lse, ref_out, ref_lse, rows, layout, spec.error_bound, result)
-            del result_value, out, lse
-            if problem:
-                result.status, result.reason = "rejected", problem
+            valid_so_far = any(c.status == "valid" and c.median_ms is not None for c in record.candidates)
+            if valid_so_far and time.perf_counter() - start - compiling >= self.time_budget_s:
+                result.reason = f"not timed: the {self.time_budget_s:g} s budget for this signature was spent"
                 continue
             # A timed warm call (the first one may have compiled or planned) sizes the runs that fit this
             # candidate's share of what is left of the budget.
+            self.timing_calls += 1
+            timed_any = True
             with torch.no_grad():
                 t0 = time.perf_counter()
                 call()
@@ -393,39 +439,58 @@ class Tuner:
                 warmup = min(max(0, self.warmup - 1), max(0, fits - runs))
                 result.times_ms = time_calls(call, device, warmup, runs)
             result.median_ms = statistics.median(result.times_ms)
-            result.status = "valid"
-            valid.append(result)
+        valid = [c for c in record.candidates if c.status == "valid" and c.median_ms is not None]
+        record.judged_on = LIVE if is_live else NOISE
         if not valid:
             record.source = "preference"
             record.reason = "no candidate passed validation: preference order (the dispatcher falls back if it fails)"
             return
-        record.chosen, record.source = pick(valid, self.tie_margin).name, "timed"
+        record.chosen = pick(valid, self.tie_margin).name
+        record.source = "timed" if timed_any else "judged"
+        if not is_live:
+            record.reason = "timed on noise; verdicts wait for the model's own activations (the first live call)"
 
-    # -- disk
+    # -- disk: timings are shared by every model on this machine, accuracy verdicts belong to one model
     def _from_disk(self, record: TuneRecord, names: list[str]) -> bool:
+        """Fill timings (and this model's verdicts) from disk; False when the disk has nothing usable."""
         decision = cache.lookup(self.cache_path, _disk_key(record))
-        if decision is None:
-            return False
-        if decision.get("candidates") != names or decision.get("chosen") not in names:
+        if decision is None or decision.get("candidates") != names:
             return False  # a backend came or went since it was measured: measure again
-        record.chosen, record.source = decision["chosen"], "disk"
-        record.reason = f"measured {decision.get('tuned_at', 'earlier')} ({self.cache_path})"
-        saved = decision.get("results", {})
+        timings = decision.get("timings", {})
+        verdicts = decision.get("verdicts", {}).get(record.model) if record.model != state.UNSCOPED_MODEL else None
         for c in record.candidates:
-            got = saved.get(c.name, {})
-            c.status = got.get("status", c.status)
-            c.median_ms, c.rel_error, c.reason = got.get("median_ms"), got.get("rel_error"), got.get("reason", "")
+            got = timings.get(c.name) or {}
+            c.median_ms, c.times_ms = got.get("median_ms"), list(got.get("times_ms") or [])
+            if verdicts and c.name in verdicts:
+                c.status = verdicts[c.name].get("status", c.status)
+                c.rel_error, c.reason = verdicts[c.name].get("rel_error"), verdicts[c.name].get("reason", "")
+        record.reason = f"measured {decision.get('tuned_at', 'earlier')} ({self.cache_path})"
         return True
 
     def _to_disk(self, record: TuneRecord, names: list[str]) -> None:
+        previous = cache.lookup(self.cache_path, _disk_key(record)) or {}
+        if previous.get("candidates") != names:
+            previous = {}
+        timings = dict(previous.get("timings", {}))
+        timings.update({c.name: {"median_ms": c.median_ms, "times_ms": c.times_ms} for c in record.candidates
+                        if c.median_ms is not None})
+        verdicts = dict(previous.get("verdicts", {}))
+        if record.judged_on == LIVE and record.model != state.UNSCOPED_MODEL:  # unscoped verdicts stay in memory
+            verdicts[record.model] = {c.name: {"status": "valid" if c.status == "chosen" else c.status,
+                                               "rel_error": c.rel_error, "reason": c.reason}
+                                      for c in record.candidates if c.status in ("chosen", "valid", "rejected")}
         cache.store(self.cache_path, _disk_key(record), {
-            "chosen": record.chosen, "candidates": names, "tuned_at": cache.now(), "seconds": round(record.seconds, 4),
-            "results": {c.name: {"status": "valid" if c.status == "chosen" else c.status, "median_ms": c.median_ms,
-                                 "rel_error": c.rel_error, "reason": c.reason} for c in record.candidates}})
+            "candidates": names, "tuned_at": cache.now(), "seconds": round(record.seconds, 4),
+            "timings": timings, "verdicts": verdicts})
 
 
 def _disk_key(record: TuneRecord) -> str:
     return record.signature.key() + ("|exact" if record.exact else "")
+
+
+def _bound(spec) -> float:
+    """A candidate's admission bound: `FAST_BOUND` for quantised kernels, the spec's own for exact ones."""
+    return FAST_BOUND if spec.quantised else spec.error_bound
 
 
 def _fetched_repos() -> set[str]:

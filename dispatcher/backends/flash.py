@@ -60,11 +60,16 @@ def _fa2_varlen_pip():
     return flash_attn_varlen_func
 
 
+_fa3: list = []  # the module, once imported: a call (traced by torch.compile too) then imports nothing
+
+
 def _fa3_module():
     """FlashAttention-3's interface: the full source build when it imports, else the forward-only wheel."""
-    import importlib
-    return importlib.import_module(FA3_SOURCE.module if import_error(FA3_SOURCE.module) is None
-                                   else FA3_FORWARD_WHEEL.module)
+    if not _fa3:
+        import importlib
+        _fa3.append(importlib.import_module(FA3_SOURCE.module if import_error(FA3_SOURCE.module) is None
+                                            else FA3_FORWARD_WHEEL.module))
+    return _fa3[0]
 
 
 def _fa3_pip():

@@ -241,7 +241,7 @@ def _fail(message: str):
 class _Call:
     def __init__(self, config, call, kv_sharded, q_lens, kv_lens):
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, \
-            policy, return_lse, call_site, _ = call
+            policy, return_lse, call_site, _, _, _ = call
         self.call = call
         requested = backend if backend is not None else state.active_backend()
         # A pseudo-backend (`auto`) picks per call, among the backends that return the LSE for a ring.

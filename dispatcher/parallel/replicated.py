@@ -150,7 +150,8 @@ def replicated_parallel(config: ReplicatedConfig | None):
 def _runner(config: ReplicatedConfig):
     def run(call):  # the dispatcher's described call (an AttentionCall)
         return replicated_attention(*call[:9], config=config, backend=call.backend, layout=call.layout,
-                                    policy=call.policy, return_lse=call.return_lse, call_site=call.call_site)
+                                    policy=call.policy, return_lse=call.return_lse, call_site=call.call_site,
+                                    model=call.model, guard=call.guard)
     return run
 
 
@@ -158,7 +159,8 @@ def replicated_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                          enable_gqa: bool = False, attention_kwargs: dict | None = None, *,
                          config: ReplicatedConfig | None = None, backend: str | None = None, layout: str = "BSHD",
-                         policy: str | None = None, return_lse: bool = False, call_site: str = "attention"):
+                         policy: str | None = None, return_lse: bool = False, call_site: str = "attention",
+                         model: str | None = None, guard=None):
     """`dispatch_attention_fn` on inputs every rank holds whole, its work split over `config`'s ranks.
 
     Same arguments and result as `dispatch_attention_fn` (the full output, or (out, lse)); ``config``
@@ -171,7 +173,8 @@ def replicated_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     token = attention._scope.set(None)  # the local call below is a plain dispatcher call
     try:
         args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs)
-        local = dict(backend=backend, layout=layout, policy=policy, return_lse=return_lse, call_site=call_site)
+        local = dict(backend=backend, layout=layout, policy=policy, return_lse=return_lse, call_site=call_site,
+                     model=model, guard=guard)
         if config is None or config.world_size == 1 or type(attn_mask).__name__ == "BlockMask":
             return dispatch.dispatch_attention_fn(*args, **local)
         _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend,
@@ -205,7 +208,7 @@ def _axes(layout: str) -> tuple[int, int]:
 
 
 def _by_heads(config, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, *,
-              backend, layout, policy, return_lse, call_site):
+              backend, layout, policy, return_lse, call_site, model, guard):
     seq_axis, head_axis = _axes(layout)
     n, rank = config.world_size, config.rank
     heads_q, heads_kv = query.shape[head_axis], key.shape[head_axis]
@@ -230,7 +233,7 @@ def _by_heads(config, query, key, value, attn_mask, dropout_p, is_causal, scale,
         k, v = _take_heads(key, me.kv, head_axis), _take_heads(value, me.kv, head_axis)
         result = dispatch.dispatch_attention_fn(q, k, v, mask, dropout_p, is_causal, scale, me.group > 1,
                                                 attention_kwargs, backend=backend, layout=layout, policy=policy,
-                                                return_lse=return_lse, call_site=call_site)
+                                                return_lse=return_lse, call_site=call_site, model=model, guard=guard)
         return list(result) if return_lse else [result]
 
     pieces = _gather(config, compute, [shapes(h) for h in plan], query)
@@ -238,7 +241,7 @@ def _by_heads(config, query, key, value, attn_mask, dropout_p, is_causal, scale,
 
 
 def _by_sequence(config, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, *,
-                 backend, layout, policy, return_lse, call_site):
+                 backend, layout, policy, return_lse, call_site, model, guard):
     seq_axis, _ = _axes(layout)
     n, rank = config.world_size, config.rank
     len_q, len_k = query.shape[seq_axis], key.shape[seq_axis]
@@ -265,7 +268,7 @@ def _by_sequence(config, query, key, value, attn_mask, dropout_p, is_causal, sca
         q = query.narrow(seq_axis, offset, rows)
         result = dispatch.dispatch_attention_fn(q, key, value, mask, dropout_p, causal, scale, enable_gqa,
                                                 attention_kwargs, backend=backend, layout=layout, policy=policy,
-                                                return_lse=return_lse, call_site=call_site)
+                                                return_lse=return_lse, call_site=call_site, model=model, guard=guard)
         return list(result) if return_lse else [result]
 
     pieces = _gather(config, compute, [shapes(c) for c in sizes], query)

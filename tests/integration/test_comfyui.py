@@ -100,7 +100,8 @@ def test_object_info_has_every_node_with_tooltips_and_backends(comfy):
             for input_name, spec in node["input"].get(section, {}).items():
                 assert spec[1].get("tooltip"), f"{name}.{input_name} has no tooltip"
     options = info["SetAttentionBackend"]["input"]["required"]["backend"][1]["options"]
-    for backend in ("auto", "comfy default", "native", "flex", "flash", "sage", "xformers"):
+    assert options[:3] == ["auto_exact", "auto_fast", "comfy default"] and "auto" not in options
+    for backend in ("native", "flex", "flash", "sage", "xformers"):
         assert backend in options
     assert info["SetAttentionBackend"]["input"]["optional"]["trust"][0] == "ATTN_TRUST"
     assert info["TrustRemoteKernels"]["output"] == ["ATTN_TRUST"]

@@ -2,11 +2,5 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-TESTS = Path(__file__).resolve().parents[1]
-if str(TESTS) not in sys.path:  # pytest puts tests/ there already (rootdir-relative import of tests/conftest.py)
-    sys.path.insert(0, str(TESTS))
-
-from integration.conftest import comfy  # noqa: E402,F401  (the fixture: starts ComfyUI, or skips without COMFYUI_PATH)
+# tests/ is on sys.path through pyproject.toml's `pythonpath`.
+from integration.conftest import comfy  # noqa: F401  (the fixture: starts ComfyUI, or skips without COMFYUI_PATH)

@@ -1,6 +1,6 @@
 """Run the real `install.py` in a fresh interpreter, after registering test backends.
 
-    python tests/install_runner.py CONFIG.json
+    python tests/helpers/install_runner.py CONFIG.json
 
 CONFIG: {"backends": [{"name", "repo_id", "version", "revision"?}],
          "steps": [{"id", "argv": [...], "env": {var: value}}]}
@@ -21,7 +21,7 @@ import runpy
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 STEP_VARS = ("DIFFUSERS_DISABLE_REMOTE_CODE", "DIFFUSERS_TRUST_REMOTE_KERNELS", "ATTN_DISPATCH_KERNEL_LOCK",
              "LOCAL_KERNELS")
 

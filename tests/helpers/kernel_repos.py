@@ -10,7 +10,7 @@ Two layouts (reference-dispatchers.md C.4/C.7):
 The kernel is a pure-torch `flash_attn_func` with the FlashAttention-2 signature, so the dispatcher's
 real flash_hub calling code (`dispatcher.backends.flash.dense`) runs against it on the CPU.
 
-Run as a script (`python tests/kernel_repos.py CONFIG.json`) it executes trust cases in a fresh
+Run as a script (`python tests/helpers/kernel_repos.py CONFIG.json`) it executes trust cases in a fresh
 interpreter whose environment was set before huggingface_hub/kernels were imported, and prints one
 JSON line with the outcome of each case.
 """
@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
 VARIANT = "torch-universal"
 

@@ -1,5 +1,5 @@
 """Exact attention in float64 and the error measure: the one reference every accuracy check of the pack uses
-(`auto`'s verdicts, the bench, the ComfyUI compare node)."""
+(`auto`'s verdicts, the quality guard, the bench, the ComfyUI compare node)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .. import masks
+from . import masks
 
 
 def to_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:

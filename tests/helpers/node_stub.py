@@ -13,7 +13,7 @@ import importlib
 import sys
 import types
 
-from test_adapter import PACK
+from helpers.pack import PACK, load_pack
 
 STUB_NAMES = ("comfy_api", "comfy_api.latest", "comfy", "comfy.patcher_extension")
 
@@ -62,6 +62,7 @@ def install(monkeypatch):
     for name, module in stub_modules().items():
         monkeypatch.setitem(sys.modules, name, module)
     if _model_nodes is None:
+        load_pack()
         _model_nodes = importlib.import_module(f"{PACK}.nodes.model_nodes")
     return _model_nodes
 

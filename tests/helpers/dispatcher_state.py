@@ -10,6 +10,7 @@ def reset(d) -> None:
     d.registry.forget_availability()
     d.set_checks(None)
     d.set_fallback_policy("fallback")
+    d.set_quality_guard()
 
 
 def remove_custom_backends(d, keep: set[str]) -> None:

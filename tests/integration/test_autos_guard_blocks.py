@@ -1,0 +1,255 @@
+"""Issue #14 in a real ComfyUI 0.3.64 (CPU), through its HTTP API: the two autos, the quality guard and the block
+range of Set Attention Backend, refused at queue time when wrong, and what each node's report says.
+
+This module starts its own ComfyUI (the shared fixture's, plus one test-only custom node): the guard test needs a
+kernel that goes wrong in the middle of a run, and a backend can only be registered from inside the server. The node
+`TestFlakyKernel` registers the quantised custom backend `test_flaky_int8` with the pack's dispatcher (found through
+the Set Attention Backend class ComfyUI loaded, whatever module name it got) and, when it runs, re-arms it: exact
+for `good_calls` calls, then noisy.
+"""
+
+from __future__ import annotations
+
+import json
+import itertools
+
+import pytest
+
+from .conftest import main_py, require_comfyui, serve_comfyui
+from .test_comfyui import _cond, latent, model_report, served
+from .test_node_inputs import refused
+
+pytestmark = pytest.mark.integration
+SET = "SetAttentionBackend"
+FLAKY = "test_flaky_int8"
+NO_POSITION = ("this model tells attention no block position (ComfyUI 0.3.64's WAN and Flux do not; newer ComfyUI "
+               "does): the block range cannot apply")
+_seed = itertools.count(1400)
+
+FLAKY_NODE = r'''
+import importlib
+
+import torch
+import torch.nn.functional as F
+
+NAME = "test_flaky_int8"
+STATE = {"calls": 0, "good": 10 ** 9}
+
+
+def _dispatcher():
+    import nodes
+    cls = nodes.NODE_CLASS_MAPPINGS.get("SetAttentionBackend")
+    if cls is None:  # the pack is not loaded yet
+        return None
+    return importlib.import_module(cls.__module__.rsplit(".nodes.", 1)[0] + ".dispatcher")
+
+
+def kernel(q, k, v, *, attn_mask=None, scale=None, **_):
+    """(B, H, L, D): exact for STATE['good'] calls, then exact + noise (an int8 kernel going wrong mid-run)."""
+    STATE["calls"] += 1
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+    return out if STATE["calls"] <= STATE["good"] else out + torch.randn_like(out)
+
+
+def register():
+    d = _dispatcher()
+    if d is not None and NAME not in d.backend_names():
+        d.register_backend(NAME, kernel, layout="BHSD", devices=("cpu",), quantised=True, fallback=("native",),
+                           description="test: a quantised kernel that goes wrong after some calls")
+
+
+class TestFlakyKernel:
+    @classmethod
+    def INPUT_TYPES(cls):
+        register()  # GET /object_info/TestFlakyKernel, and validation of any prompt that has this node
+        return {"required": {"model": ("MODEL",), "good_calls": ("INT", {"default": 6, "min": 0, "max": 10 ** 6}),
+                             "seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31})}}
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "arm"
+    CATEGORY = "testing"
+
+    def arm(self, model, good_calls, seed):
+        register()
+        STATE["calls"], STATE["good"] = 0, good_calls
+        return (model,)
+
+
+NODE_CLASS_MAPPINGS = {"TestFlakyKernel": TestFlakyKernel}
+'''
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    require_comfyui()
+
+    def command(base, port):
+        helper = base / "custom_nodes" / "attn_dispatch_test_flaky"
+        helper.mkdir(parents=True, exist_ok=True)
+        (helper / "__init__.py").write_text(FLAKY_NODE)
+        return main_py(base, port)
+
+    def ready(server):  # listing the flaky node registers its backend, before any prompt is queued
+        return (server.get(f"/object_info/{SET}") is not None
+                and server.get("/object_info/TestFlakyKernel") is not None)
+
+    with serve_comfyui("attn-dispatch-issue14-", command, ready) as server:
+        yield server
+
+
+def set_inputs(**kw):
+    return {"backend": "native", "policy": "fallback", "start_percent": 0.0, "end_percent": 1.0, **kw}
+
+
+def wan(set_kw=None, *, steps=2, flaky=None, seed=None):
+    """UNETLoader (tiny WAN 2.1) -> [TestFlakyKernel "5"] -> [Set Attention Backend "10"] -> KSampler "11" ->
+    SaveLatent "12"."""
+    seed = next(_seed) if seed is None else seed
+    p = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_wan21.safetensors", "weight_dtype": "default"}},
+         "2": _cond(1), "3": _cond(2),
+         "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 64, "length": 1,
+                                                                  "batch_size": 1}}}
+    model = ["1", 0]
+    if flaky is not None:
+        p["5"] = {"class_type": "TestFlakyKernel", "inputs": {"model": model, "good_calls": flaky, "seed": seed}}
+        model = ["5", 0]
+    if set_kw is not None:
+        p["10"] = {"class_type": SET, "inputs": {"model": model, **set_inputs(**set_kw)}}
+        model = ["10", 0]
+    p["11"] = {"class_type": "KSampler", "inputs": {
+        "model": model, "seed": seed, "steps": steps, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
+        "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}}
+    p["12"] = {"class_type": "SaveLatent", "inputs": {"samples": ["11", 0], "filename_prefix": f"latents/i14_{seed}"}}
+    return p
+
+
+def sd15(set_kw, seed=None):
+    seed = next(_seed) if seed is None else seed
+    return {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_sd15.safetensors", "weight_dtype": "default"}},
+            "2": _cond(1, dim=768, length=77), "3": _cond(2, dim=768, length=77),
+            "4": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+            "10": {"class_type": SET, "inputs": {"model": ["1", 0], **set_inputs(**set_kw)}},
+            "11": {"class_type": "KSampler", "inputs": {
+                "model": ["10", 0], "seed": seed, "steps": 2, "cfg": 2.0, "sampler_name": "euler",
+                "scheduler": "simple", "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0],
+                "denoise": 1.0}},
+            "12": {"class_type": "SaveLatent", "inputs": {"samples": ["11", 0],
+                                                          "filename_prefix": f"latents/i14sd_{seed}"}}}
+
+
+def _close(a, b, rtol=1e-3):
+    assert a.shape == b.shape
+    err = float((a - b).abs().max())
+    assert err <= rtol * max(1.0, float(b.abs().max())), err
+
+
+def test_schema_lists_the_autos_first_and_the_new_inputs(comfy):
+    info = comfy.get(f"/object_info/{SET}")[SET]
+    options = info["input"]["required"]["backend"][1]["options"]
+    assert options[:3] == ["auto_exact", "auto_fast", "comfy default"] and "auto" not in options
+    assert info["input"]["required"]["backend"][1]["default"] == "auto_exact"
+    optional = info["input"]["optional"]
+    assert optional["quality_guard"][1]["options"] == ["quantised kernels", "every kernel", "off"]
+    assert optional["quality_guard"][1]["default"] == "quantised kernels"
+    assert optional["guard_every"][1]["default"] == 100 and optional["guard_every"][1]["min"] == 1
+    assert optional["block_start"][1]["default"] == 0 and optional["block_end"][1]["default"] == -1
+    for name in ("quality_guard", "guard_every", "block_start", "block_end"):
+        assert optional[name][1]["tooltip"], name
+    assert "recomputed" in optional["quality_guard"][1]["tooltip"]
+    clip = comfy.get("/object_info/SetClipAttentionBackend")["SetClipAttentionBackend"]
+    assert clip["input"]["required"]["backend"][1]["options"][:3] == options[:3]
+
+
+@pytest.mark.parametrize("backend", ["auto_exact", "auto_fast", "auto"])
+def test_the_autos_run_a_prompt(comfy, backend):
+    """auto_exact and auto_fast run and match exact attention; `auto` (older workflows) is still accepted."""
+    seed = next(_seed)
+    ref = comfy.run(wan({"backend": "native"}, seed=seed))
+    entry = comfy.run(wan({"backend": backend, "quality_guard": "quantised kernels", "guard_every": 20}, seed=seed))
+    report = model_report(comfy, entry, "10")
+    rows = report["recorder"]["rows"]
+    assert rows and {r["requested"] for r in rows} == {backend}, rows
+    assert not any(r["fell_back"] for r in rows) and report["recorder"]["calls"] >= 8, rows
+    assert report["model"].startswith("WanModel:"), report["model"]
+    assert report["quality_guard"] == {"mode": "quantised", "every": 20}
+    assert report["fallback_every_call"] == [] and "blocks" not in report
+    _close(latent(comfy, entry, "12"), latent(comfy, ref, "12"))
+
+
+@pytest.mark.parametrize("inputs, expected", [
+    ({"quality_guard": "sometimes"}, "quality_guard: unknown quality guard mode 'sometimes'"),
+    ({"quality_guard": "Every Kernel"}, "Did you mean 'every kernel'?"),
+    ({"guard_every": 0}, "guard_every: 0 is below the minimum 1"),
+    ({"block_start": 5, "block_end": 2}, "block_start 5 is after block_end 2"),
+    ({"block_start": "one"}, "block_start: 'one' is not a whole number"),
+])
+def test_bad_guard_or_block_inputs_are_refused_at_queue_time(comfy, inputs, expected):
+    errors = refused(comfy, wan(inputs), "10")
+    assert expected in errors, errors
+
+
+def test_old_prompts_without_the_new_inputs_still_run(comfy):
+    prompt = wan({"backend": "auto"})  # an older API prompt: no guard or block inputs, the old auto
+    for name in ("quality_guard", "guard_every", "block_start", "block_end"):
+        prompt["10"]["inputs"].pop(name, None)
+    report = model_report(comfy, comfy.run(prompt), "10")
+    assert report["quality_guard"] == {"mode": "quantised", "every": 20} and report["recorder"]["calls"] >= 8
+
+
+def test_block_range_on_the_sd15_unet_sends_other_blocks_to_comfy(comfy):
+    """The tiny UNet has 4 spatial transformers (transformer_index 0..3: input, middle, 2 output); blocks 1..2 use
+    flex, 0 and 3 ComfyUI's attention, each with the reason."""
+    seed = next(_seed)
+    entry = comfy.run(sd15({"backend": "flex", "block_start": 1, "block_end": 2}, seed=seed))
+    report = model_report(comfy, entry, "10")
+    counts = served(report)
+    assert counts == {"flex": 8, "comfy:attention_sub_quad": 8}, report["recorder"]
+    outside = [r for r in report["recorder"]["rows"] if r["served"].startswith("comfy:")]
+    assert {reason for r in outside for reason in r["reasons"]} == {"outside the block range 1..2"}
+    assert report["blocks"]["range"] == [1, 2] and report["blocks"]["unapplied"] == []
+    assert report["fallback_every_call"] == []  # handing calls on is no kernel fallback
+    base = comfy.run(sd15({"backend": "comfy default"}, seed=seed))
+    _close(latent(comfy, entry, "12"), latent(comfy, base, "12"))
+    # a bound counted from the end cannot resolve without a block count: said, and every block uses flex
+    report = model_report(comfy, comfy.run(sd15({"backend": "flex", "block_start": -2, "block_end": -1})), "10")
+    assert served(report) == {"flex": 16}
+    assert "not the number of blocks" in report["blocks"]["unapplied"][0]["reason"]
+
+
+def test_block_range_on_wan_says_it_cannot_apply(comfy):
+    report = model_report(comfy, comfy.run(wan({"backend": "native", "block_start": 1, "block_end": -1})), "10")
+    assert served(report) == {"native": report["recorder"]["calls"]}  # every block used the backend
+    (unapplied,) = report["blocks"]["unapplied"]
+    assert unapplied["reason"] == NO_POSITION and set(unapplied["sites"]) == {"self", "cross"}, unapplied
+    assert unapplied["text"].startswith("block range 1..-1 not applied at cross, self: this model tells attention")
+
+
+def test_a_fallback_on_every_call_is_in_the_report(comfy):
+    report = model_report(comfy, comfy.run(wan({"backend": "flash"})), "10")
+    (every,) = report["fallback_every_call"]
+    assert every["requested"] == "flash" and every["every_site"] and set(every["sites"]) == {"self", "cross"}
+    assert every["text"].startswith(f"flash fell back to {every['served'][0]} on every call: "), every
+    assert "flash-attn" in every["text"]
+    route = comfy.get("/attention_dispatch/report")  # the route carries the same
+    assert any(r.get("fallback_every_call") for r in route["reports"])
+
+
+def test_guard_catches_a_kernel_that_goes_wrong_mid_run(comfy):
+    """test_flaky_int8 is exact for its first 6 calls (WAN: 4 per step), then noisy. With the guard checking every
+    call, the first bad call is recomputed exactly and the kernel demoted for this model: the latent matches exact
+    attention, and the report names the kernel, why, and what replaced it."""
+    assert FLAKY in {b["name"] for b in comfy.get("/attention_dispatch/backends")["backends"]}
+    seed = next(_seed)
+    entry = comfy.run(wan({"backend": FLAKY, "quality_guard": "quantised kernels", "guard_every": 1}, steps=3,
+                          flaky=6, seed=seed))
+    report = model_report(comfy, entry, "10")
+    guard = {(g["site"], g["backend"]): g for g in report["guard"]}
+    failures = [f for g in report["guard"] for f in g["failures"]]
+    assert failures, report["guard"]
+    assert all(f["replacement"] and f["replacement"] != FLAKY for f in failures), failures
+    assert all("exceeds its guard bound" in f["reason"] or "NaN" in f["reason"] for f in failures), failures
+    assert sum(g["checks"] for g in guard.values()) >= 7, guard
+    counts = served(report)
+    assert counts.get(FLAKY, 0) >= 6 and sum(v for k, v in counts.items() if k != FLAKY) >= 2, counts
+    assert "guard" in json.dumps(comfy.get("/attention_dispatch/report"))
+    ref = comfy.run(wan({"backend": "native"}, steps=3, seed=seed))
+    _close(latent(comfy, entry, "12"), latent(comfy, ref, "12"))

@@ -1,0 +1,480 @@
+"""Issue #14 on the ComfyUI side, without ComfyUI: the two autos in the dropdown, the quality guard and the block
+range of Set Attention Backend (inputs, queue-time checks, what the override passes to the dispatcher), the model
+identity, and what the report says (guard results, fallbacks on every call, a block range that cannot apply).
+A stub recorder sees every event the override forwards. The same in a real ComfyUI: tests/integration/test_issue14.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import node_stub, tensors
+from helpers.pack import CALLS, PACK, comfy_func, load_pack
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+adapter, dispatcher, _ = load_pack()
+blocks = importlib.import_module(f"{PACK}.nodes.blocks")
+identity = importlib.import_module(f"{PACK}.nodes.model_identity")
+reports = importlib.import_module(f"{PACK}.nodes.reports")
+
+qkv = functools.partial(tensors.qkv, b=1, lq=16, lk=16, h=2, d=16, flat=True)  # ComfyUI's (B, L, H*D)
+
+
+def opts(**to):
+    return {"transformer_options": to}
+
+
+def ref(q, k, v, heads=2):
+    d = q.shape[-1] // heads
+    q, k, v = (t.unflatten(-1, (heads, d)).transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+
+class StubRecorder:
+    """Every event, in order: what the override forwards (through its `_Relabel`) and what the dispatcher records."""
+
+    def __init__(self):
+        self.events = []
+
+    def record(self, site, requested, served, reasons=()):
+        self.events.append(("record", site, requested, served, tuple(reasons)))
+
+    def record_error(self, site, backend, error):
+        self.events.append(("error", site, backend, error))
+
+    def record_guard(self, site, backend, checks=1, error=None):
+        self.events.append(("guard", site, backend, checks, error))
+
+    def record_guard_failure(self, site, backend, reason, replacement):
+        self.events.append(("guard_failure", site, backend, reason, replacement))
+
+    def of(self, kind):
+        return [e for e in self.events if e[0] == kind]
+
+
+@pytest.fixture(autouse=True)
+def _clear():
+    CALLS.clear()
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """The keyword arguments of every dispatch_attention_fn call the override makes."""
+    seen = []
+    real = adapter.dispatch_attention_fn
+
+    def fn(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "dispatch_attention_fn", fn)
+    return seen
+
+
+@pytest.fixture
+def custom_backend():
+    """Register pack-dispatcher backends for one test (the suite's fixture cleans the top-level dispatcher only)."""
+    names = []
+
+    def add(name, fn, quantised=True):
+        dispatcher.register_backend(name, fn, devices=("cpu",), quantised=quantised)
+        names.append(name)
+        return name
+
+    yield add
+    for name in names:
+        dispatcher.unregister_backend(name)
+
+
+# ------------------------------------------------------------------------------------------------ the adapter
+
+
+def test_override_passes_model_and_guard_settings_once_worked_out(spy):
+    fn = adapter.make_override("native", model="TestModel:abc", guard="all", guard_every=3)
+    assert fn.guard == ("all", 3)  # the dispatcher's (mode, every), computed once, taken as is per call
+    fn(comfy_func, *qkv(), 2, **opts())
+    assert spy[-1]["model"] == "TestModel:abc" and spy[-1]["guard"] == ("all", 3)
+    plain = adapter.make_override("native")
+    plain(comfy_func, *qkv(), 2, **opts())
+    assert spy[-1]["model"] is None and spy[-1]["guard"] is None  # the dispatcher's scope and default
+    only_every = adapter.make_override("native", guard_every=7)
+    assert only_every.guard == ("quantised", 7)
+    with pytest.raises(ValueError):
+        adapter.make_override("native", guard="sometimes")
+
+
+def test_auto_fast_is_auto_exact_where_the_model_asks_for_full_precision(spy):
+    q, k, v = qkv()
+    for backend in ("auto_fast", "auto", "auto_exact"):
+        rec = dispatcher.Recorder()
+        fn = adapter.make_override(backend, recorder=rec)
+        out = fn(comfy_func, q, k, v, 2, low_precision_attention=False, **opts())
+        torch.testing.assert_close(out, ref(q, k, v), atol=2e-5, rtol=1e-4)
+        assert spy[-1]["backend"] == "auto_exact", backend
+        assert {r["requested"] for r in rec.snapshot()["rows"]} == {backend}  # the report shows what was asked
+        fn(comfy_func, q, k, v, 2, **opts())
+        assert spy[-1]["backend"] == backend  # elsewhere as asked
+
+
+def test_quantised_backend_swap_is_kept(spy):
+    rec = dispatcher.Recorder()
+    adapter.make_override("sage", recorder=rec)(comfy_func, *qkv(), 2, low_precision_attention=False, **opts())
+    assert not dispatcher.get_backend_spec(spy[-1]["backend"]).quantised
+    row, = rec.snapshot()["rows"]
+    assert row["requested"] == "sage" and any("low_precision_attention=False" in r for r in row["reasons"])
+
+
+def test_relabel_forwards_guard_events_to_the_recorder():
+    stub = StubRecorder()
+    relabel = adapter._Relabel(stub, "auto_fast", ("a note",))
+    relabel.record("self", "x", "native", ("why",))
+    relabel.record_guard("self", "sage", error=0.01)
+    relabel.record_guard_failure("cross", "sage", "relative error 0.8", "native")
+    assert stub.events == [("record", "self", "auto_fast", "native", ("a note", "why")),
+                           ("guard", "self", "sage", 1, 0.01),
+                           ("guard_failure", "cross", "sage", "relative error 0.8", "native")]
+    # a recorder without the guard methods (another pack's) is left alone
+    plain = adapter._Relabel(types.SimpleNamespace(record=lambda *a: None, record_error=lambda *a: None), "x")
+    plain.record_guard("self", "sage")
+    plain.record_guard_failure("self", "sage", "why", "native")
+
+
+def test_guard_catches_a_kernel_that_goes_wrong_mid_run_through_the_override(custom_backend):
+    """A quantised kernel, exact for 3 calls and then noisy: with guard_every=1 the first bad call is recomputed
+    (the caller gets exact attention), the stub recorder hears the failure and its replacement, and the kernel is
+    demoted for this model: later calls are served by the replacement."""
+    calls = {"n": 0}
+
+    def drifting(q, k, v, **_):
+        calls["n"] += 1
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        return out if calls["n"] <= 3 else out + torch.randn_like(out)
+
+    name = custom_backend("t14_drift", drifting)
+    stub = StubRecorder()
+    fn = adapter.make_override(name, recorder=stub, model="t14:drift-model", guard="quantised", guard_every=1)
+    q, k, v = qkv()
+    for _ in range(6):
+        torch.testing.assert_close(fn(comfy_func, q, k, v, 2, **opts()), ref(q, k, v), atol=2e-5, rtol=1e-4)
+    assert len(stub.of("guard")) == 3
+    (failure,) = stub.of("guard_failure")
+    assert failure[2] == name and failure[4] and not dispatcher.get_backend_spec(failure[4]).quantised
+    served = [e[3] for e in stub.of("record")]
+    assert served[:3] == [name] * 3 and name not in served[3:], served
+    # another model's verdict is its own: the kernel serves it again
+    other = StubRecorder()
+    adapter.make_override(name, recorder=other, model="t14:another-model", guard="off")(comfy_func, q, k, v, 2,
+                                                                                       **opts())
+    assert [e[3] for e in other.of("record")] == [name]
+
+
+def test_guard_off_never_checks(custom_backend):
+    name = custom_backend("t14_noisy", lambda q, k, v, **_: torch.randn_like(q))
+    stub = StubRecorder()
+    fn = adapter.make_override(name, recorder=stub, model="t14:off", guard="off", guard_every=1)
+    fn(comfy_func, *qkv(), 2, **opts())
+    assert not stub.of("guard") and not stub.of("guard_failure")
+
+
+# ------------------------------------------------------------------------------------------------ blocks
+
+
+@pytest.mark.parametrize("to, expected", [
+    ({"block_index": 3, "total_blocks": 10}, (3, 10)),
+    ({"transformer_index": 2, "block_index": 0, "block": ("input", 1)}, (2, None)),  # the UNet: inner index ignored
+    ({"block_index": 3}, None),  # no count and no transformer index: unusable
+    ({}, None),
+    (None, None),
+    ({"block_index": True, "total_blocks": 4}, None),
+])
+def test_block_position(to, expected):
+    assert blocks.block_position(to) == expected
+
+
+@pytest.mark.parametrize("rng, index, total, expected", [
+    ((2, 5), 1, 10, False), ((2, 5), 2, 10, True), ((2, 5), 5, 10, True), ((2, 5), 6, 10, False),
+    ((0, -3), 7, 10, True), ((0, -3), 8, 10, False), ((-2, -1), 8, 10, True), ((-2, -1), 7, 10, False),
+    ((5, -10), 5, 10, False),  # resolves to 5..0: no block
+    ((1, -1), 0, None, False), ((1, -1), 15, None, True), ((1, 2), 3, None, False),
+])
+def test_in_blocks(rng, index, total, expected):
+    to = {"block_index": index, "total_blocks": total} if total else {"transformer_index": index}
+    assert blocks.in_blocks(to, rng) is expected
+
+
+def test_in_blocks_says_why_the_range_cannot_apply():
+    assert blocks.in_blocks({}, (2, -1)) == blocks.NO_POSITION
+    assert "ComfyUI 0.3.64's WAN and Flux do not" in blocks.NO_POSITION
+    assert blocks.in_blocks({"transformer_index": 3}, (-2, -1)) == blocks.NO_COUNT
+    assert blocks.in_blocks({"transformer_index": 3}, (0, -2)) == blocks.NO_COUNT
+
+
+def test_range_problem_at_queue_time():
+    assert blocks.range_problem(5, 2).startswith("block_start 5 is after block_end 2")
+    assert blocks.range_problem(-1, -3).startswith("block_start -1 is after block_end -3")
+    assert blocks.range_problem(2, 5) is None and blocks.range_problem(3, -1) is None
+    assert blocks.range_problem(-3, 2) is None  # depends on the model's block count
+
+
+def test_calls_outside_the_block_range_go_to_the_previous_override_with_the_reason():
+    seen = []
+
+    def previous(func, *args, **kwargs):
+        seen.append(kwargs["transformer_options"]["block_index"])
+        return func(*args, **kwargs)
+
+    rec = dispatcher.Recorder()
+    fn = adapter.make_override("native", recorder=rec, blocks=(1, -2), previous=previous)
+    q, k, v = qkv()
+    for i in range(4):
+        out = fn(comfy_func, q, k, v, 2, **opts(block_index=i, total_blocks=4))
+        torch.testing.assert_close(out, ref(q, k, v), atol=2e-5, rtol=1e-4)
+    assert seen == [0, 3]
+    rows = {(r["served"]): r for r in rec.snapshot()["rows"]}
+    assert rows["native"]["calls"] == 2
+    assert rows["previous override"]["calls"] == 2
+    assert rows["previous override"]["reasons"] == ["outside the block range 1..-2"]
+    assert not fn.block_notes
+    # without a previous override: ComfyUI's own attention
+    fn2 = adapter.make_override("native", blocks=(0, 0))
+    fn2(comfy_func, q, k, v, 2, **opts(transformer_index=1))
+    assert len(CALLS) == 3
+
+
+def test_no_block_position_uses_the_backend_everywhere_and_notes_each_site_once():
+    notes = {}
+    rec = dispatcher.Recorder()
+    fn = adapter.make_override("native", recorder=rec, blocks=(2, -1), block_notes=notes)
+    q, k, v = qkv()
+    _, k2, v2 = qkv(lk=8)
+    for _ in range(3):
+        fn(comfy_func, q, k, v, 2, **opts())
+        fn(comfy_func, q, k2, v2, 2, **opts())
+    assert notes == {"self": blocks.NO_POSITION, "cross": blocks.NO_POSITION}
+    assert {r["served"] for r in rec.snapshot()["rows"]} == {"native"} and rec.total_calls == 6
+    assert not CALLS
+
+
+def test_the_default_range_costs_nothing_per_call(monkeypatch):
+    def boom(*_):
+        raise AssertionError("in_blocks called for the default range")
+
+    monkeypatch.setattr(adapter, "in_blocks", boom)
+    for rng in (None, (0, -1)):
+        fn = adapter.make_override("native", blocks=rng)
+        assert fn.blocks is None
+        fn(comfy_func, *qkv(), 2, **opts(block_index=1, total_blocks=4))
+
+
+def test_checks_node_rebuild_keeps_model_guard_and_blocks():
+    notes = {}
+    fn = adapter.make_override("native", model="M:1", guard="all", guard_every=2, blocks=(1, 2), block_notes=notes)
+    rebuilt = adapter.make_override(**{**fn.attention_dispatch, "checks": "warn"})
+    assert (rebuilt.model, rebuilt.guard, rebuilt.blocks) == ("M:1", ("all", 2), (1, 2))
+    assert rebuilt.block_notes is notes
+    assert copy.deepcopy(fn) is fn
+
+
+# ------------------------------------------------------------------------------------------------ model identity
+
+
+class Patcher:
+    def __init__(self, net, patches=None):
+        self.model = types.SimpleNamespace(diffusion_model=net)
+        self.patches = patches or {}
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+
+
+def test_model_key_is_stable_and_tells_models_apart():
+    net = _net()
+    key = identity.model_key(Patcher(net))
+    assert key.startswith("Sequential:") and len(key.split(":")[1]) == 12
+    assert identity.model_key(Patcher(net)) == key
+    assert identity.model_key(Patcher(copy.deepcopy(net))) == key  # same weights, another object
+    assert identity.model_key(Patcher(_net(seed=1))) != key
+    lora = {"0.weight": [(1.0, (torch.ones(8, 1), torch.ones(1, 8)), 1.0, None, None)]}
+    with_lora = identity.model_key(Patcher(net, lora))
+    assert with_lora != key
+    weaker = {"0.weight": [(0.5, lora["0.weight"][0][1], 1.0, None, None)]}
+    assert identity.model_key(Patcher(net, weaker)) not in (key, with_lora)
+    other_lora = {"0.weight": [(1.0, (torch.zeros(8, 1), torch.ones(1, 8)), 1.0, None, None)]}
+    assert identity.model_key(Patcher(net, other_lora)) not in (key, with_lora)
+
+
+def test_model_key_never_fails_on_odd_objects():
+    for odd in (None, object(), types.SimpleNamespace(model=None), Patcher(torch.nn.Module()),
+                Patcher(_net(), patches={"x": "not a list", 3: [None, ("odd",)]}), node_stub.FakeModel()):
+        key = identity.model_key(odd)
+        assert isinstance(key, str) and key
+    meta = torch.nn.Linear(4, 4, device="meta")
+    assert identity.model_key(Patcher(meta)).startswith("Linear:")
+    half = _net().to(torch.bfloat16)
+    assert identity.model_key(Patcher(half)) != identity.model_key(Patcher(_net()))
+
+
+# ------------------------------------------------------------------------------------------------ reports
+
+
+def _snapshot(rows, guard=()):
+    return {"rows": [{"site": s, "requested": r, "served": v, "calls": n, "fell_back": r != v and r not in reports.AUTOS,
+                      "reasons": list(why)} for s, r, v, n, why in rows], "guard": list(guard)}
+
+
+def test_every_call_fallbacks():
+    every = reports.every_call_fallbacks(_snapshot([
+        ("self", "flex", "native", 8, ["flex: needs torch.compile"]),
+        ("cross", "flex", "native", 8, ["flex: needs torch.compile"]),
+        ("self", "flex", "comfy:attention_pytorch", 4, ["outside the step window 0.50..1.00"]),  # delegated
+    ]))
+    assert len(every) == 1 and every[0]["every_site"] and every[0]["sites"] == ["cross", "self"]
+    assert every[0]["text"] == "flex fell back to native on every call: flex: needs torch.compile"
+    partial = reports.every_call_fallbacks(_snapshot([
+        ("self", "flash", "flash", 8, []), ("cross", "flash", "native", 8, ["flash: no masks"])]))
+    assert [e["text"] for e in partial] == ["flash fell back to native on every call at cross: flash: no masks"]
+    assert reports.every_call_fallbacks(_snapshot([("self", "flash", "flash", 8, []),
+                                                   ("self", "flash", "native", 1, ["once"])])) == []
+    assert reports.every_call_fallbacks(_snapshot([("self", "auto_exact", "native", 8, [])])) == []
+    assert reports.every_call_fallbacks({}) == []
+    # a kernel the guard demoted at each site (another reason per site): one line, every call
+    (demoted,) = reports.every_call_fallbacks(_snapshot([("self", "k", "native", 6, ["guard at self"]),
+                                                         ("cross", "k", "native", 6, ["guard at cross"])]))
+    assert demoted["every_site"] and demoted["text"] == "k fell back to native on every call: guard at cross; guard at self"
+
+
+def test_guard_results_and_block_results():
+    out = reports.guard_results(_snapshot([], guard=[
+        {"site": "self", "backend": "sage", "checks": 4, "max_error": 0.012, "failures": []},
+        {"site": "cross", "backend": "sage", "checks": 2, "max_error": None,
+         "failures": [{"reason": "its output has 3 NaN/Inf values", "replacement": "native"}]}]))
+    assert out[0]["text"] == "quality guard: sage at self: 4 checks, max error 1.2e-02"
+    assert "FAILED (its output has 3 NaN/Inf values): that call was recomputed with native" in out[1]["text"]
+    b = reports.block_results({"range": [2, -1]}, {"self": blocks.NO_POSITION, "cross": blocks.NO_POSITION})
+    assert b["range"] == [2, -1] and b["unapplied"][0]["sites"] == ["cross", "self"]
+    assert b["unapplied"][0]["text"].startswith("block range 2..-1 not applied at cross, self: this model tells")
+
+
+# ------------------------------------------------------------------------------------------------ the node
+
+
+@pytest.fixture
+def nodes(monkeypatch):
+    return node_stub.install(monkeypatch)
+
+
+class SamplingRun:
+    """ComfyUI's WrapperExecutor for OUTER_SAMPLE: the 'sampling' makes attention calls through the model's
+    override (the same transformer options every call)."""
+
+    def __init__(self, model, calls=2, **to):
+        self.model, self.calls, self.to = model, calls, to
+        self.class_obj = types.SimpleNamespace(model_options=model.model_options)
+
+    def __call__(self, *args, **kwargs):
+        q, k, v = qkv()
+        for _ in range(self.calls):
+            self.model.override(comfy_func, q, k, v, 2, transformer_options=dict(self.to))
+        return "latent"
+
+
+def _report(model, **run):
+    reports.clear()
+    for wrapper in model.outer_wrappers():
+        wrapper(SamplingRun(model, **run))
+    return reports.latest()["reports"][-1]
+
+
+def test_dropdown_lists_the_two_autos_first_and_still_accepts_auto(nodes):
+    options = nodes.backend_options()
+    assert options[:3] == ["auto_exact", "auto_fast", "comfy default"] and "auto" not in options
+    assert nodes.SET_FIELDS[0].default == "auto_exact" and nodes.CLIP_FIELDS[0].default == "auto_exact"
+    good = {"policy": "strict", "start_percent": 0.0, "end_percent": 1.0}
+    for backend in ("auto", "auto_exact", "auto_fast"):
+        assert nodes.SetAttentionBackend.validate_inputs(backend, **good) is True
+        assert nodes.SetClipAttentionBackend.validate_inputs(backend, "strict") is True
+    assert "auto_exact, auto_fast, comfy default" in nodes.SetAttentionBackend.validate_inputs("aut", **good)
+    tooltip = nodes.SET_FIELDS[0].tooltip
+    assert "never a quantised kernel" in tooltip and "5e-02" in tooltip and "quality guard" in tooltip
+
+
+@pytest.mark.parametrize("inputs, expected", [
+    ({"quality_guard": "sometimes"}, "quality_guard: unknown quality guard mode 'sometimes'. Valid: quantised kernels, "
+                                     "every kernel, off"),
+    ({"quality_guard": "Off"}, "Did you mean 'off'?"),
+    ({"guard_every": 0}, "guard_every: 0 is below the minimum 1"),
+    ({"guard_every": 2.5}, "guard_every: 2.5 is not a whole number"),
+    ({"block_start": 5, "block_end": 2}, "block_start 5 is after block_end 2"),
+    ({"block_start": -1, "block_end": -4}, "block_start -1 is after block_end -4"),
+    ({"block_start": "x"}, "block_start: 'x' is not a whole number"),
+])
+def test_new_inputs_are_checked_at_queue_time(nodes, inputs, expected):
+    values = {"backend": "native", "policy": "fallback", "start_percent": 0.0, "end_percent": 1.0, **inputs}
+    answer = nodes.SetAttentionBackend.validate_inputs(**values)
+    assert isinstance(answer, str) and expected in answer, answer
+
+
+def test_new_inputs_are_optional_for_older_prompts(nodes):
+    fields = {f.name: f for f in nodes.SET_FIELDS}
+    assert all(fields[n].optional for n in ("block_start", "block_end", "quality_guard", "guard_every"))
+    assert not any(fields[n].optional for n in ("backend", "policy", "start_percent", "end_percent"))
+    assert nodes.SetAttentionBackend.validate_inputs("native", "fallback", 0.0, 1.0) is True
+    assert nodes.SetAttentionBackend.validate_inputs("native", "fallback", 0.0, 1.0, -3, 4, "off", 1) is True
+    (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "native", "fallback", 0.0, 1.0).result
+    assert m.override.guard == ("quantised", nodes.DEFAULT_EVERY) and m.override.blocks is None
+    assert m.override.model.startswith("FakeModel:")
+
+
+def test_set_node_passes_guard_blocks_and_model_and_reports_them(nodes):
+    (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "native", "fallback", 0.0, 1.0, None, 2, -1,
+                                             "every kernel", 5).result
+    override = m.override
+    assert override.guard == ("all", 5) and override.blocks == (2, -1) and override.model
+    report = _report(m)  # calls with no block position (like ComfyUI 0.3.64's WAN)
+    assert report["quality_guard"] == {"mode": "all", "every": 5} and report["model"] == override.model
+    (unapplied,) = report["blocks"]["unapplied"]
+    assert unapplied["sites"] == ["self"] and unapplied["reason"] == blocks.NO_POSITION
+    assert report["guard"] and report["guard"][0]["backend"] == "native" and report["guard"][0]["checks"] == 1
+    assert report["fallback_every_call"] == []
+    # a run whose calls carry their block (newer DiTs): blocks 0 and 1 go to ComfyUI's attention
+    again = _report(m, calls=1, block_index=1, total_blocks=4)
+    assert again["blocks"]["unapplied"] == []  # notes are per run
+    (row,) = again["recorder"]["rows"]
+    assert row["served"].startswith("comfy:") and row["reasons"] == ["outside the block range 2..-1"]
+
+
+def test_set_node_reports_a_fallback_on_every_call(nodes):
+    (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "flash", "fallback", 0.0, 1.0).result
+    report = _report(m)
+    (every,) = report["fallback_every_call"]
+    assert every["requested"] == "flash" and every["every_site"] and every["text"].startswith(
+        f"flash fell back to {every['served'][0]} on every call: ")
+
+
+def test_chained_block_ranges_name_the_scope(nodes, monkeypatch):
+    monkeypatch.setattr(nodes.SetAttentionBackend, "hidden", types.SimpleNamespace(unique_id="1"), raising=False)
+    (a,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "native", "fallback", 0.0, 1.0).result
+    monkeypatch.setattr(nodes.SetAttentionBackend, "hidden", types.SimpleNamespace(unique_id="2"), raising=False)
+    (b,) = nodes.SetAttentionBackend.execute(a, "flex", "fallback", 0.0, 1.0, None, 2, 5).result
+    reports.clear()
+    for wrapper in b.outer_wrappers():
+        wrapper(SamplingRun(b, calls=0))
+    got = {r["node"]: r for r in reports.latest()["reports"]}
+    assert "wins inside its block range 2..5" in got["1"]["notes"][0]
+    assert "outside this node's block range 2..5 #1's backend runs" in got["2"]["notes"][0]
+    # calls from blocks outside 2..5 reach the upstream node's override
+    rec_up = a.override.recorder
+    rec_up.clear()
+    q, k, v = qkv()
+    b.override(comfy_func, q, k, v, 2, transformer_options={"block_index": 7, "total_blocks": 10})
+    assert rec_up.served_by("native") == 1
