@@ -54,7 +54,6 @@ class Decision:
     skipped: list = field(default_factory=list)  # [(name, [reasons])]
     machine: object = None  # the machine it was made for (kept so its id in the cache key stays unique)
     trust_sensitive: bool = False  # a Hub backend in the chain: the decision depends on trust settings
-    inputs_description: str = ""
     guard_counts: dict = field(default_factory=dict, repr=False, compare=False)  # (name, site) -> calls seen
     _reasons: dict = field(default_factory=dict, repr=False, compare=False)  # served -> reasons_for(served)
 
@@ -113,12 +112,10 @@ def _reasons(name: str, spec, inputs: AttentionInputs) -> list[str]:
     return reasons
 
 
-def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str,
-           quality_guard: tuple = (guard.DEFAULT_MODE, guard.DEFAULT_EVERY)) -> Decision:
+def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, quality_guard: tuple) -> Decision:
     checks.check_structure(inputs)
     chain = fallback_order(requested) if policy == "fallback" else [requested]
-    decision = Decision(requested, [], trust_sensitive=any(registry.get(n).hub is not None for n in chain),
-                        inputs_description=inputs.describe())
+    decision = Decision(requested, [], trust_sensitive=any(registry.get(n).hub is not None for n in chain))
     plain_mask = inputs.mask_kind in ("bool", "key_padding") and len(inputs.mask_shape or ()) == 4
     for name in chain:
         spec = registry.get(name)
@@ -140,8 +137,8 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str,
     return decision
 
 
-def decision_for(requested: str, policy: str, inputs: AttentionInputs, layout: str, model: str = "unscoped",
-                 quality_guard: tuple = (guard.DEFAULT_MODE, guard.DEFAULT_EVERY)) -> Decision:
+def decision_for(requested: str, policy: str, inputs: AttentionInputs, layout: str, model: str,
+                 quality_guard: tuple) -> Decision:
     """The decision for a signature, per model (demotions by the quality guard belong to the model they were
     seen on) and guard setting."""
     machine = current_machine()  # a simulated machine (use_machine) gets its own decisions

@@ -42,7 +42,7 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     """
     if guard is not None or guard_every is not None:
         if type(guard) is not tuple:
-            guard = _guard_settings(guard if guard is not None else "quantised", guard_every)
+            guard = _guard_settings(guard, guard_every)
     if torch.compiler.is_dynamo_compiling():  # dynamo traces the class call, not tuple.__new__
         return dispatch_call(AttentionCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                            attention_kwargs, backend, layout, policy, return_lse, call_site,

@@ -26,6 +26,7 @@ from .reference import exact_attention, non_finite, sample_rows, to_bhsd
 GUARD_MODES = ("quantised", "all", "off")
 DEFAULT_MODE = "quantised"
 DEFAULT_EVERY = 100  # SDXL's worst case (Sage on every call): 20 cost +9% of a step; see docs/auto.md
+DEFAULT = (DEFAULT_MODE, DEFAULT_EVERY)  # the (mode, every) form calls and decisions carry
 ROWS = 16
 QUANTISED_BOUND = 1e-1
 
@@ -34,8 +35,9 @@ class AttentionQualityError(RuntimeError):
     """A guarded kernel went wrong under policy 'strict' (no other backend may serve the call)."""
 
 
-def settings(mode: str = DEFAULT_MODE, every: int | None = None) -> tuple[str, int]:
-    """(mode, every), checked: the form calls and decisions carry."""
+def settings(mode: str | None = None, every: int | None = None) -> tuple[str, int]:
+    """(mode, every), checked: the form calls and decisions carry; None: the default mode / interval."""
+    mode = DEFAULT_MODE if mode is None else mode
     if mode not in GUARD_MODES:
         raise ValueError(f"unknown quality guard mode {mode!r}; valid modes: {', '.join(GUARD_MODES)} "
                          f"('{DEFAULT_MODE}' guards quantised kernels only)")

@@ -9,10 +9,11 @@ import threading
 import weakref
 from collections import Counter
 
+from . import registry
+
 # Recorders by serial number: a compiled graph cannot hold a recorder object, so it names one by its
 # `serial` (a plain int dynamo can bake in) and the call looks it up (see compiled.py).
 _by_serial: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_AUTOS = ("auto", "auto_exact", "auto_fast")  # pseudo-backends (dispatcher.auto.PSEUDO_BACKENDS)
 _serials = itertools.count(1)
 
 
@@ -93,9 +94,10 @@ class Recorder:
     def snapshot(self) -> dict:
         with self._lock:
             rows = [{"site": site, "requested": requested, "served": served, "calls": calls,
-                     # an auto names no backend: serving its choice is no fallback, unless reasons say otherwise
-                     "fell_back": requested != served and (requested not in _AUTOS or bool(self._reasons.get(
-                         (site, requested, served)))),
+                     # a pseudo-backend (an auto) names no kernel: serving its choice is no fallback, unless
+                     # reasons say otherwise
+                     "fell_back": requested != served and (registry.resolver(requested) is None
+                                                           or bool(self._reasons.get((site, requested, served)))),
                      "reasons": self._reasons.get((site, requested, served), [])}
                     for (site, requested, served), calls in sorted(self._calls.items())]
             errors = [{"site": site, "backend": backend, "error": error} for (site, backend), error in self._errors.items()]

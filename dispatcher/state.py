@@ -29,7 +29,7 @@ _active_policy: contextvars.ContextVar[str | None] = contextvars.ContextVar("att
 _active_checks: contextvars.ContextVar[str | None] = contextvars.ContextVar("attn_dispatch_checks", default=None)
 _active_model: contextvars.ContextVar[str | None] = contextvars.ContextVar("attn_dispatch_model", default=None)
 _active_guard: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("attn_dispatch_guard", default=None)
-_default_guard = (guard.DEFAULT_MODE, guard.DEFAULT_EVERY)
+_default_guard = guard.DEFAULT
 
 # The model scope of calls that name none: accuracy verdicts made under it stay in this process (never on disk),
 # since nothing says which model they were measured on.

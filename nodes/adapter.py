@@ -34,12 +34,12 @@ import torch
 from ..dispatcher import attention_checks, dispatch_attention_fn, fallback_order, get_backend_spec, trusted_publishers
 from ..dispatcher import checks as _checks
 from ..dispatcher.auto import AUTO, AUTO_EXACT, AUTO_FAST
+from ..dispatcher.auto import PSEUDO_BACKENDS as AUTOS  # "auto" is auto_exact (older workflows)
 from ..dispatcher.guard import settings as guard_settings
 from ..dispatcher.report import register as register_recorder
 from .blocks import blocks_text, in_blocks, is_default
 from .window import in_window
 
-AUTOS = (AUTO_EXACT, AUTO_FAST, AUTO)  # dispatcher.auto.PSEUDO_BACKENDS: "auto" is auto_exact (older workflows)
 COMFY_DEFAULT = "comfy default"
 PASS_THROUGH = "pass through"  # checks/compare only: every call goes to `previous` (or `func`)
 _HALF = (torch.float16, torch.bfloat16)
@@ -178,7 +178,7 @@ class AttentionOverride:
         if guard is None and guard_every is None:
             self.guard = None
         else:
-            self.guard = guard_settings(guard if guard is not None else "quantised", guard_every)
+            self.guard = guard_settings(guard, guard_every)
         self.blocks = None if blocks is None or is_default(*blocks) else (int(blocks[0]), int(blocks[1]))
         self.block_notes = {} if block_notes is None else block_notes
         self._outside_blocks = None if self.blocks is None else f"outside the block range {blocks_text(self.blocks)}"

@@ -25,7 +25,7 @@ NO_COUNT = ("this model tells attention its block position but not the number of
 
 
 def is_default(start: int, end: int) -> bool:
-    return start == 0 and end == -1
+    return (start, end) == DEFAULT_RANGE
 
 
 def blocks_text(blocks: tuple[int, int]) -> str:

@@ -17,7 +17,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import dispatcher
 from dispatcher import (Recorder, attention_backend, dispatch_attention_fn, env, hub, recording, register_backend,
@@ -27,6 +26,7 @@ from dispatcher import auto as tuner
 from helpers import kernel_repos as kr
 from helpers import tensors
 from helpers.pack import PACK, comfy_func, load_pack
+from helpers.tensors import sdpa
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 adapter, pack_dispatcher, _ = load_pack()
@@ -44,10 +44,6 @@ def fast_switching():
 
 
 qkv = functools.partial(tensors.qkv, b=1, lq=6, lk=6, h=2, d=8)  # k and v keep length 6 whatever lq is
-
-
-def sdpa(q, k, v):
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
 class Hammer:

@@ -16,7 +16,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import dispatcher
 from dispatcher import (AttentionInputError, BackendNotSupportedError, BackendUnavailableError, KernelLoadError,
@@ -29,6 +28,7 @@ from helpers import kernel_repos as kr
 from helpers import node_stub, tensors
 from helpers.dispatcher_state import remove_custom_backends, reset
 from helpers.pack import PACK, comfy_func, load_pack
+from helpers.tensors import sdpa
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 kernels = pytest.importorskip("kernels")
@@ -37,10 +37,6 @@ ORG = "kernels-community"
 
 
 qkv = functools.partial(tensors.qkv, b=1, lq=6, lk=6, h=2, d=16)
-
-
-def sdpa(q, k, v):
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
 def snapshot_state(d=dispatcher):

@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import dispatcher
 from dispatcher import AttentionQualityError, Recorder, dispatch_attention_fn, guard, recording
-from helpers.tensors import qkv
-
-
-def exact(q, k, v, **_):
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+from helpers.tensors import qkv, sdpa as exact
 
 
 class Drifting:

@@ -13,6 +13,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from .fingerprint import fingerprint_key, machine_fingerprint
 
@@ -59,8 +60,9 @@ def lookup(path: Path | None, signature_key: str) -> dict | None:
     return decision if isinstance(decision, dict) else None
 
 
-def store(path: Path | None, signature_key: str, decision: dict) -> None:
-    """Save one decision atomically (a reader never sees half a file); the 16 newest machines are kept."""
+def update(path: Path | None, signature_key: str, merge: Callable[[dict | None], dict]) -> None:
+    """Rewrite one decision atomically (a reader never sees half a file) as `merge(the saved one or None)`, reading
+    the file once; the 16 newest machines are kept."""
     if path is None:
         return
     try:
@@ -68,7 +70,8 @@ def store(path: Path | None, signature_key: str, decision: dict) -> None:
         fingerprint = machine_fingerprint()
         entry = data["machines"].setdefault(fingerprint_key(fingerprint), {"machine": fingerprint, "decisions": {}})
         entry["updated"] = now()
-        entry["decisions"][signature_key] = decision
+        saved = entry["decisions"].get(signature_key)
+        entry["decisions"][signature_key] = merge(saved if isinstance(saved, dict) else None)
         if len(data["machines"]) > _MACHINES_KEPT:
             keep = sorted(data["machines"].items(), key=lambda kv: kv[1].get("updated", ""))[-_MACHINES_KEPT:]
             data["machines"] = dict(keep)

@@ -162,8 +162,8 @@ class Tuner:
             if hit is None:
                 record = self._resolve(inputs, exact, layout=layout, live=live, timing=timing, model=model)
                 hit = (record.chosen, record.trust_sensitive)
-                if record.judged_on in (LIVE, DISK) or record.source in ("only-candidate", "none"):
-                    self._choices[key] = hit  # a provisional choice (no live values yet) is made again next time
+                if _settled(record):
+                    self._choices[key] = hit
         return hit
 
     @staticmethod
@@ -196,7 +196,7 @@ class Tuner:
                                    use_disk=not force)
             if force:
                 caches.forget()  # the dispatcher's decisions may hold the previous choice
-            if record.judged_on in (LIVE, DISK):
+            if _settled(record):
                 self._choices[self._key(inputs, exact, model)] = (record.chosen, record.trust_sensitive)
         return record
 
@@ -338,12 +338,11 @@ class Tuner:
                                model, c.reason)
         return record
 
-    def _inputs(self, sig, layout, live):
+    @staticmethod
+    def _inputs(sig, layout, live, cap: int):
         """(inputs to run candidates on, their signature, whether they are the caller's live values)."""
         if live is not None:  # the call's own tensors: verdicts on them, and no copy to allocate
             return live._replace(dropout_p=0.0, attention_kwargs=None, backend=None, recorder=None), sig, True
-        device = torch.device(sig.device)
-        cap = self._memory_cap(device)
         run_sig = shrink(sig, cap)
         q, k, v, mask = random_inputs(run_sig, layout)
         scale = (0.9 / math.sqrt(sig.head_dim)) if sig.custom_scale else None
@@ -354,7 +353,7 @@ class Tuner:
         """Judge (on live values) and time (where the disk has no timing) every candidate not known yet."""
         device = torch.device(sig.device)
         cap = self._memory_cap(device)
-        attention_call, run_sig, is_live = self._inputs(sig, layout, live)
+        attention_call, run_sig, is_live = self._inputs(sig, layout, live, cap)
         if run_sig != sig:
             record.timed_shape = {"len_q": run_sig.len_q, "len_kv": run_sig.len_kv,
                                   "why": f"the inputs would exceed the tuning memory cap of {cap >> 20} MiB"}
@@ -468,20 +467,28 @@ class Tuner:
         return True
 
     def _to_disk(self, record: TuneRecord, names: list[str]) -> None:
-        previous = cache.lookup(self.cache_path, _disk_key(record)) or {}
-        if previous.get("candidates") != names:
-            previous = {}
-        timings = dict(previous.get("timings", {}))
-        timings.update({c.name: {"median_ms": c.median_ms, "times_ms": c.times_ms} for c in record.candidates
-                        if c.median_ms is not None})
-        verdicts = dict(previous.get("verdicts", {}))
-        if record.judged_on == LIVE and record.model != state.UNSCOPED_MODEL:  # unscoped verdicts stay in memory
-            verdicts[record.model] = {c.name: {"status": "valid" if c.status == "chosen" else c.status,
-                                               "rel_error": c.rel_error, "reason": c.reason}
-                                      for c in record.candidates if c.status in ("chosen", "valid", "rejected")}
-        cache.store(self.cache_path, _disk_key(record), {
-            "candidates": names, "tuned_at": cache.now(), "seconds": round(record.seconds, 4),
-            "timings": timings, "verdicts": verdicts})
+        def merged(previous: dict | None) -> dict:
+            """The saved decision with this record's timings and (live, scoped) verdicts added."""
+            if previous is None or previous.get("candidates") != names:
+                previous = {}
+            timings = dict(previous.get("timings", {}))
+            timings.update({c.name: {"median_ms": c.median_ms, "times_ms": c.times_ms} for c in record.candidates
+                            if c.median_ms is not None})
+            verdicts = dict(previous.get("verdicts", {}))
+            if record.judged_on == LIVE and record.model != state.UNSCOPED_MODEL:  # unscoped ones stay in memory
+                verdicts[record.model] = {c.name: {"status": "valid" if c.status == "chosen" else c.status,
+                                                   "rel_error": c.rel_error, "reason": c.reason}
+                                          for c in record.candidates if c.status in ("chosen", "valid", "rejected")}
+            return {"candidates": names, "tuned_at": cache.now(), "seconds": round(record.seconds, 4),
+                    "timings": timings, "verdicts": verdicts}
+
+        cache.update(self.cache_path, _disk_key(record), merged)
+
+
+def _settled(record: TuneRecord) -> bool:
+    """Whether a choice may be remembered: judged on live values (now or on disk), or there was nothing to judge.
+    A provisional one (noise, a trace, a preference) is made again on the next call, with its live values."""
+    return record.judged_on in (LIVE, DISK) or record.source in ("only-candidate", "none")
 
 
 def _disk_key(record: TuneRecord) -> str:
