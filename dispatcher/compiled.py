@@ -20,7 +20,6 @@ serves the call (one graph break).
 
 from __future__ import annotations
 
-import re
 from dataclasses import fields
 from typing import Any, Optional
 
@@ -28,6 +27,7 @@ import torch
 
 from . import checks, decisions, registry, state
 from .call import AttentionCall
+from .custom_ops import define_once
 from .eager import dispatch_eager
 from .execute import run
 from .inputs import AttentionInputs, describe_call
@@ -46,9 +46,9 @@ def _eager():
 
 def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial, attention_kwargs_keys=(),
                  model=None, quality_guard=None):
-    """Runs eagerly at trace time: (served backend, checks mode), (RUNTIME, checks mode) when the call must
-    run as the opaque op (it needs live values: `auto_fast`'s verdicts, a guarded kernel), or None when the
-    eager path must raise."""
+    """Runs eagerly at trace time: (served backend, checks mode, whether its mask needs converting), (RUNTIME,
+    checks mode, False) when the call must run as the opaque op (it needs live values: an auto's verdicts, a
+    guarded kernel), or None when the eager path must raise."""
     _eager()
     if signature is None:
         return None
@@ -66,7 +66,7 @@ def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial,
             checks.check_structure(inputs)
             if registry.needs_live_values(requested):
                 _runtime_op()
-                return RUNTIME, state.active_checks()
+                return RUNTIME, state.active_checks(), False
             # a choice made eagerly (or on disk) before, else the priority order
             chosen = resolve(inputs, None, model=model, timing=False)[0]
         decision = decisions.decision_for(chosen, policy, inputs, layout, model, quality_guard)
@@ -76,9 +76,9 @@ def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial,
     if attention_kwargs_keys:
         candidate = checks.candidates_for_attention_kwargs(decision.requested, policy, decision.candidates,
                                                            dict.fromkeys(attention_kwargs_keys))[0]
-    elif candidate.guard_every:  # the guard compares and may recompute: host work a graph cannot hold
+    if candidate.guard_every:  # the guard compares and may recompute: host work a graph cannot hold
         _runtime_op()
-        return RUNTIME, state.active_checks()
+        return RUNTIME, state.active_checks(), False
     name = candidate.name
     _traced_candidates[(name, layout)] = candidate
     reasons = decision.reasons_for(name) if name != decision.requested else ()
@@ -87,7 +87,7 @@ def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial,
     recorder = by_serial(recorder_serial) if recorder_serial else current_recorder()
     if recorder is not None:
         recorder.record(call_site, requested, name, reasons)
-    return name, state.active_checks()
+    return name, state.active_checks(), candidate.convert_mask
 
 
 def _symbolic_sizes() -> bool:
@@ -126,14 +126,8 @@ def _runtime_op():
     global _op
     if _op is not None:
         return _op
-    base = "call_" + re.sub(r"\W", "_", __name__)
-    for suffix in range(100):  # a module loaded twice under one name (reload) registers a second op
-        try:
-            _op = _define(f"attention_dispatch::{base}{suffix or ''}")
-            return _op
-        except RuntimeError:
-            continue
-    raise RuntimeError("could not register the attention dispatch op")
+    _op = define_once("call", __name__, _define)
+    return _op
 
 
 def _define(name: str):
@@ -195,10 +189,13 @@ def dispatch_traced(call: AttentionCall):
                         tuple(sorted(attention_kwargs)) if attention_kwargs else (), model, quality_guard)
     if plan is None:
         return _eager()(call)
-    name, mode = plan
+    name, mode, convert_mask = plan
     if name == RUNTIME:
         return _as_op(call, serial) if opaque else _eager()(call)
-    candidate = _traced_candidates[(name, layout)]
+    # The plan's constants, not only the cached candidate: dynamo reads _traced_candidates as it was at its first
+    # read in this frame, so a later call of the same backend and layout (a masked one after an unmasked one)
+    # would otherwise get the first call's mask handling.
+    candidate = _traced_candidates[(name, layout)]._replace(convert_mask=convert_mask)
     if mode != "off":
         checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, name)
     out = run(candidate, call)

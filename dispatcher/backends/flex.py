@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
+from typing import Optional
 
 import torch
 
 from ..checks import broadcast_kv, declare
+from ..custom_ops import define_once
 from ..registry import add
 from ..requirements import TorchVersion
 from ..spec import FLOATS, BackendSpec, HeadDims
@@ -91,7 +94,103 @@ def compiled_flex(q, k, v, *, masked: bool, blocked: bool, enable_gqa: bool, lse
     return run
 
 
+# functorch's dispatch keys: what torch.vmap needs enabled to batch a tensor.
+_FUNCTORCH_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in (
+    "FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode", "FuncTorchBatched", "FuncTorchVmapMode",
+    "FuncTorchGradWrapper", "FuncTorchBatchedDecomposition") if hasattr(torch._C.DispatchKey, name))
+_FUNCTORCH_FRONT = torch._C.DispatchKey.FuncTorchDynamicLayerFrontMode  # excluded with the others
+_functorch_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+
+
+def vmap_enabled():
+    """A context in which torch.vmap works, when this thread's dispatch keys have turned functorch off.
+
+    Eager flex_attention uses torch.vmap: it builds every block mask (even the empty one it makes when there is
+    none) and evaluates score/mask mods through it. Code that runs inside a TorchDispatchMode's handler has every
+    dispatch key above Python excluded, functorch's among them, so vmap's batched tensors reach the CPU kernels
+    unwrapped: "NotImplementedError: Cannot access storage of BatchedTensorImpl". That is where flex runs inside a
+    model compiled by inductor (ComfyUI's TorchCompileModel) as an op of the graph: the dispatcher's own op (with
+    symbolic sizes, once a size changes) or this module's CPU op: AOT autograd runs the first call of each
+    compiled graph under its custom-op aliasing check (torch._functorch.config.check_custom_op_aliasing, on by
+    default), a TorchDispatchMode that runs each op's body from its handler. flex raised there and fell back to
+    native for that signature from then on. Outside any functorch transform those keys are excluded only by
+    such a handler, so they are turned back on for flex's own vmap; inside a transform (a real vmap or grad
+    level) nothing changes."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    if not any(exclude.has(key) for key in _FUNCTORCH_KEYS) or torch._C._functorch.maybe_current_level() is not None:
+        return contextlib.nullcontext()
+    for key in _FUNCTORCH_KEYS:
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
 def flex_attention_backend(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    if not torch.compiler.is_dynamo_compiling():
+        if _functorch_excluded(_FUNCTORCH_FRONT):  # inside a dispatch mode's handler (0.1 us to ask)
+            with vmap_enabled():
+                return _flex(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                             enable_gqa=enable_gqa, return_lse=return_lse)
+        return _flex(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                     return_lse=return_lse)
+    if (q.device.type == "cpu" and not (q.requires_grad or k.requires_grad or v.requires_grad)
+            and (attn_mask is None or isinstance(attn_mask, torch.Tensor))):
+        out, lse = _cpu_op()(q, k, v, attn_mask, is_causal, scale, enable_gqa, return_lse)
+        return (out, lse) if return_lse else out
+    # Traced into the caller's graph, whose compiler compiles flex with it: PyTorch's documented use of
+    # flex_attention inside torch.compile (no torch.compile of flex nested in it). A BlockMask (it holds a
+    # Python mask_mod, which an op cannot take) and gradients take this route on the CPU too.
+    return _flex(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                 return_lse=return_lse)
+
+
+def _cpu_op():
+    """Eager flex as one op, for flex inside a graph compiled for the CPU (ComfyUI's TorchCompileModel).
+
+    Traced into the graph, flex is compiled by inductor's C++ flex template, which fails or is wrong on
+    torch 2.13 and 2.14.1 for what ComfyUI hands it (each reproduced with flex_attention alone):
+    - any pointwise op that reads the output in its own layout (`flex_attention(q, k, v) + r`) is fused into
+      the template, which refuses it: "NotImplementedError: Unsupported for `epilogue_nodes` in
+      CppFlexAttentionTemplate";
+    - q/k/v that are 4-D views of a tensor of another rank (ComfyUI's (B, L, H*D) projections; after RoPE,
+      5-D): "LoweringException: ValueError: not enough values to unpack (expected 4, got 2)", since the
+      template reads four sizes from the storage under each;
+    - a mask computed in the graph (as ComfyUI's are), read by the score_mod: "All the buffers in the score
+      and mask subgraph should be in kernel_group.args.input_buffers";
+    - query/key head dims 8 and 16: NaN, or errors near 1, at some lengths (8, 16/24, 64/8).
+    Each failure made the prompt fail. The op runs the flex the pack runs on the CPU outside torch.compile
+    (eager; compiling it there costs tens of seconds per shape): the same numbers, every call counted by the
+    dispatcher as flex."""
+    global _op
+    if _op is None:
+        _op = define_once("flex_cpu", __name__, _define_cpu_op)
+    return _op
+
+
+_op = None
+
+
+def _define_cpu_op(name: str):
+    @torch.library.custom_op(name, mutates_args=())
+    def flex_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
+                 is_causal: bool, scale: Optional[float], enable_gqa: bool,
+                 return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        with vmap_enabled():  # the graph's first run calls this from AOT autograd's dispatch mode
+            result = _flex(query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale,
+                           enable_gqa=enable_gqa, return_lse=return_lse)
+        out, lse = result if return_lse else (result, query.new_empty(0, dtype=torch.float32))
+        return out.contiguous(), lse.contiguous()  # what the fake below promises the compiler
+
+    @flex_cpu.register_fake
+    def _(query, key, value, mask, is_causal, scale, enable_gqa, return_lse):
+        out = query.new_empty((*query.shape[:-1], value.shape[-1]))
+        return out, query.new_empty(query.shape[:-1] if return_lse else (0,), dtype=torch.float32)
+    return flex_cpu
+
+
+_cpu_op()  # registered on import: registering while dynamo traces would break the graph
+
+
+def _flex(q, k, v, *, attn_mask, is_causal, scale, enable_gqa, return_lse):
     from torch.nn.attention.flex_attention import flex_attention
 
     k, v = broadcast_kv(q, k, v, enable_gqa)  # flex wants equal batches and heads; SDPA broadcasts them
