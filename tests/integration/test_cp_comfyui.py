@@ -159,8 +159,14 @@ def test_schema_and_one_http_server_for_every_rank(cp_comfy):
     assert info["category"] == "advanced/attention" and info["display_name"] == "Context Parallel Attention"
     inputs = info["input"]["required"]
     assert set(inputs) == {"model", "mode", "degree"} and all(spec[1].get("tooltip") for spec in inputs.values())
-    log = cp_comfy.tail(10 ** 7)
-    assert log.count("To see the GUI go to") == 1, "a rank > 0 started an HTTP server"
+    # Rank 1 says so when its own start-up reaches the server step, which may come after rank 0 serves HTTP.
+    deadline = time.time() + 60
+    while "rank 1 serves no HTTP" not in (log := cp_comfy.tail(10 ** 7)) and time.time() < deadline:
+        time.sleep(0.5)
+    # Counted as ComfyUI's own handler prints it ("%(message)s"): under torchrun a rank's root logger sometimes also
+    # has Python's default handler, which repeats every line as "INFO:root:..." (seen with ComfyUI 0.3.64).
+    servers = [line for line in log.splitlines() if line.startswith("To see the GUI go to")]
+    assert len(servers) == 1, f"a rank > 0 started an HTTP server: {servers}"
     assert "rank 1 serves no HTTP (rank 0 does)" in log and "address already in use" not in log.lower()
 
 
