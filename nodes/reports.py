@@ -61,8 +61,6 @@ def publish(kind: str, node_id, data: dict) -> dict:
 # What a node's report says beyond the recorder's rows, computed once here so the route, the badge and the
 # tests read the same thing.
 
-AUTOS = ("auto", "auto_exact", "auto_fast")  # pseudo-backends: serving their choice is no fallback
-
 
 def _delegated(served: str) -> bool:
     """A call the override handed on (step window, block range, ComfyUI's own attention): no kernel fallback."""
