@@ -191,7 +191,7 @@ def test_shared_recorder_through_the_dispatcher_and_the_adapter():
 
     Hammer().run(worker, readers=server_reads())
     assert rec.total_calls == THREADS * CALLS and pack_rec.total_calls == THREADS * CALLS
-    assert {r["served"]: r["calls"] for r in pack_rec.snapshot()["rows"]} == {"flex": THREADS * CALLS}
+    assert {r["served"]: r["calls"] for r in pack_rec.snapshot()["rows"]} == {"flex": THREADS * CALLS}, pack_rec.summary()
     counts = {}
     for row in rec.snapshot()["rows"]:
         counts[(row["site"], row["served"])] = row["calls"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 from typing import Optional
 
@@ -190,6 +191,17 @@ def _define_cpu_op(name: str):
 _cpu_op()  # registered on import: registering while dynamo traces would break the graph
 
 
+# Eager flex_attention runs itself through torch.compile(fullgraph=True, backend="eager"); with two threads in it
+# at once, one can fail with "torch.compile with fullgraph=True found no compiled frames" (1 run in 8 of
+# tests/test_concurrency.py), which demoted flex to native for that signature. Eager flex calls take turns.
+_eager_lock = threading.Lock()
+
+
+def _one_at_a_time(fn, *args, **kwargs):
+    with _eager_lock:
+        return fn(*args, **kwargs)
+
+
 def _flex(q, k, v, *, attn_mask, is_causal, scale, enable_gqa, return_lse):
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -202,8 +214,10 @@ def _flex(q, k, v, *, attn_mask, is_causal, scale, enable_gqa, return_lse):
     if is_causal:
         block_mask = causal_block_mask(q.shape[-2], k.shape[-2], str(q.device))
     # Flex is only fast compiled; eager on the CPU (compiling there costs tens of seconds per shape).
-    if q.device.type == "cpu" or torch.compiler.is_dynamo_compiling():
+    if torch.compiler.is_dynamo_compiling():
         run = flex_attention
+    elif q.device.type == "cpu":
+        run = functools.partial(_one_at_a_time, flex_attention)
     else:
         run = compiled_flex(q, k, v, masked=score_mod is not None, blocked=block_mask is not None,
                             enable_gqa=enable_gqa, lse=return_lse)
