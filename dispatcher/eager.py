@@ -26,23 +26,23 @@ decisions._forget_hooks.append(_fast.clear)
 def dispatch_eager(call: AttentionCall):
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, \
         policy, return_lse, call_site, recorder, model, quality_guard = call
-    checks.check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                           attention_kwargs)
-    requested = backend if backend is not None else state.active_backend()
+    _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                     attention_kwargs)
+    requested = backend if backend is not None else _active_backend()
     if policy is None:
-        policy = state.active_policy()
+        policy = _active_policy()
     if model is None:
-        model = state.active_model()
+        model = _active_model()
     if quality_guard is None:
-        quality_guard = state.active_guard()
+        quality_guard = _active_guard()
     m = attn_mask
     fast_key = (requested, policy, layout, query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
                 query.device, key.device, value.device,
                 None if m is None else (type(m), getattr(m, "dtype", None), getattr(m, "shape", None),
                                         getattr(m, "device", None)),
                 is_causal, dropout_p > 0, scale is None, enable_gqa, return_lse,
-                torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
-                id(current_machine()),  # kept alive by the decision (decision.machine), so the id stays unique
+                _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
+                id(_current_machine()),  # kept alive by the decision (decision.machine), so the id stays unique
                 model, quality_guard)
     try:
         decision = _fast.get(fast_key)
@@ -52,26 +52,34 @@ def dispatch_eager(call: AttentionCall):
         decision, fast_key = None, None
     if decision is None:
         decision = _first_call(fast_key, requested, policy, model, quality_guard, call)
-    mode = state.active_checks()
-    if mode != "off":
-        checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, requested)
+    mode = _active_checks()
     if recorder is None:
-        recorder = current_recorder()
+        recorder = _current_recorder()
+    candidates = decision.candidates
     # Backends that failed this call are demoted only once a later one serves it: a call that no backend can
     # run (a bad argument a kernel rejects, memory exhausted everywhere) raises and changes no decision.
     failed = []  # (name, why it is demoted, the error recorded)
-    candidates = decision.candidates
+    first = 0
+    if mode == "off" and recorder is None and not attention_kwargs:
+        # The common call: its first candidate serves it unwatched (a guarded one goes the long way).
+        candidate = candidates[0]
+        if not candidate.guard_every and candidate.name == decision.requested:
+            try:
+                return run(candidate, call)
+            except Exception as exc:
+                failed.append(_raised(candidate, exc, policy, len(candidates) == 1))
+                first = 1
+    if mode != "off":
+        checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, requested)
     if attention_kwargs:  # only backends that pass every key on to their kernel may run it
         candidates = checks.candidates_for_attention_kwargs(decision.requested, policy, candidates, attention_kwargs)
     last_index = len(candidates) - 1
-    for index, candidate in enumerate(candidates):
+    for index in range(first, last_index + 1):
+        candidate = candidates[index]
         try:
             out = run(candidate, call)
         except Exception as exc:
-            if policy == "strict" or index == last_index or isinstance(exc, checks.AttentionInputError):
-                raise
-            error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
-            failed.append((candidate.name, f"raised {error}", error))
+            failed.append(_raised(candidate, exc, policy, index == last_index))
             continue
         name = candidate.name
         if candidate.guard_every:
@@ -88,6 +96,24 @@ def dispatch_eager(call: AttentionCall):
             _account(decision, name, failed, recorder, call_site, requested)
         return out
     raise AssertionError("unreachable: a decision always has a candidate")
+
+
+# Bound once: module attribute reads on every call add up on the hot path.
+_check_arguments = checks.check_arguments
+_active_backend, _active_policy, _active_model, _active_guard, _active_checks = (
+    state.active_backend, state.active_policy, state.active_model, state.active_guard, state.active_checks)
+_grad_enabled = torch.is_grad_enabled
+_current_machine = current_machine
+_current_recorder = current_recorder
+
+
+def _raised(candidate, exc, policy, last: bool) -> tuple:
+    """A candidate that raised: re-raise (policy strict, the last candidate, or a bad input no backend takes),
+    or (name, why it is demoted, the error recorded) for the next one to take over."""
+    if policy == "strict" or last or isinstance(exc, checks.AttentionInputError):
+        raise exc
+    error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+    return candidate.name, f"raised {error}", error
 
 
 def _account(decision, name, failed, recorder, call_site, requested) -> None:
@@ -107,28 +133,57 @@ def _guarded(decision, candidate, call, out, recorder, policy):
     """The quality guard after `candidate` served `call` (see guard.py): on a check call compare it with exact
     attention; on a failure demote the kernel, recompute the call with the next exact backend, report.
     Returns (the result the caller gets, the backend that served it)."""
+    if guard._in_flight:
+        guard.resolve_ready()
     counts = decision.guard_counts
     key = (candidate.name, call.call_site)
     seen = counts.get(key, 0)
     counts[key] = seen + 1
     if seen % candidate.guard_every or not guard.checkable(call):
         return out, candidate.name
-    why, error = guard.problem(call, out[0] if call.return_lse else out, candidate.spec)
-    if why is None:
-        if recorder is not None and hasattr(recorder, "record_guard"):
-            recorder.record_guard(call.call_site, candidate.name, error=error)
-        return out, candidate.name
     replacement = next((c for c in decision.candidates if c.name != candidate.name and not c.spec.quantised), None)
-    if recorder is not None and hasattr(recorder, "record_guard_failure"):
-        recorder.record_guard_failure(call.call_site, candidate.name, why, replacement.name if replacement else "")
+    judged = _Judged(decision, candidate.name, call.call_site, recorder, replacement.name if replacement else "",
+                     demote=policy != "strict")  # strict raises instead: the kernel stays what the user asked for
+    if policy != "strict" and replacement is not None and not guard.waits(call):
+        try:
+            exact = run(replacement, call)
+        except Exception:  # the replacement cannot run it now: wait for the verdict, as for a large call
+            exact = None
+        if exact is not None:
+            out = guard.check_without_waiting(call, out, exact, candidate.spec, judged)
+            return out, (replacement.name if judged.failed else candidate.name)
+    why, error = guard.problem(call, out[0] if call.return_lse else out, candidate.spec)
+    judged(why, error)
+    if why is None:
+        return out, candidate.name
     if policy == "strict" or replacement is None:
         raise guard.AttentionQualityError(
             f"attention backend '{candidate.name}' failed the quality guard at {call.call_site}: {why}. "
-            + ("Policy 'strict' lets no other backend serve the call: use policy 'fallback' to recompute such calls "
-               "exactly, or pick an exact backend." if policy == "strict" else "No exact backend can serve it."))
-    decisions.demote(decision, candidate.name, f"quality guard at {call.call_site}: {why}; from then on "
-                                               f"'{replacement.name}' serves these inputs for this model")
+            + ("Policy 'strict' lets no other backend serve the call: use policy 'fallback' to recompute such "
+               "calls exactly, or pick an exact backend." if policy == "strict" else "No exact backend can serve it."))
     return run(replacement, call), replacement.name
+
+
+class _Judged:
+    """What a guard verdict leaves behind, now or when a check made without waiting is read: the recorder's
+    event, and on a failure the kernel's demotion for this decision (signature and model)."""
+
+    def __init__(self, decision, name, site, recorder, replacement, demote=True):
+        self.decision, self.name, self.site, self.recorder = decision, name, site, recorder
+        self.replacement, self.demote, self.failed = replacement, demote, False
+
+    def __call__(self, why, error):
+        recorder = self.recorder
+        if why is None:
+            if recorder is not None and hasattr(recorder, "record_guard"):
+                recorder.record_guard(self.site, self.name, error=error)
+            return
+        self.failed = True
+        if recorder is not None and hasattr(recorder, "record_guard_failure"):
+            recorder.record_guard_failure(self.site, self.name, why, self.replacement)
+        if self.replacement and self.demote:
+            decisions.demote(self.decision, self.name, f"quality guard at {self.site}: {why}; from then on "
+                                                       f"'{self.replacement}' serves these inputs for this model")
 
 
 def _first_call(fast_key, requested, policy, model, quality_guard, call: AttentionCall):
