@@ -7,17 +7,22 @@ per call decides whether the GPU waits. ComfyUI hands (B, L, H*D) tensors; confi
 shuffled order every round, each time `calls` back-to-back calls (CUDA events around the batch):
 - bare: `F.scaled_dot_product_attention` on the (B, H, L, D) views (what ComfyUI's own path ends in);
 - dispatcher: `dispatch_attention_fn` on the (B, L, H, D) views, the default backend;
-- override: the ComfyUI override (nodes/adapter.py) as ComfyUI calls it, backend "native".
-The ratio bare/x is the fraction of the bare call's speed the pack reaches (1.0 = no cost).
+- override: the ComfyUI override (nodes/adapter.py) as ComfyUI calls it, backend "native";
+- comfy: ComfyUI's own `attention_pytorch` on the same (B, L, H*D) tensors, when COMFYUI_PATH names a ComfyUI.
+The ratio bare/x is the fraction of the bare call's speed the pack reaches (1.0 = no cost). `host_us` is each
+one's host time per call measured while the GPU is kept busy (so the host never waits): when it exceeds the
+kernel's GPU time, the host, not the kernel, sets the pace.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -50,9 +55,23 @@ def main(argv=None) -> int:
         "dispatcher": lambda: dispatcher.dispatch_attention_fn(q4, k4, v4),
         "override": lambda: override(comfy_func, q3, k3, v3, h, transformer_options={}),
     }
+    comfy = comfy_attention()
+    if comfy is not None:  # what ComfyUI runs without the pack, on the same (B, L, H*D) tensors
+        fns["comfy"] = lambda: comfy(q3, k3, v3, h)
+    # Where the host time goes, layer by layer (host_us only): the pack's SDPA runner alone, and SDPA with the
+    # cuDNN-first priority the runner sets (flipped per call, as the runner does, and held for the whole loop).
+    native = sys.modules[f"{dispatcher.__name__}.backends.native"]
+    layers = {
+        "runner": lambda: native.sdpa_attention(qb, kb, vb, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                                scale=None, enable_gqa=False, return_lse=False),
+        "priority_flip": lambda: native._select(native.CUDA_PRIORITY, True,
+                                                lambda: F.scaled_dot_product_attention(qb, kb, vb)),
+    }
     ref = fns["bare"]().transpose(1, 2).flatten(2)
     torch.testing.assert_close(fns["dispatcher"]().flatten(2), ref, rtol=0, atol=0)
     torch.testing.assert_close(fns["override"](), ref, rtol=0, atol=0)
+    if "comfy" in fns:
+        torch.testing.assert_close(fns["comfy"](), ref, rtol=2e-2, atol=2e-2)  # its own kernel choice
     for fn in fns.values():
         for _ in range(50):
             fn()
@@ -72,15 +91,49 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             samples[name].append(begin.elapsed_time(end) / args.calls * 1e3)
     med = {name: statistics.median(v) for name, v in samples.items()}
+    host = host_time_per_call({**fns, **layers}, args.rounds, min(args.calls, 100))
     result = {"shape_bhld": [b, h, length, d], "dtype": "bfloat16", "median_us": {k: round(v, 3) for k, v in med.items()},
               "bare_over_dispatcher": round(med["bare"] / med["dispatcher"], 4),
               "bare_over_override": round(med["bare"] / med["override"], 4),
+              **({"comfy_over_override": round(med["comfy"] / med["override"], 4)} if "comfy" in med else {}),
+              "host_us": {k: round(v, 3) for k, v in host.items()},
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": args.rounds,
               "calls": args.calls, "pack": str(args.pack)}
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def comfy_attention():
+    """ComfyUI's `attention_pytorch` from COMFYUI_PATH, or None."""
+    path = os.environ.get("COMFYUI_PATH")
+    if not path:
+        return None
+    sys.argv = sys.argv[:1]
+    sys.path.insert(0, path)
+    import comfy.options
+    comfy.options.enable_args_parsing()
+    from comfy.ldm.modules.attention import attention_pytorch
+    return attention_pytorch
+
+
+def host_time_per_call(fns: dict, rounds: int, calls: int) -> dict[str, float]:
+    """Median host time per call of each, with the GPU kept busy by a sleep kernel so no call waits for it."""
+    samples = {name: [] for name in fns}
+    order = list(fns)
+    rng = random.Random(1)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(50_000_000)  # tens of ms of GPU time: longer than the calls take to queue
+            begin = time.perf_counter()
+            for _ in range(calls):
+                fns[name]()
+            samples[name].append((time.perf_counter() - begin) / calls * 1e6)
+    torch.cuda.synchronize()
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ def dispatch_eager(call: AttentionCall):
     m = attn_mask
     fast_key = (requested, policy, layout, query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
                 query.device, key.device, value.device,
-                None if m is None else (type(m), getattr(m, "dtype", None), getattr(m, "shape", None),
-                                        getattr(m, "device", None)),
+                None if m is None else (m.dtype, m.shape, m.device) if type(m) is _Tensor else
+                (type(m), getattr(m, "dtype", None), getattr(m, "shape", None), getattr(m, "device", None)),
                 is_causal, dropout_p > 0, scale is None, enable_gqa, return_lse,
                 _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
                 id(_current_machine()),  # kept alive by the decision (decision.machine), so the id stays unique
@@ -103,6 +103,7 @@ _check_arguments = checks.check_arguments
 _active_backend, _active_policy, _active_model, _active_guard, _active_checks = (
     state.active_backend, state.active_policy, state.active_model, state.active_guard, state.active_checks)
 _grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
 _current_machine = current_machine
 _current_recorder = current_recorder
 

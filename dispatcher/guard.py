@@ -100,26 +100,25 @@ def waits(call) -> bool:
     return 4 * call.query.numel() * lk > WAIT_ABOVE_FLOPS
 
 
-def _figures(call, out: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(relative error on the sampled rows, output finite, inputs finite) as one float64 device tensor, and how
+def _figures(call, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(relative error on the sampled rows, whether the output is all finite) as float64 device scalars, and how
     many rows were compared. Only device work: nothing waits for it."""
     got = to_bhsd(out, call.layout)
     rows = _sampled(got.shape[2], got.device)
     with torch.no_grad():
         ref, _ = exact_attention(call.query, call.key, call.value, call.attn_mask, call.is_causal, call.scale,
-                                 call.layout, rows)
+                                 call.layout, rows, with_lse=False)
         picked = got if rows is None else got.index_select(2, rows)
         error = (picked.double() - ref).norm() / ref.norm().clamp_min(1e-30)
-        inputs = torch.stack([torch.isfinite(t).all() for t in (call.query, call.key, call.value)]).all()
-        figures = torch.stack((error, torch.isfinite(out).all().double(), inputs.double()))
-    return figures, picked.shape[2]
+        finite = torch.isfinite(out).all().double()
+    return error, finite, picked.shape[2]
 
 
-def _reason(error: float, finite: bool, inputs_finite: bool, rows: int, spec, out_nan: int | None = None):
-    """Why figures read on the host mean the output is wrong, or None: the inputs' own NaN/Inf is not the
-    kernel's fault (checks mode reports inputs)."""
+def _reason(error: float, finite: bool, inputs_to_blame: bool, rows: int, spec, out_nan: int | None = None):
+    """Why figures read on the host mean the output is wrong, or None: NaN/Inf that the inputs themselves
+    carry is not the kernel's fault (checks mode reports inputs)."""
     if not finite:
-        if not inputs_finite:
+        if inputs_to_blame:
             return None
         count = f"{out_nan} " if out_nan is not None else ""
         return f"its output has {count}NaN/Inf values from finite inputs"
@@ -132,10 +131,12 @@ def _reason(error: float, finite: bool, inputs_finite: bool, rows: int, spec, ou
 
 def problem(call, out: torch.Tensor, spec) -> tuple[str | None, float | None]:
     """(why the output is wrong, or None; the relative error on the sampled rows). Waits for the verdict."""
-    figures, rows = _figures(call, out)
-    error, finite, inputs_finite = figures.tolist()
-    why = _reason(error, bool(finite), bool(inputs_finite), rows, spec, None if finite else non_finite(out))
-    return why, (error if finite else None)
+    error, finite, rows = _figures(call, out)
+    error, finite = torch.stack((error, finite)).tolist()
+    if finite:
+        return _reason(error, True, False, rows, spec), error
+    inputs_to_blame = any(non_finite(t) for t in (call.query, call.key, call.value))
+    return _reason(error, False, inputs_to_blame, rows, spec, non_finite(out)), None
 
 
 class _InFlight(NamedTuple):
@@ -153,16 +154,17 @@ _in_flight_lock = threading.Lock()
 def check_without_waiting(call, out, exact_result, spec, judged):
     """`out` where the check passes and `exact_result` where it fails, chosen on the device; the verdict reaches
     `judged(why, error)` later (see `resolve_ready`), or now when the call ran on the host. `out` and
-    `exact_result` are results as the call returns them (a tensor, or (out, lse))."""
+    `exact_result` are results as the call returns them (a tensor, or (out, lse)). NaN/Inf in the exact result
+    too means the inputs carry it: not the kernel's fault, and its output stays."""
     with_lse = isinstance(out, tuple)
-    figures, rows = _figures(call, out[0] if with_lse else out)
-    error, finite, inputs_finite = figures.unbind()
-    bad = ((error > bound_for(spec)) | (finite == 0)) & (inputs_finite == 1)
+    error, finite, rows = _figures(call, out[0] if with_lse else out)
+    exact_finite = torch.isfinite(exact_result[0] if with_lse else exact_result).all()
+    bad = ((error > bound_for(spec)) | (finite == 0)) & exact_finite
     if with_lse:
         result = tuple(torch.where(bad, exact, got) for exact, got in zip(exact_result, out))
     else:
         result = torch.where(bad, exact_result, out)
-    figures, done = _hand_over(figures)
+    figures, done = _hand_over(torch.stack((error, finite, exact_finite.double())))
     with _in_flight_lock:
         _in_flight.append(_InFlight(figures, done, rows, spec, judged))
     resolve_ready()
@@ -194,8 +196,8 @@ def resolve_ready(wait: bool = False) -> None:
             _in_flight.popleft()
         if entry.done is not None:
             entry.done.synchronize()
-        error, finite, inputs_finite = entry.figures.tolist()
-        why = _reason(error, bool(finite), bool(inputs_finite), entry.rows, entry.spec)
+        error, finite, exact_finite = entry.figures.tolist()
+        why = _reason(error, bool(finite), not exact_finite, entry.rows, entry.spec)
         entry.judged(why, error if finite else None)
 
 
