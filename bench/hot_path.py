@@ -9,12 +9,14 @@ fastest round of each, which a busy machine disturbs least):
 - raw: what diffusers' `native` backend does itself (permute, SDPA, permute back): the floor;
 - diffusers: `diffusers.models.attention_dispatch.dispatch_attention_fn` (pip install diffusers==0.42.1);
 - pack: this package's `dispatch_attention_fn` on its default backend, every check it does on by default;
+- before (`--before DIR`): the pack of another checkout, imported beside this one (a change measured in one run);
 each without a mask and with a bool mask (B, 1, Sq, Sk). Needs diffusers only for its column.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import statistics
@@ -35,7 +37,17 @@ def _pack(folder: Path | None = None):
     return pack
 
 
-def configurations(shape, device, folder=None):
+def _pack_as(folder: Path, name: str):
+    """The dispatcher package of another checkout, imported under `name` beside this one's."""
+    spec = importlib.util.spec_from_file_location(name, folder / "dispatcher" / "__init__.py",
+                                                  submodule_search_locations=[str(folder / "dispatcher")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def configurations(shape, device, folder=None, before=None):
     b, h, s, d = shape
     gen = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, generator=gen).to(device) for _ in range(3))
@@ -48,9 +60,12 @@ def configurations(shape, device, folder=None):
         return lambda: F.scaled_dot_product_attention(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3),
                                                       v.permute(0, 2, 1, 3), attn_mask=m).permute(0, 2, 1, 3)
 
+    earlier = _pack_as(before, "dispatcher_before") if before is not None else None
     for label, m in (("", None), (" +mask", mask)):
         calls["raw" + label] = raw(m)
         calls["pack" + label] = (lambda m=m: pack.dispatch_attention_fn(q, k, v, attn_mask=m))
+        if earlier is not None:
+            calls["before" + label] = (lambda m=m: earlier.dispatch_attention_fn(q, k, v, attn_mask=m))
     try:
         from diffusers.models.attention_dispatch import dispatch_attention_fn as diffusers_fn
         for label, m in (("", None), (" +mask", mask)):
@@ -60,7 +75,7 @@ def configurations(shape, device, folder=None):
     # Same result first: a faster wrong path is no comparison.
     for label in ("", " +mask"):
         ref = calls["raw" + label]()
-        for name in ("pack", "diffusers"):
+        for name in ("pack", "before", "diffusers"):
             if name + label in calls:
                 torch.testing.assert_close(calls[name + label](), ref, rtol=0, atol=0)
     return calls
@@ -97,6 +112,8 @@ def summarise(samples: dict[str, list[float]], stat: str = "median") -> dict:
         if "diffusers" + label in med:
             row["diffusers_over_raw_us"] = round(med["diffusers" + label] - raw, 3)
             row["pack_vs_diffusers"] = round(med["pack" + label] / med["diffusers" + label], 4)
+            if "before" + label in med:
+                row["before_vs_diffusers"] = round(med["before" + label] / med["diffusers" + label], 4)
         out["no mask" if not label else "bool mask"] = row
     return out
 
@@ -111,10 +128,11 @@ def main(argv=None) -> int:
     parser.add_argument("--stat", choices=("median", "min"), default="median", help="per configuration, over rounds")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--pack", type=Path, help="measure the pack in this folder (e.g. another commit's checkout)")
+    parser.add_argument("--before", type=Path, help="also measure the pack in this folder, side by side in the run")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     shape = tuple(int(x) for x in args.shape.split(","))
-    calls = configurations(shape, args.device, args.pack)
+    calls = configurations(shape, args.device, args.pack, args.before)
     result = summarise(measure(calls, args.rounds, args.calls, args.device), args.stat)
     result.update(pack=str(args.pack or ROOT), shape_bhsd=shape, device=args.device, rounds=args.rounds, calls=args.calls,
                   torch=torch.__version__, python=sys.version.split()[0])
