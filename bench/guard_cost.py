@@ -58,12 +58,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--steps", type=int, default=5, help="steps per timed sample")
     parser.add_argument("--step-ms", type=float, default=60.0, help="a whole SDXL step on this GPU, for the share")
-    parser.add_argument("--wait", action="store_true", help="every check waits for its verdict (the route of large "
-                        "calls and of the guard before checks went without waiting), for comparison")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    if args.wait:
-        dispatcher.guard.WAIT_ABOVE_FLOPS = 0
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -93,13 +89,11 @@ def main(argv=None) -> int:
             end.record()
             torch.cuda.synchronize()
             samples[name].append(begin.elapsed_time(end) / args.steps)
-    dispatcher.guard.settle()
     med = {name: statistics.median(v) for name, v in samples.items()}
     checks = sum(g["checks"] for g in recorder.snapshot()["guard"])
     total_steps = args.steps * (args.rounds + 1)
     added = med["on"] - med["off"]
-    result = {"backend": args.backend, "guard": args.guard, "every": args.every, "waiting": args.wait,
-              "calls_per_step": len(calls),
+    result = {"backend": args.backend, "guard": args.guard, "every": args.every, "calls_per_step": len(calls),
               "attention_ms_per_step": {k: round(v, 4) for k, v in med.items()},
               "checks_per_step": round(checks / total_steps, 3), "added_ms_per_step": round(added, 4),
               "added_ms_per_check": round(added / max(checks / total_steps, 1e-9), 4),

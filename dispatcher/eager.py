@@ -134,57 +134,28 @@ def _guarded(decision, candidate, call, out, recorder, policy):
     """The quality guard after `candidate` served `call` (see guard.py): on a check call compare it with exact
     attention; on a failure demote the kernel, recompute the call with the next exact backend, report.
     Returns (the result the caller gets, the backend that served it)."""
-    if guard._in_flight:
-        guard.resolve_ready()
     counts = decision.guard_counts
     key = (candidate.name, call.call_site)
     seen = counts.get(key, 0)
     counts[key] = seen + 1
     if seen % candidate.guard_every or not guard.checkable(call):
         return out, candidate.name
-    replacement = next((c for c in decision.candidates if c.name != candidate.name and not c.spec.quantised), None)
-    judged = _Judged(decision, candidate.name, call.call_site, recorder, replacement.name if replacement else "",
-                     demote=policy != "strict")  # strict raises instead: the kernel stays what the user asked for
-    if policy != "strict" and replacement is not None and not guard.waits(call):
-        try:
-            exact = run(replacement, call)
-        except Exception:  # the replacement cannot run it now: wait for the verdict, as for a large call
-            exact = None
-        if exact is not None:
-            out = guard.check_without_waiting(call, out, exact, candidate.spec, judged)
-            return out, (replacement.name if judged.failed else candidate.name)
     why, error = guard.problem(call, out[0] if call.return_lse else out, candidate.spec)
-    judged(why, error)
     if why is None:
+        if recorder is not None and hasattr(recorder, "record_guard"):
+            recorder.record_guard(call.call_site, candidate.name, error=error)
         return out, candidate.name
+    replacement = next((c for c in decision.candidates if c.name != candidate.name and not c.spec.quantised), None)
+    if recorder is not None and hasattr(recorder, "record_guard_failure"):
+        recorder.record_guard_failure(call.call_site, candidate.name, why, replacement.name if replacement else "")
     if policy == "strict" or replacement is None:
         raise guard.AttentionQualityError(
             f"attention backend '{candidate.name}' failed the quality guard at {call.call_site}: {why}. "
-            + ("Policy 'strict' lets no other backend serve the call: use policy 'fallback' to recompute such "
-               "calls exactly, or pick an exact backend." if policy == "strict" else "No exact backend can serve it."))
+            + ("Policy 'strict' lets no other backend serve the call: use policy 'fallback' to recompute such calls "
+               "exactly, or pick an exact backend." if policy == "strict" else "No exact backend can serve it."))
+    decisions.demote(decision, candidate.name, f"quality guard at {call.call_site}: {why}; from then on "
+                                               f"'{replacement.name}' serves these inputs for this model")
     return run(replacement, call), replacement.name
-
-
-class _Judged:
-    """What a guard verdict leaves behind, now or when a check made without waiting is read: the recorder's
-    event, and on a failure the kernel's demotion for this decision (signature and model)."""
-
-    def __init__(self, decision, name, site, recorder, replacement, demote=True):
-        self.decision, self.name, self.site, self.recorder = decision, name, site, recorder
-        self.replacement, self.demote, self.failed = replacement, demote, False
-
-    def __call__(self, why, error):
-        recorder = self.recorder
-        if why is None:
-            if recorder is not None and hasattr(recorder, "record_guard"):
-                recorder.record_guard(self.site, self.name, error=error)
-            return
-        self.failed = True
-        if recorder is not None and hasattr(recorder, "record_guard_failure"):
-            recorder.record_guard_failure(self.site, self.name, why, self.replacement)
-        if self.replacement and self.demote:
-            decisions.demote(self.decision, self.name, f"quality guard at {self.site}: {why}; from then on "
-                                                       f"'{self.replacement}' serves these inputs for this model")
 
 
 def _first_call(fast_key, requested, policy, model, quality_guard, call: AttentionCall):

@@ -24,7 +24,8 @@ def sample_rows(len_q: int, rows: int | None) -> torch.Tensor | None:
 def exact_attention(query, key, value, attn_mask=None, is_causal=False, scale=None, layout="BSHD", rows=None,
                     max_bytes: int = 256 << 20, with_lse: bool = True):
     """Exact attention in float64 for query rows `rows` (an index tensor, None = all): (out, lse), lse None
-    with with_lse=False (one softmax instead of logsumexp and exp: fewer kernels, for the quality guard).
+    with with_lse=False (fewer host ops, for the quality guard: one float64 SDPA call when there is no mask and
+    no causal diagonal, else one softmax).
 
     out is (B, H, R, Dv) and lse (B, H, R), float64, from the caller's (possibly low-precision) inputs,
     so a comparison measures the kernel's error only. Grouped-query heads are expanded, causal is
@@ -52,6 +53,10 @@ def exact_attention(query, key, value, attn_mask=None, is_causal=False, scale=No
             heads = torch.arange(h0, min(h, h0 + chunk), device=q.device)
             qh = q[:, heads][:, :, idx].double()
             kh, vh = k[:, heads // groups].double(), v[:, heads // groups].double()
+        if not (with_lse or is_causal or mask4 is not None):  # the guard's common case: one op, its steps in C++
+            # SDPA's math kernel by name: float64, and whatever SDPA backends the process has switched off
+            outs.append(torch.ops.aten._scaled_dot_product_attention_math(qh, kh, vh, None, 0.0, False, scale=scale)[0])
+            continue
         scores = torch.matmul(qh, kh.transpose(-2, -1)) * scale
         if is_causal:
             keep = torch.arange(lk, device=q.device)[None, :] <= idx[:, None]

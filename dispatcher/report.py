@@ -17,14 +17,6 @@ _by_serial: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _serials = itertools.count(1)
 
 
-# Called before a snapshot is read: the quality guard hands on the verdicts of checks still on the GPU.
-_before_snapshot: list = []
-
-
-def before_snapshot(hook) -> None:
-    _before_snapshot.append(hook)
-
-
 def register(recorder) -> int:
     """Give `recorder` (a Recorder, or any object with its record/record_error) a serial number."""
     serial = next(_serials)
@@ -100,8 +92,6 @@ class Recorder:
             return sum(n for (_, _, served), n in self._calls.items() if served == backend)
 
     def snapshot(self) -> dict:
-        for hook in _before_snapshot:  # checks still in flight (guard.py) report first
-            hook()
         with self._lock:
             rows = [{"site": site, "requested": requested, "served": served, "calls": calls,
                      # a pseudo-backend (an auto) names no kernel: serving its choice is no fallback, unless

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dispatcher import Recorder, dispatch_attention_fn, get_backend_spec, recording
+from dispatcher.reference import exact_attention, sample_rows
 
 CPU_BACKENDS = ("native", "_native_math", "_native_flash", "flex")
 LSE_BACKENDS = tuple(b for b in CPU_BACKENDS if get_backend_spec(b).lse)
@@ -251,3 +252,30 @@ def test_reference_is_exact_attention():
     only[:, 2] = True
     out, _ = reference(q, torch.randn(1, 1, 5, 8, dtype=torch.float64), v, mask=only)
     torch.testing.assert_close(out, v[:, :, 2:3].expand(1, 1, 3, 8))
+
+
+@pytest.mark.parametrize("case", ["plain", "gqa", "bool mask", "causal", "cross"])
+def test_the_lean_reference_without_lse_is_the_same_exact_attention(case):
+    """with_lse=False (the quality guard's: one float64 SDPA call, or one softmax) against the full reference."""
+    gen = torch.Generator().manual_seed(5)
+    lk = 40 if case == "cross" else 64
+    hk = 2 if case == "gqa" else 4
+    q = torch.randn(2, 64, 4, 16, generator=gen)
+    k, v = (torch.randn(2, lk, hk, 16, generator=gen) for _ in range(2))
+    mask = torch.rand(2, 1, 64, lk, generator=gen) > 0.3 if case == "bool mask" else None
+    if mask is not None:
+        mask[..., 0] = True
+    rows = sample_rows(64, 16)
+    full, _ = exact_attention(q, k, v, mask, is_causal=case == "causal", rows=rows)
+    lean, lse = exact_attention(q, k, v, mask, is_causal=case == "causal", rows=rows, with_lse=False)
+    assert lse is None
+    torch.testing.assert_close(lean, full, rtol=0, atol=1e-12)
+
+
+def test_the_lean_reference_runs_whatever_sdpa_backends_are_switched_off():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = (torch.randn(1, 32, 2, 16, generator=torch.Generator().manual_seed(6)) for _ in range(3))
+    full, _ = exact_attention(q, k, v)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):  # no math kernel, no float64 kernel through SDPA
+        lean, _ = exact_attention(q, k, v, with_lse=False)
+    torch.testing.assert_close(lean, full, rtol=0, atol=1e-12)

@@ -11,7 +11,6 @@ def reset(d) -> None:
     d.set_checks(None)
     d.set_fallback_policy("fallback")
     d.set_quality_guard()
-    d.guard.settle()  # no quality-guard verdict of one test is read in the next
 
 
 def remove_custom_backends(d, keep: set[str]) -> None:
