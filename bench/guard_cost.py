@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dispatcher  # noqa: E402
+from cuda_timing import interleaved_ms  # noqa: E402  (bench/ is on sys.path when a script of it runs)
 
 # (blocks, tokens, heads, site prefix) of SDXL's UNet at 1024x1024: input, middle and output transformer blocks.
 SDXL_BLOCKS = [(4, 4096, 10, "input"), (20, 1024, 20, "input"), (10, 1024, 20, "middle"), (30, 1024, 20, "output"),
@@ -76,20 +75,8 @@ def main(argv=None) -> int:
     for setting in settings:  # decide every signature, make the first checks
         steps(setting)
     torch.cuda.synchronize()
-    samples = {name: [] for name in settings}
-    order = list(settings)
-    rng = random.Random(0)
-    for _ in range(args.rounds):
-        rng.shuffle(order)
-        for name in order:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            begin.record()
-            steps(name)
-            end.record()
-            torch.cuda.synchronize()
-            samples[name].append(begin.elapsed_time(end) / args.steps)
-    med = {name: statistics.median(v) for name, v in samples.items()}
+    med = {name: ms / args.steps for name, ms in
+           interleaved_ms({name: (lambda name=name: steps(name)) for name in settings}, args.rounds).items()}
     checks = sum(g["checks"] for g in recorder.snapshot()["guard"])
     total_steps = args.steps * (args.rounds + 1)
     added = med["on"] - med["off"]

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from comfy_model_step import ROOT, load_pack  # bench/ is on sys.path when a script of it runs
+from cuda_timing import interleaved_ms
 
 
 def main(argv=None) -> int:
@@ -76,21 +77,7 @@ def main(argv=None) -> int:
         for _ in range(50):
             fn()
     torch.cuda.synchronize()
-    samples = {name: [] for name in fns}
-    order = list(fns)
-    rng = random.Random(0)
-    for _ in range(args.rounds):
-        rng.shuffle(order)
-        for name in order:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            begin.record()
-            for _ in range(args.calls):
-                fns[name]()
-            end.record()
-            torch.cuda.synchronize()
-            samples[name].append(begin.elapsed_time(end) / args.calls * 1e3)
-    med = {name: statistics.median(v) for name, v in samples.items()}
+    med = {name: ms * 1e3 for name, ms in interleaved_ms(fns, args.rounds, args.calls).items()}  # µs
     host = host_time_per_call({**fns, **layers}, args.rounds, min(args.calls, 100))
     result = {"shape_bhld": [b, h, length, d], "dtype": "bfloat16", "median_us": {k: round(v, 3) for k, v in med.items()},
               "bare_over_dispatcher": round(med["bare"] / med["dispatcher"], 4),
