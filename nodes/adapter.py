@@ -340,18 +340,6 @@ class AttentionOverride:
             return _Plan("heads was not given for (B, L, H*D) inputs", site=site)
         plan = _Plan(site=site, scale=kwargs.get("scale"), gqa=bool(kwargs.get("enable_gqa", False)),
                      upcast=attn_precision == torch.float32 and q.dtype in _HALF)
-        if skip_reshape:  # (B, H, L, D), possibly non-contiguous: strides are kept, the dispatcher copes
-            plan.layout = "BHSD"
-            plan.output = "keep" if skip_output_reshape else "transpose_flatten"
-        else:  # (B, L, H*D) -> free views (B, L, H, D)
-            _check_heads(q, k, v, heads)
-            dim = q.shape[-1] // heads
-            kv_heads = k.shape[-1] // dim
-            plan.layout = "BSHD"
-            plan.view_q = (*q.shape[:-1], heads, dim)
-            plan.view_k = (*k.shape[:-1], kv_heads, dim)
-            plan.view_v = (*v.shape[:-1], kv_heads, v.shape[-1] // kv_heads)
-            plan.output = "transpose" if skip_output_reshape else "flatten"
         backend = self.backend
         plan.name, plan.notes = backend, ()
         if kwargs.get("low_precision_attention", True) is False:  # the model asked for full precision here
@@ -361,14 +349,28 @@ class AttentionOverride:
                 replacement = _non_quantised(backend)
                 plan.notes = (f"low_precision_attention=False: quantised '{backend}' replaced by '{replacement}'",)
                 plan.name = replacement
-        if plan.view_q is not None and plan.name not in AUTOS and get_backend_spec(plan.name).layout == "BHSD" \
-                and not torch.compiler.is_dynamo_compiling():
-            # The kernel takes (B, H, L, D): hand it that view directly rather than (B, L, H, D) views it permutes.
-            b, lq, lk = q.shape[0], q.shape[1], k.shape[1]
-            (_, _, hq, dq), (_, _, hk, dk), (_, _, hv, dv) = plan.view_q, plan.view_k, plan.view_v
+        if skip_reshape:  # (B, H, L, D), possibly non-contiguous: strides are kept, the dispatcher copes
             plan.layout = "BHSD"
-            plan.view_q, plan.view_k, plan.view_v = (b, hq, lq, dq), (k.shape[0], hk, lk, dk), (v.shape[0], hv, lk, dv)
             plan.output = "keep" if skip_output_reshape else "transpose_flatten"
+        else:  # (B, L, H*D) -> free views, in the layout the kernel takes when one is named
+            _check_heads(q, k, v, heads)
+            dim = q.shape[-1] // heads
+            kv_heads = k.shape[-1] // dim
+            heads_v, dim_v = kv_heads, v.shape[-1] // kv_heads
+            if plan.name not in AUTOS and get_backend_spec(plan.name).layout == "BHSD" \
+                    and not torch.compiler.is_dynamo_compiling():
+                # (B, H, L, D) views (one as_strided each, `_heads_first`) rather than (B, L, H, D) views it permutes
+                plan.layout = "BHSD"
+                plan.view_q = (q.shape[0], heads, q.shape[1], dim)
+                plan.view_k = (k.shape[0], kv_heads, k.shape[1], dim)
+                plan.view_v = (v.shape[0], heads_v, v.shape[1], dim_v)
+                plan.output = "keep" if skip_output_reshape else "transpose_flatten"
+            else:
+                plan.layout = "BSHD"
+                plan.view_q = (*q.shape[:-1], heads, dim)
+                plan.view_k = (*k.shape[:-1], kv_heads, dim)
+                plan.view_v = (*v.shape[:-1], heads_v, dim_v)
+                plan.output = "transpose" if skip_output_reshape else "flatten"
         plan.relabel = self._relabel(plan.notes)
         return plan
 
