@@ -98,6 +98,7 @@ def main() -> int:
     import comfy.ops
 
     adapter, dispatcher = load_pack()
+    from attention_dispatch_pack.dispatcher.reference import relative_error
     from attention_dispatch_pack.dispatcher.tools.bench import sample_ms  # CUDA events on GPUs, a clock on the CPU
     cfg = CONFIGS[args.model]
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,7 +138,7 @@ def main() -> int:
     print(f"{'attention':16} {'ms':>9} {'speedup':>8} {'rel diff':>9}  served by")
     for name, (options, recorder) in configs.items():
         ms = statistics.median(times[name])
-        diff = float((outputs[name] - baseline).norm() / baseline.norm())
+        diff = relative_error(outputs[name], baseline)
         row = {"attention": name, "ms": ms, "speedup": base_ms / ms, "rel_diff": diff, "samples_ms": times[name]}
         if recorder is not None:
             snapshot = recorder.snapshot()["rows"]
@@ -166,6 +167,7 @@ def sampling_run(steps: int, forward_args, configs) -> dict:
     """`steps` Euler steps of x' = x - dt * model(x, t) from the same start for each configuration: the final
     latents' relative differences to auto_exact's and to ComfyUI's default (how far a run drifts, not a step)."""
     import torch
+    from attention_dispatch_pack.dispatcher.reference import relative_error
     model, args_, kwargs = forward_args
     start = args_[0].clone()
     finals = {}
@@ -181,7 +183,7 @@ def sampling_run(steps: int, forward_args, configs) -> dict:
         for ref_name, key in (("comfy default", "vs_comfy_default"), ("auto_exact", "vs_auto_exact")):
             if ref_name in finals:
                 ref = finals[ref_name]
-                result[key][name] = float((x - ref).norm() / ref.norm())
+                result[key][name] = relative_error(x, ref)
     print(f"sampling run of {steps} steps, final latent relative difference:")
     for name in finals:
         print(f"  {name:24} vs comfy default {result['vs_comfy_default'].get(name, float('nan')):.2e}"

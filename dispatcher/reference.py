@@ -74,9 +74,14 @@ def exact_attention(query, key, value, attn_mask=None, is_causal=False, scale=No
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), lse
 
 
+def relative_error_tensor(out_rows: torch.Tensor, ref_rows: torch.Tensor) -> torch.Tensor:
+    """‖out − ref‖ / ‖ref‖ (Frobenius), the measure every accuracy check of the pack uses, as a float64 scalar
+    on the tensors' device: a caller that reads other figures too reads them all with one sync."""
+    return (out_rows.double() - ref_rows).norm() / ref_rows.norm().clamp_min(1e-30)
+
+
 def relative_error(out_rows: torch.Tensor, ref_rows: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ (Frobenius), the measure every accuracy check of the pack uses."""
-    return float((out_rows.double() - ref_rows).norm() / ref_rows.norm().clamp_min(1e-30))
+    return float(relative_error_tensor(out_rows, ref_rows))
 
 
 def first_line(exc: BaseException) -> str:

@@ -8,6 +8,7 @@ import torch
 
 import dispatcher
 from dispatcher import AttentionQualityError, Recorder, dispatch_attention_fn, guard, recording
+from dispatcher.reference import exact_attention
 from helpers.tensors import qkv, sdpa as exact
 
 
@@ -173,7 +174,8 @@ def test_a_guarded_kernel_inside_torch_compile_runs_as_one_op_and_is_guarded():
 
 def test_a_guarded_kernel_returning_lse_is_recomputed_in_both():
     def noisy(q, k, v, *, return_lse=False, **_):
-        out, lse = exact_with_lse(q, k, v)
+        out, lse = exact_attention(q, k, v)  # (B, H, S, D) and (B, H, S), float64; the kernel returns BSHD
+        out, lse = out.transpose(1, 2).to(q.dtype), lse.transpose(1, 2).float()
         return (out + torch.randn_like(out), lse + 3) if return_lse else out + torch.randn_like(out)
 
     name = dispatcher.register_backend("t_lse", noisy, devices=("cpu",), lse=True, quantised=True)
@@ -183,11 +185,3 @@ def test_a_guarded_kernel_returning_lse_is_recomputed_in_both():
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse)
 
-
-def exact_with_lse(q, k, v):
-    """(out, lse) in BSHD, lse (B, S, H), from float64 scores."""
-    qb, kb, vb = (t.transpose(1, 2).double() for t in (q, k, v))
-    scores = qb @ kb.transpose(-2, -1) / q.shape[-1] ** 0.5
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.softmax(scores, dim=-1) @ vb
-    return out.transpose(1, 2).to(q.dtype), lse.transpose(1, 2).float()
