@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dispatcher  # noqa: E402
-from cuda_timing import interleaved_ms  # noqa: E402  (bench/ is on sys.path when a script of it runs)
+from timing import interleaved_ms  # noqa: E402  (bench/ is on sys.path when a script of it runs)
 
 # (blocks, tokens, heads, site prefix) of SDXL's UNet at 1024x1024: input, middle and output transformer blocks.
 SDXL_BLOCKS = [(4, 4096, 10, "input"), (20, 1024, 20, "input"), (10, 1024, 20, "middle"), (30, 1024, 20, "output"),

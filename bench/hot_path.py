@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import random
 import statistics
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from timing import shuffled_rounds  # bench/ is on sys.path when a script of it runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,17 +89,13 @@ def measure(calls: dict, rounds: int, per_round: int, device: str) -> dict[str, 
             fn()
     sync()
     samples = {name: [] for name in calls}
-    order = list(calls)
-    rng = random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for name in order:
-            fn = calls[name]
-            t0 = time.perf_counter()
-            for _ in range(per_round):
-                fn()
-            sync()
-            samples[name].append((time.perf_counter() - t0) / per_round * 1e6)
+    for name in shuffled_rounds(calls, rounds):
+        fn = calls[name]
+        t0 = time.perf_counter()
+        for _ in range(per_round):
+            fn()
+        sync()
+        samples[name].append((time.perf_counter() - t0) / per_round * 1e6)
     return samples
 
 

@@ -19,17 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from comfy_model_step import ROOT, load_pack  # bench/ is on sys.path when a script of it runs
-from cuda_timing import interleaved_ms
+from timing import host_us_per_call, interleaved_ms
 
 
 def main(argv=None) -> int:
@@ -78,7 +75,7 @@ def main(argv=None) -> int:
             fn()
     torch.cuda.synchronize()
     med = {name: ms * 1e3 for name, ms in interleaved_ms(fns, args.rounds, args.calls).items()}  # µs
-    host = host_time_per_call({**fns, **layers}, args.rounds, min(args.calls, 100))
+    host = host_us_per_call({**fns, **layers}, args.rounds, min(args.calls, 100))
     result = {"shape_bhld": [b, h, length, d], "dtype": "bfloat16", "median_us": {k: round(v, 3) for k, v in med.items()},
               "bare_over_dispatcher": round(med["bare"] / med["dispatcher"], 4),
               "bare_over_override": round(med["bare"] / med["override"], 4),
@@ -103,24 +100,6 @@ def comfy_attention():
     comfy.options.enable_args_parsing()
     from comfy.ldm.modules.attention import attention_pytorch
     return attention_pytorch
-
-
-def host_time_per_call(fns: dict, rounds: int, calls: int) -> dict[str, float]:
-    """Median host time per call of each, with the GPU kept busy by a sleep kernel so no call waits for it."""
-    samples = {name: [] for name in fns}
-    order = list(fns)
-    rng = random.Random(1)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for name in order:
-            torch.cuda.synchronize()
-            torch.cuda._sleep(50_000_000)  # tens of ms of GPU time: longer than the calls take to queue
-            begin = time.perf_counter()
-            for _ in range(calls):
-                fns[name]()
-            samples[name].append((time.perf_counter() - begin) / calls * 1e6)
-    torch.cuda.synchronize()
-    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 if __name__ == "__main__":

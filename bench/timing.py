@@ -1,28 +1,49 @@
-"""Configurations timed side by side on a GPU: shuffled every round, each sample timed with CUDA events."""
+"""Configurations timed side by side: every round runs each once, in a new shuffled order, so drift and noise
+fall on all of them alike. The bench scripts share these (bench/ is on sys.path when one of them runs)."""
 
 from __future__ import annotations
 
 import random
 import statistics
+import time
 
 import torch
 
 
-def interleaved_ms(fns: dict, rounds: int, per_sample: int = 1) -> dict[str, float]:
-    """Median ms of one `fns[name]()` over `rounds` samples of `per_sample` calls each, configurations in a new
-    shuffled order every round so drift and noise fall on all of them alike."""
-    samples = {name: [] for name in fns}
-    order = list(fns)
-    rng = random.Random(0)
+def shuffled_rounds(names, rounds: int, seed: int = 0):
+    """Each of `names` once per round, `rounds` times, in a new shuffled order every round."""
+    order = list(names)
+    rng = random.Random(seed)
     for _ in range(rounds):
         rng.shuffle(order)
-        for name in order:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            begin.record()
-            for _ in range(per_sample):
-                fns[name]()
-            end.record()
-            torch.cuda.synchronize()
-            samples[name].append(begin.elapsed_time(end) / per_sample)
+        yield from order
+
+
+def interleaved_ms(fns: dict, rounds: int, per_sample: int = 1) -> dict[str, float]:
+    """GPU: median ms of one `fns[name]()` over `rounds` samples of `per_sample` calls each, CUDA events around
+    each sample."""
+    samples = {name: [] for name in fns}
+    for name in shuffled_rounds(fns, rounds):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        begin.record()
+        for _ in range(per_sample):
+            fns[name]()
+        end.record()
+        torch.cuda.synchronize()
+        samples[name].append(begin.elapsed_time(end) / per_sample)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def host_us_per_call(fns: dict, rounds: int, calls: int) -> dict[str, float]:
+    """GPU: median host time per call of each, with the GPU kept busy by a sleep kernel so no call waits for it."""
+    samples = {name: [] for name in fns}
+    for name in shuffled_rounds(fns, rounds, seed=1):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)  # tens of ms of GPU time: longer than the calls take to queue
+        begin = time.perf_counter()
+        for _ in range(calls):
+            fns[name]()
+        samples[name].append((time.perf_counter() - begin) / calls * 1e6)
+    torch.cuda.synchronize()
     return {name: statistics.median(v) for name, v in samples.items()}
