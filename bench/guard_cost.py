@@ -1,6 +1,6 @@
 """What the quality guard adds to a sampling step, measured on the attention calls of an SDXL step.
 
-    python bench/guard_cost.py [--backend native] [--guard all] [--every 100] [--rounds 40] [--json PATH]
+    python bench/guard_cost.py [--backend native] [--guard all] [--every 200] [--rounds 40] [--json PATH]
 
 One "step" is the 140 attention calls of SDXL's UNet at 1024x1024 with cfg batch 2, in the model's order and
 with its call sites: 10 blocks at 4096 tokens and 60 at 1024, each a self-attention and a cross-attention on

@@ -9,11 +9,11 @@ logged, and the call's recorder gets the event (the ComfyUI node shows it on its
 The eager path (eager.py `_guarded`) counts, demotes and recomputes; this module holds the rules and the
 comparison.
 
-A check is a handful of host ops (the float64 reference is one call of SDPA's math kernel on the sampled rows in
-the common case) and one device sync. Checking without the sync (the verdict read later, the exact result
-computed beside the kernel's and chosen on the device) was built and measured: on SDXL's attention calls it cost
-more per check than waiting (+24% against +19% of the calls' own time on the H200, bench/guard_cost.py): the
-extra exact call and host ops outweigh the wait, so checks wait.
+A check is about a dozen host ops (the float64 reference on the sampled rows: three casts, two matmuls, one
+softmax) and one device sync; on SDXL-sized calls these host ops are its cost, so it has no more of them than
+it needs. Checking without the sync (the exact result computed beside the kernel's, chosen on the device, the
+verdict read later) was built and measured twice on the H200: the extra exact call cost more than the wait, so
+checks wait. Figures: docs/auto.md and bench/results/README.md.
 
 Modes: 'quantised' (the default: kernels whose spec says `quantised`, e.g. SageAttention), 'all' (every
 kernel, for a custom or untrusted one) and 'off'. Bounds: `QUANTISED_BOUND` for quantised kernels (twice
@@ -24,13 +24,15 @@ spoils a picture is off by far more, 0.3-1.0, measured in tests/test_guard.py), 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .reference import exact_attention, non_finite, relative_error_tensor, sample_rows, to_bhsd
+from .reference import error_terms, exact_attention, non_finite, strided_rows, to_bhsd
 
 GUARD_MODES = ("quantised", "all", "off")
 DEFAULT_MODE = "quantised"
-DEFAULT_EVERY = 100  # SDXL's worst case (Sage on every call): 20 cost +9% of a step; see docs/auto.md
+DEFAULT_EVERY = 200  # SDXL (140 calls a step, the worst case): 0.7 checks a step, under 1% of it; docs/auto.md
 DEFAULT = (DEFAULT_MODE, DEFAULT_EVERY)  # the (mode, every) form calls and decisions carry
 ROWS = 16
 QUANTISED_BOUND = 1e-1
@@ -70,30 +72,23 @@ def checkable(call) -> bool:
     return call.dropout_p == 0 and (mask is None or isinstance(mask, torch.Tensor))
 
 
-_rows: dict = {}  # (len_q, device) -> the sampled query rows, made once (no host-to-device copy per check)
-
-
-def _sampled(len_q: int, device) -> torch.Tensor | None:
-    key = (len_q, device)
-    if key not in _rows:
-        rows = sample_rows(len_q, ROWS)
-        _rows[key] = None if rows is None else rows.to(device)
-    return _rows[key]
-
-
 def problem(call, out: torch.Tensor, spec) -> tuple[str | None, float | None]:
-    """(why the output is wrong, or None; the relative error on the sampled rows). One device sync."""
+    """(why the output is wrong, or None; the relative error on the sampled rows). One device sync.
+
+    The rows are a strided view (no gather), the error's two norms and the output's float64 sum (NaN/Inf
+    anywhere makes it non-finite: one reduction instead of isfinite + all) are read in one go."""
     got = to_bhsd(out, call.layout)
-    rows = _sampled(got.shape[2], got.device)
+    rows = strided_rows(got.shape[2], ROWS)
     with torch.no_grad():
         ref, _ = exact_attention(call.query, call.key, call.value, call.attn_mask, call.is_causal, call.scale,
                                  call.layout, rows, with_lse=False)
-        picked = got if rows is None else got.index_select(2, rows)
-        error, finite = torch.stack((relative_error_tensor(picked, ref), torch.isfinite(out).all().double())).tolist()
-    if not finite:
+        picked = got if rows is None else got[:, :, rows]
+        distance, size, total = torch.stack((*error_terms(picked, ref), out.sum(dtype=torch.float64))).tolist()
+    if not math.isfinite(total):
         if any(non_finite(t) for t in (call.query, call.key, call.value)):
             return None, None  # the inputs already were: not this kernel's fault (checks mode reports inputs)
         return f"its output has {non_finite(out)} NaN/Inf values from finite inputs", None
+    error = distance / max(size, 1e-30)
     bound = bound_for(spec)
     if not error <= bound:
         return f"relative error {error:.2e} against exact attention on {picked.shape[2]} sampled query rows " \

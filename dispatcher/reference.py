@@ -21,11 +21,18 @@ def sample_rows(len_q: int, rows: int | None) -> torch.Tensor | None:
     return torch.linspace(0, len_q - 1, rows).round().long().unique()
 
 
+def strided_rows(len_q: int, rows: int) -> slice | None:
+    """At least `rows` evenly spaced query rows from the first, as a slice, or None for all of them: picking them
+    is a view, where sample_rows' index tensor costs a gather kernel (the quality guard's check counts its ops)."""
+    if rows >= len_q:
+        return None
+    return slice(0, len_q, max(1, (len_q - 1) // (rows - 1)))
+
+
 def exact_attention(query, key, value, attn_mask=None, is_causal=False, scale=None, layout="BSHD", rows=None,
                     max_bytes: int = 256 << 20, with_lse: bool = True):
-    """Exact attention in float64 for query rows `rows` (an index tensor, None = all): (out, lse), lse None
-    with with_lse=False (fewer host ops, for the quality guard: one float64 SDPA call when there is no mask and
-    no causal diagonal, else one softmax).
+    """Exact attention in float64 for query rows `rows` (an index tensor or a slice, None = all): (out, lse), lse
+    None with with_lse=False (one softmax instead of logsumexp and exp: fewer host ops, for the quality guard).
 
     out is (B, H, R, Dv) and lse (B, H, R), float64, from the caller's (possibly low-precision) inputs,
     so a comparison measures the kernel's error only. Grouped-query heads are expanded, causal is
@@ -36,33 +43,30 @@ def exact_attention(query, key, value, attn_mask=None, is_causal=False, scale=No
     b, h, lq, d = q.shape
     hk, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
     groups = h // hk
-    idx = torch.arange(lq, device=q.device) if rows is None else rows.to(q.device)
+    rows = slice(None) if rows is None else rows if isinstance(rows, slice) else rows.to(q.device)
+    n_rows = len(range(lq)[rows]) if isinstance(rows, slice) else len(rows)
     scale = scale if scale is not None else 1.0 / math.sqrt(d)
     mask4 = None
     if attn_mask is not None:
         mask4 = masks.to_4d(attn_mask).expand(b, h, lq, lk)
-    per_head = b * len(idx) * lk * 8 * 3 + b * lk * (d + dv) * 8
+    per_head = b * n_rows * lk * 8 * 3 + b * lk * (d + dv) * 8
     chunk = max(1, min(h, int(max_bytes // max(per_head, 1))))
     outs, lses = [], []
     for h0 in range(0, h, chunk):
-        if chunk == h and groups == 1:  # all heads at once: no gathers (the guard's check is a few kernels fewer)
+        if chunk == h and groups == 1:  # all heads at once: no gathers (the guard's check counts its ops)
             heads = slice(None)
-            qh = q.index_select(2, idx).double()
-            kh, vh = k.double(), v.double()
+            qh, kh, vh = _float64(q[:, :, rows]), _float64(k), _float64(v)
         else:
             heads = torch.arange(h0, min(h, h0 + chunk), device=q.device)
-            qh = q[:, heads][:, :, idx].double()
+            qh = q[:, heads][:, :, rows].double()
             kh, vh = k[:, heads // groups].double(), v[:, heads // groups].double()
-        if not (with_lse or is_causal or mask4 is not None):  # the guard's common case: one op, its steps in C++
-            # SDPA's math kernel by name: float64, and whatever SDPA backends the process has switched off
-            outs.append(torch.ops.aten._scaled_dot_product_attention_math(qh, kh, vh, None, 0.0, False, scale=scale)[0])
-            continue
-        scores = torch.matmul(qh, kh.transpose(-2, -1)) * scale
+        scores = torch.matmul(qh, kh.transpose(-2, -1)).mul_(scale)
         if is_causal:
-            keep = torch.arange(lk, device=q.device)[None, :] <= idx[:, None]
+            positions = torch.arange(lq, device=q.device)[rows]
+            keep = torch.arange(lk, device=q.device)[None, :] <= positions[:, None]
             scores = scores.masked_fill(~keep, float("-inf"))
         if mask4 is not None:
-            m = mask4[:, heads][:, :, idx]
+            m = mask4[:, heads][:, :, rows]
             scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.double()
         if with_lse:
             lse = torch.logsumexp(scores, dim=-1)
@@ -74,10 +78,22 @@ def exact_attention(query, key, value, attn_mask=None, is_causal=False, scale=No
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), lse
 
 
+def _float64(t: torch.Tensor) -> torch.Tensor:
+    """A float64 copy laid out contiguously as (B, H, L, D): the matmuls then need no copy of their own."""
+    return t.to(torch.float64, memory_format=torch.contiguous_format)
+
+
+def error_terms(out_rows: torch.Tensor, ref_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(‖out − ref‖, ‖ref‖) (Frobenius) as float64 scalars on the tensors' device: the relative error, the measure
+    every accuracy check of the pack uses, is their ratio (a caller that reads other figures too reads them all
+    with one sync and divides on the host)."""
+    return torch.dist(out_rows, ref_rows), ref_rows.norm()
+
+
 def relative_error_tensor(out_rows: torch.Tensor, ref_rows: torch.Tensor) -> torch.Tensor:
-    """‖out − ref‖ / ‖ref‖ (Frobenius), the measure every accuracy check of the pack uses, as a float64 scalar
-    on the tensors' device: a caller that reads other figures too reads them all with one sync."""
-    return (out_rows.double() - ref_rows).norm() / ref_rows.norm().clamp_min(1e-30)
+    """‖out − ref‖ / ‖ref‖ as a float64 scalar on the tensors' device."""
+    distance, size = error_terms(out_rows, ref_rows)
+    return distance / size.clamp_min(1e-30)
 
 
 def relative_error(out_rows: torch.Tensor, ref_rows: torch.Tensor) -> float:

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dispatcher import Recorder, dispatch_attention_fn, get_backend_spec, recording
-from dispatcher.reference import exact_attention, sample_rows
+from dispatcher.reference import exact_attention, sample_rows, strided_rows
 
 CPU_BACKENDS = ("native", "_native_math", "_native_flash", "flex")
 LSE_BACKENDS = tuple(b for b in CPU_BACKENDS if get_backend_spec(b).lse)
@@ -256,7 +256,7 @@ def test_reference_is_exact_attention():
 
 @pytest.mark.parametrize("case", ["plain", "gqa", "bool mask", "causal", "cross"])
 def test_the_lean_reference_without_lse_is_the_same_exact_attention(case):
-    """with_lse=False (the quality guard's: one float64 SDPA call, or one softmax) against the full reference."""
+    """with_lse=False (the quality guard's: one softmax, no logsumexp) against the full reference."""
     gen = torch.Generator().manual_seed(5)
     lk = 40 if case == "cross" else 64
     hk = 2 if case == "gqa" else 4
@@ -272,10 +272,30 @@ def test_the_lean_reference_without_lse_is_the_same_exact_attention(case):
     torch.testing.assert_close(lean, full, rtol=0, atol=1e-12)
 
 
-def test_the_lean_reference_runs_whatever_sdpa_backends_are_switched_off():
+def test_the_reference_runs_whatever_sdpa_backends_are_switched_off():
+    """It is plain matmuls and a softmax: a process that switched SDPA's math kernel off still gets it."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     q, k, v = (torch.randn(1, 32, 2, 16, generator=torch.Generator().manual_seed(6)) for _ in range(3))
     full, _ = exact_attention(q, k, v)
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):  # no math kernel, no float64 kernel through SDPA
         lean, _ = exact_attention(q, k, v, with_lse=False)
     torch.testing.assert_close(lean, full, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["plain", "gqa", "bool mask", "causal"])
+def test_strided_rows_pick_the_same_rows_as_their_index_tensor(case):
+    """The guard's rows are a slice (a view, no gather kernel): the reference on them is the one on their indices."""
+    gen = torch.Generator().manual_seed(7)
+    hk = 2 if case == "gqa" else 4
+    q = torch.randn(2, 100, 4, 16, generator=gen)
+    k, v = (torch.randn(2, 100, hk, 16, generator=gen) for _ in range(2))
+    mask = torch.rand(2, 1, 100, 100, generator=gen) > 0.3 if case == "bool mask" else None
+    if mask is not None:
+        mask[..., 0] = True
+    rows = strided_rows(100, 16)
+    index = torch.arange(100)[rows]
+    assert len(index) >= 16 and index[0] == 0 and index[-1] > 100 - 100 // 15 - 1  # spread over the whole length
+    by_slice, _ = exact_attention(q, k, v, mask, is_causal=case == "causal", rows=rows, with_lse=False)
+    by_index, _ = exact_attention(q, k, v, mask, is_causal=case == "causal", rows=index)
+    torch.testing.assert_close(by_slice, by_index, rtol=0, atol=1e-12)
+    assert strided_rows(16, 16) is None and strided_rows(10, 16) is None  # short queries: every row

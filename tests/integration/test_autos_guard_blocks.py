@@ -150,7 +150,7 @@ def test_schema_lists_the_autos_first_and_the_new_inputs(comfy):
     optional = info["input"]["optional"]
     assert optional["quality_guard"][1]["options"] == ["quantised kernels", "every kernel", "off"]
     assert optional["quality_guard"][1]["default"] == "quantised kernels"
-    assert optional["guard_every"][1]["default"] == 100 and optional["guard_every"][1]["min"] == 1
+    assert optional["guard_every"][1]["default"] == 200 and optional["guard_every"][1]["min"] == 1
     assert optional["block_start"][1]["default"] == 0 and optional["block_end"][1]["default"] == -1
     for name in ("quality_guard", "guard_every", "block_start", "block_end"):
         assert optional[name][1]["tooltip"], name
