@@ -70,6 +70,7 @@ def _real(x) -> bool:
 
 
 _PLAIN = (float, int)
+_Tensor = torch.Tensor  # bound once: check_arguments runs on every call
 
 
 def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
@@ -80,11 +81,11 @@ def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, e
     any kernel sees it: a kernel would misread it (bool("no") is True for is_causal) or raise, and a kernel
     that raises is demoted for the call's signature, which a bad argument must never cause.
     """
-    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
+    if not (isinstance(query, _Tensor) and isinstance(key, _Tensor) and isinstance(value, _Tensor)):
         for name, tensor in (("query", query), ("key", key), ("value", value)):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor; got {type(tensor).__name__}")
-    if attn_mask is not None and not isinstance(attn_mask, torch.Tensor) and type(attn_mask).__name__ != "BlockMask":
+    if attn_mask is not None and not isinstance(attn_mask, _Tensor) and type(attn_mask).__name__ != "BlockMask":
         raise TypeError(f"attn_mask must be a torch.Tensor, a FlexAttention BlockMask or None; "
                         f"got {type(attn_mask).__name__}")
     if not ((is_causal is True or is_causal is False) and (enable_gqa is True or enable_gqa is False)

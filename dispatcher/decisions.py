@@ -54,6 +54,7 @@ class Decision:
     skipped: list = field(default_factory=list)  # [(name, [reasons])]
     machine: object = None  # the machine it was made for (kept so its id in the cache key stays unique)
     trust_sensitive: bool = False  # a Hub backend in the chain: the decision depends on trust settings
+    shapes_only: bool = False  # every backend in the chain is `universal`: dtypes, devices, grad cannot change it
     guard_counts: dict = field(default_factory=dict, repr=False, compare=False)  # (name, site) -> calls seen
     _reasons: dict = field(default_factory=dict, repr=False, compare=False)  # served -> reasons_for(served)
 
@@ -115,7 +116,9 @@ def _reasons(name: str, spec, inputs: AttentionInputs) -> list[str]:
 def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, quality_guard: tuple) -> Decision:
     checks.check_structure(inputs)
     chain = fallback_order(requested) if policy == "fallback" else [requested]
-    decision = Decision(requested, [], trust_sensitive=any(registry.get(n).hub is not None for n in chain))
+    specs = [registry.get(n) for n in chain]
+    decision = Decision(requested, [], trust_sensitive=any(s.hub is not None for s in specs),
+                        shapes_only=all(s.universal for s in specs))
     plain_mask = inputs.mask_kind in ("bool", "key_padding") and len(inputs.mask_shape or ()) == 4
     for name in chain:
         spec = registry.get(name)

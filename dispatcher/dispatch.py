@@ -18,6 +18,7 @@ from .report import recording
 # context_parallel() block is open, so a plain call pays one global check (a bool: torch.compile guards it).
 _context_parallel = None
 _context_parallel_on = False
+_dynamo_compiling = torch.compiler.is_dynamo_compiling  # bound once (dynamo knows the function, not the name)
 
 
 def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
@@ -43,7 +44,7 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if guard is not None or guard_every is not None:
         if type(guard) is not tuple:
             guard = _guard_settings(guard, guard_every)
-    if torch.compiler.is_dynamo_compiling():  # dynamo traces the class call, not tuple.__new__
+    if _dynamo_compiling():  # dynamo traces the class call, not tuple.__new__
         return dispatch_call(AttentionCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                            attention_kwargs, backend, layout, policy, return_lse, call_site,
                                            recorder, model, guard))

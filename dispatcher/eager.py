@@ -20,55 +20,87 @@ from .report import current_recorder
 # (fast key, trust.scope_key()) holds it. Forgotten with the decisions.
 _fast: dict = {}
 _TRUST_SENSITIVE = object()
-decisions._forget_hooks.append(_fast.clear)
+# Requested backends whose decisions are `shapes_only` (SDPA's chain): their calls are first looked up by a shorter
+# key, shapes and flags without dtypes, devices and grad, which their kernels need not be told apart by. Such a
+# key is stored only after a call of those shapes passed full validation; a call it finds whose kernel raises
+# (mixed dtypes or devices, say) goes on through the full path, which validates it before anything else.
+_shapes_only: set = set()
+decisions._forget_hooks.extend((_fast.clear, _shapes_only.clear))
 
 
-def dispatch_eager(call: AttentionCall):
+def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, \
         policy, return_lse, call_site, recorder, model, quality_guard = call
     _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                      attention_kwargs)
-    requested = backend if backend is not None else _active_backend()
+    (scoped_backend, scoped_policy, scoped_model, scoped_guard), mode = _current_scope()
+    requested = backend if backend is not None else scoped_backend
     if policy is None:
-        policy = _active_policy()
+        policy = scoped_policy
     if model is None:
-        model = _active_model()
+        model = scoped_model
     if quality_guard is None:
-        quality_guard = _active_guard()
+        quality_guard = scoped_guard
     m = attn_mask
-    fast_key = (requested, policy, layout, query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
-                query.device, key.device, value.device,
-                None if m is None else (m.dtype, m.shape, m.device) if type(m) is _Tensor else
-                (type(m), getattr(m, "dtype", None), getattr(m, "shape", None), getattr(m, "device", None)),
-                is_causal, dropout_p > 0, scale is None, enable_gqa, return_lse,
-                _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
-                id(_current_machine()),  # kept alive by the decision (decision.machine), so the id stays unique
-                model, quality_guard)
-    try:
-        decision = _fast.get(fast_key)
-        if decision is _TRUST_SENSITIVE:
-            decision = _fast.get((fast_key, trust.scope_key()))
-    except TypeError:  # an unhashable mask: the full path below raises the real error
-        decision, fast_key = None, None
-    if decision is None:
-        decision = _first_call(fast_key, requested, policy, model, quality_guard, call)
-    mode = _active_checks()
+    mask_key = None if m is None else (m.dtype, m.shape) if type(m) is _Tensor else (
+        type(m), getattr(m, "dtype", None), getattr(m, "shape", None), getattr(m, "device", None))
+    q_shape, k_shape, v_shape = query.shape, key.shape, value.shape
+    machine_id = id(_current_machine())  # kept alive by the decision (decision.machine), so the id stays unique
+    decision = shapes_key = None
+    if by_shapes:
+        try:
+            if requested in _shapes_only:
+                shapes_key = (requested, policy, layout, q_shape, k_shape, v_shape, mask_key, is_causal,
+                              dropout_p > 0, scale is None, enable_gqa, return_lse, machine_id, model, quality_guard)
+                decision = _fast.get(shapes_key)
+        except TypeError:  # an unhashable backend name or mask: the full path below raises the real error
+            shapes_key = None
+    validated = decision is None
+    if validated:
+        fast_key = (requested, policy, layout, q_shape, k_shape, v_shape, query.dtype, key.dtype, value.dtype,
+                    query.device, key.device, value.device, mask_key, None if type(m) is not _Tensor else m.device,
+                    is_causal, dropout_p > 0, scale is None,
+                    enable_gqa, return_lse,
+                    _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
+                    machine_id, model, quality_guard)
+        try:
+            decision = _fast.get(fast_key)
+            if decision is _TRUST_SENSITIVE:
+                decision = _fast.get((fast_key, trust.scope_key()))
+        except TypeError:  # an unhashable mask: the full path below raises the real error
+            decision, fast_key = None, None
+        if decision is None:
+            decision = _first_call(fast_key, requested, policy, model, quality_guard, call)
+        if decision.shapes_only:  # validated in full: calls of these shapes may take the shorter key from now on
+            _shapes_only.add(requested)
+            if shapes_key is not None:
+                _fast[shapes_key] = decision
     if recorder is None:
         recorder = _current_recorder()
     candidates = decision.candidates
     # Backends that failed this call are demoted only once a later one serves it: a call that no backend can
     # run (a bad argument a kernel rejects, memory exhausted everywhere) raises and changes no decision.
-    failed = []  # (name, why it is demoted, the error recorded)
-    first = 0
-    if mode == "off" and recorder is None and not attention_kwargs:
-        # The common call: its first candidate serves it unwatched (a guarded one goes the long way).
+    failed = None  # [(name, why it is demoted, the error recorded)] once one failed
+    if mode == "off" and not attention_kwargs:
+        # The common call: its first candidate serves it unwatched (a guarded one goes the long way) and is counted
+        # as the loop below would count it (no failure, no reasons: the requested backend served).
         candidate = candidates[0]
         if not candidate.guard_every and candidate.name == decision.requested:
             try:
-                return run(candidate, call)
+                out = run(candidate, call)
             except Exception as exc:
-                failed.append(_raised(candidate, exc, policy, len(candidates) == 1))
-                first = 1
+                if not validated:  # found by its shapes alone: validate it in full before anything else
+                    return dispatch_eager(call, by_shapes=False)
+                failed = [_raised(candidate, exc, policy, len(candidates) == 1)]
+            else:
+                if recorder is not None:
+                    recorder.record(call_site, requested, candidate.name, ())
+                return out
+    if not validated:  # checks, attention_kwargs, a guarded or demoted kernel: the full path
+        return dispatch_eager(call, by_shapes=False)
+    first = 0 if failed is None else 1
+    if failed is None:
+        failed = []
     if mode != "off":
         checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, requested)
     if attention_kwargs:  # only backends that pass every key on to their kernel may run it
@@ -100,8 +132,7 @@ def dispatch_eager(call: AttentionCall):
 
 # Bound once: module attribute reads on every call add up on the hot path.
 _check_arguments = checks.check_arguments
-_active_backend, _active_policy, _active_model, _active_guard, _active_checks = (
-    state.active_backend, state.active_policy, state.active_model, state.active_guard, state.active_checks)
+_current_scope = state.current
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _current_machine = current_machine

@@ -17,11 +17,9 @@ def run(candidate: Candidate, call: AttentionCall):
     if convert_mask:
         mask = masks.convert(mask, spec.mask_format, query.dtype)
     if extra:
-        result = runner(query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        enable_gqa=enable_gqa, return_lse=return_lse, **extra)
-    else:
-        result = runner(query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        enable_gqa=enable_gqa, return_lse=return_lse)
+        result = runner(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa, return_lse, **extra)
+    else:  # by position: registry.prepare's protocol
+        result = runner(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
     if not transpose:
         return result
     if return_lse:

@@ -166,12 +166,23 @@ def forget_availability() -> None:
 
 
 def prepare(name: str) -> Callable[..., Any]:
-    """The callable that runs backend `name`, with its Hub kernel loaded (trust-checked)."""
+    """The callable that runs backend `name`, with its Hub kernel loaded (trust-checked):
+    `runner(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, **attention_kwargs)`."""
     spec = get(name)
-    if spec.hub is None:
-        return spec.fn
-    kernel_fn, _ = hub.load(spec.hub)
-    return functools.partial(spec.fn, kernel=kernel_fn)
+    fn = spec.fn
+    if spec.hub is not None:
+        kernel_fn, _ = hub.load(spec.hub)
+        fn = functools.partial(fn, kernel=kernel_fn)
+    return _by_keyword(fn) if spec.custom else fn
+
+
+def _by_keyword(fn):
+    """A custom backend's function takes the standard arguments by keyword (register_backend's protocol); the
+    built-in ones take them by position too, which the dispatcher passes on every call (no keyword matching)."""
+    def runner(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, **attention_kwargs):
+        return fn(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                  enable_gqa=enable_gqa, return_lse=return_lse, **attention_kwargs)
+    return runner
 
 
 @dataclass

@@ -14,9 +14,10 @@ import torch
 
 from .inputs import AttentionInputs
 from .machine import capability_of
-from .requirements import CudaCapability, RocmArch
+from .requirements import CudaCapability, RocmArch, TorchVersion
 
 FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+ANY_DEVICE = frozenset({"cpu", "cuda", "rocm", "mps", "xpu", "npu"})
 HALF = frozenset({torch.float16, torch.bfloat16})
 BF16 = frozenset({torch.bfloat16})
 
@@ -93,6 +94,16 @@ class BackendSpec:
     extra_reasons: Callable[[AttentionInputs], list[str]] | None = field(default=None, compare=False, repr=False)
     custom: bool = False
     mask_format: str = "additive"  # what the kernel is handed: additive | bool | blockmask | key_padding
+
+    @property
+    def universal(self) -> bool:
+        """Runs every floating dtype on every device kind, forward and backward, needs nothing of the machine but
+        torch, judges the inputs by nothing else (SDPA and its math kernel): whether it can run a call depends on
+        the call's shapes and flags only, and its kernel itself rejects query, key and value of mixed dtypes or
+        devices (the eager path keys such decisions by shapes alone; see eager.py)."""
+        return (self.devices >= ANY_DEVICE and self.dtypes >= FLOATS and self.backward and self.capability is None
+                and self.rocm is None and self.hub is None and not self.custom and self.extra_reasons is None
+                and all(isinstance(r, TorchVersion) for r in self.requires))
 
     @property
     def requirements(self) -> tuple:

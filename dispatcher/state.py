@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import logging
 import threading
+from typing import NamedTuple
 
 from . import env, guard, registry
 
@@ -24,11 +25,22 @@ _default_backend: str | None = None  # None: not read from the environment yet
 _default_policy = "fallback"
 _checks_override: str | None = None  # registry switch; None: follow DIFFUSERS_ATTN_CHECKS
 
-_active_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("attn_dispatch_backend", default=None)
-_active_policy: contextvars.ContextVar[str | None] = contextvars.ContextVar("attn_dispatch_policy", default=None)
-_active_checks: contextvars.ContextVar[str | None] = contextvars.ContextVar("attn_dispatch_checks", default=None)
-_active_model: contextvars.ContextVar[str | None] = contextvars.ContextVar("attn_dispatch_model", default=None)
-_active_guard: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("attn_dispatch_guard", default=None)
+
+
+class Scope(NamedTuple):
+    """What the `with` blocks of this context set (None: not set here, the process default applies)."""
+    backend: str | None = None
+    policy: str | None = None
+    checks: str | None = None
+    model: str | None = None
+    guard: tuple | None = None
+
+
+# One context variable for all of them: the eager path reads them with one lookup per call.
+_NO_SCOPE = Scope()
+_scope: contextvars.ContextVar[Scope] = contextvars.ContextVar("attn_dispatch_scope", default=_NO_SCOPE)
+_defaults: tuple | None = None  # (backend, policy, model, guard) outside any block; None: work it out again
+_changes = 0  # how many times a process default was set
 _default_guard = guard.DEFAULT
 
 # The model scope of calls that name none: accuracy verdicts made under it stay in this process (never on disk),
@@ -75,6 +87,7 @@ def set_attention_backend(name: str) -> None:
     name = validate_backend(name)
     with _lock:
         _default_backend = name
+    _defaults_changed()
 
 
 def reset_default_backend() -> None:
@@ -82,44 +95,72 @@ def reset_default_backend() -> None:
     global _default_backend
     with _lock:
         _default_backend = None
-
-
-def active_backend() -> str:
-    return _active_backend.get() or default_backend()
+    _defaults_changed()
 
 
 @contextlib.contextmanager
+def _scoped(value, **changes):
+    """A block in which `changes` replace this context's settings; the previous ones return on exit."""
+    token = _scope.set(_scope.get()._replace(**changes))
+    try:
+        yield value
+    finally:
+        _scope.reset(token)
+
+
+def current() -> tuple[tuple[str, str, str, tuple], str]:
+    """((backend, policy, model, guard), checks mode) in force here: what the eager path reads on every call."""
+    scope = _scope.get()
+    checks = scope.checks or _checks_override or ("raise" if _checks_from_env() else "off")
+    if scope is _NO_SCOPE:  # no block open: the process defaults, worked out once per change
+        return _defaults or _process_defaults(), checks
+    backend, policy, _, model, guard_setting = scope
+    return (backend or default_backend(), policy or _default_policy, model or UNSCOPED_MODEL,
+            guard_setting or _default_guard), checks
+
+
+def _process_defaults() -> tuple:
+    global _defaults
+    seen = _changes
+    resolved = (default_backend(), _default_policy, UNSCOPED_MODEL, _default_guard)
+    with _lock:
+        if seen == _changes:  # no setter ran meanwhile (else this may mix old and new values: not kept)
+            _defaults = resolved
+    return resolved
+
+
+def _defaults_changed() -> None:
+    """Called by every setter of a process default, after the change."""
+    global _defaults, _changes
+    with _lock:
+        _changes += 1
+        _defaults = None
+
+
+def active_backend() -> str:
+    return _scope.get().backend or default_backend()
+
+
 def attention_backend(name: str = "native", *, policy: str | None = None):
     """Use backend `name` for the calls inside the block; the previous one returns on exit, errors included."""
     name = validate_backend(name)
-    if policy is not None:
-        validate_policy(policy)
-    backend_token = _active_backend.set(name)
-    policy_token = _active_policy.set(policy) if policy is not None else None
-    try:
-        yield name
-    finally:
-        if policy_token is not None:
-            _active_policy.reset(policy_token)
-        _active_backend.reset(backend_token)
+    if policy is None:
+        return _scoped(name, backend=name)
+    return _scoped(name, backend=name, policy=validate_policy(policy))
 
 
 def set_fallback_policy(policy: str) -> None:
     global _default_policy
     _default_policy = validate_policy(policy)
+    _defaults_changed()
 
 
 def active_policy() -> str:
-    return _active_policy.get() or _default_policy
+    return _scope.get().policy or _default_policy
 
 
-@contextlib.contextmanager
 def fallback_policy(policy: str):
-    token = _active_policy.set(validate_policy(policy))
-    try:
-        yield policy
-    finally:
-        _active_policy.reset(token)
+    return _scoped(policy, policy=validate_policy(policy))
 
 
 def set_checks(mode: str | bool | None) -> None:
@@ -142,21 +183,15 @@ _checks_from_env = env.flag_reader(env.ATTN_CHECKS)  # read on every call: a cha
 
 
 def active_checks() -> str:
-    scoped = _active_checks.get()
-    if scoped is not None:
-        return scoped
-    if _checks_override is not None:
-        return _checks_override
-    return "raise" if _checks_from_env() else "off"
+    return _scope.get().checks or _default_checks()
 
 
-@contextlib.contextmanager
+def _default_checks() -> str:
+    return _checks_override or ("raise" if _checks_from_env() else "off")
+
+
 def attention_checks(mode: str | bool = "raise"):
-    token = _active_checks.set(_check_mode(mode))
-    try:
-        yield
-    finally:
-        _active_checks.reset(token)
+    return _scoped(None, checks=_check_mode(mode))
 
 
 def validate_model(model) -> str:
@@ -167,35 +202,26 @@ def validate_model(model) -> str:
 
 
 def active_model() -> str:
-    return _active_model.get() or UNSCOPED_MODEL
+    return _scope.get().model or UNSCOPED_MODEL
 
 
-@contextlib.contextmanager
 def model_scope(model: str):
     """Calls inside the block carry activations of `model` (a stable name or content fingerprint): `auto`'s
     accuracy verdicts and the quality guard's demotions are kept per model, and reused from disk only for it."""
-    token = _active_model.set(validate_model(model))
-    try:
-        yield model
-    finally:
-        _active_model.reset(token)
+    return _scoped(model, model=validate_model(model))
 
 
 def set_quality_guard(mode: str = guard.DEFAULT_MODE, every: int | None = None) -> None:
     """Process default of the quality guard (see dispatcher.guard): 'quantised' | 'all' | 'off', every Nth call."""
     global _default_guard
     _default_guard = guard.settings(mode, every)
+    _defaults_changed()
 
 
 def active_guard() -> tuple:
-    return _active_guard.get() or _default_guard
+    return _scope.get().guard or _default_guard
 
 
-@contextlib.contextmanager
 def quality_guard(mode: str = "all", every: int | None = None):
     """The quality guard for the calls inside the block (mode 'quantised' | 'all' | 'off', every Nth call)."""
-    token = _active_guard.set(guard.settings(mode, every))
-    try:
-        yield
-    finally:
-        _active_guard.reset(token)
+    return _scoped(None, guard=guard.settings(mode, every))

@@ -159,6 +159,43 @@ def test_structural_error_is_not_swallowed_by_the_decision_cache():
         fails("is_causal=True and attn_mask", args=qkv(), attn_mask=torch.ones(L, L, dtype=torch.bool), is_causal=True)
 
 
+# --- calls found by their shapes alone (SDPA's chain: eager.py's shorter key) ----------------------------
+
+MIXED = {
+    "key dtype": (dict(k=t(B, L, H, D, dtype=torch.float16)), ("key", "torch.float16", "torch.float32")),
+    "value dtype": (dict(v=t(B, L, H, D, dtype=torch.bfloat16)), ("value", "torch.bfloat16")),
+    "key device": (dict(k=t(B, L, H, D, device="meta")), ("key is on meta", "query is on cpu")),
+    "integer inputs": (dict(q=torch.ones(B, L, H, D, dtype=torch.int64), k=torch.ones(B, L, H, D, dtype=torch.int64),
+                            v=torch.ones(B, L, H, D, dtype=torch.int64)), ("floating point", "torch.int64")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MIXED))
+@pytest.mark.parametrize("policy", ["fallback", "strict"])
+def test_a_call_found_by_its_shapes_alone_is_still_checked_in_full(case, policy):
+    """SDPA's decisions depend on shapes and flags only, so repeat calls find them by a key without dtypes and
+    devices; a call of the same shapes with mixed dtypes or devices must still get the pack's own error (its
+    kernel rejects it, the full path validates it), and demote nothing."""
+    from dispatcher import Recorder, eager
+    for _ in range(2):  # the second call of these shapes is found by its shapes
+        dispatch_attention_fn(*qkv(), policy=policy)
+    assert "native" in eager._shapes_only
+    replaced, parts = MIXED[case]
+    for _ in range(2):
+        fails(*parts, args=qkv(**replaced), policy=policy)
+    rec = Recorder()
+    out = dispatch_attention_fn(*qkv(), policy=policy, recorder=rec)
+    assert [(r["served"], r["fell_back"]) for r in rec.snapshot()["rows"]] == [("native", False)]  # not demoted
+    torch.testing.assert_close(out, tensors.sdpa(*qkv()))
+
+
+def test_only_the_sdpa_chain_is_decided_by_shapes_alone():
+    """`universal`: every floating dtype on every device, forward and backward, nothing of the machine but torch."""
+    from dispatcher import registry
+    universal = {name for name in registry.names() if registry.get(name).universal}
+    assert universal == {"native", "_native_math"}
+
+
 # --- value checks -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("which", ["query", "key", "value"])

@@ -181,6 +181,31 @@ def test_fault_in_a_new_signature_only_demotes_that_signature():
     assert served == {"native": 2, "faulty": 1} and fn.calls == 2
 
 
+def test_sdpa_failing_on_a_call_found_by_its_shapes_falls_back_and_is_demoted_once(monkeypatch):
+    """Repeat calls of SDPA's chain are found by their shapes alone (eager.py); a kernel failure there takes the
+    full path (validated, then the fallback), demotes SDPA for that signature once, and later calls go straight
+    to the math kernel without trying SDPA again."""
+    from dispatcher.backends import native
+    calls, real = [], native._scaled_dot_product_attention
+
+    def failing_sdpa(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native, "_scaled_dot_product_attention", failing_sdpa)
+    recorder = Recorder()
+    inputs = qkv(lq=7)
+    with recording(recorder):
+        outs = [dispatch_attention_fn(*inputs) for _ in range(5)]  # 2 served by SDPA, then it fails
+    for out in outs:
+        torch.testing.assert_close(out, sdpa(*inputs))
+    served = {row["served"]: row["calls"] for row in recorder.snapshot()["rows"]}
+    assert served == {"native": 2, "_native_math": 3}
+    assert len(calls) == 4  # the failing call tried SDPA by its shapes, then once more on the full path; no more
+
+
 # ------------------------------------------------------------------------------------ packages and probes
 
 def test_package_that_imports_but_fails_its_first_call(monkeypatch, tmp_path):

@@ -86,6 +86,31 @@ def test_set_attention_backend_beats_the_env(monkeypatch):
     assert active_backend() == "_native_math"
 
 
+def test_every_process_default_reaches_the_next_call():
+    """The eager path reads the process defaults worked out once per change (state.current): each setter must
+    reach the very next call, after calls that used the old value."""
+    assert served_by() == "native"
+    set_attention_backend("_native_math")
+    assert served_by() == "_native_math"
+    state.reset_default_backend()
+    assert served_by() == "native"
+    dispatcher.set_fallback_policy("strict")
+    assert state.current()[0][1] == "strict"
+    dispatcher.set_quality_guard("all", 7)
+    assert state.current()[0][3] == ("all", 7)
+    set_checks("warn")
+    assert state.current()[1] == "warn" and active_checks() == "warn"
+
+
+def test_blocks_of_different_settings_nest_and_unwind():
+    with attention_backend("_native_math"), dispatcher.model_scope("m1"), dispatcher.quality_guard("all", 3):
+        with dispatcher.fallback_policy("strict"), dispatcher.attention_checks("warn"):
+            assert state.current() == (("_native_math", "strict", "m1", ("all", 3)), "warn")
+        assert state.current() == (("_native_math", "fallback", "m1", ("all", 3)), "off")
+        assert served_by() == "_native_math"
+    assert state.current() == (("native", "fallback", "unscoped", dispatcher.guard.DEFAULT), "off")
+
+
 # --- attention_backend() ---------------------------------------------------------------------------
 
 def test_context_manager_restores_on_exit():

@@ -347,23 +347,27 @@ def test_registry_changes_forget_in_memory_choices(cache):
         assert rec.snapshot()["rows"][0]["served"] == "t_slow"
 
 
-def test_hot_path_builds_no_attention_inputs_once_decided(monkeypatch):
+@pytest.mark.parametrize("backend", ["native", "_native_flash"])
+def test_hot_path_builds_no_attention_inputs_once_decided(monkeypatch, backend):
     calls = []
     real = eager.describe_call
     monkeypatch.setattr(eager, "describe_call", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v = (torch.randn(1, 16, 2, 8) for _ in range(3))
     for _ in range(5):
-        dispatch_attention_fn(q, k, v, backend="native")
+        dispatch_attention_fn(q, k, v, backend=backend)
     assert len(calls) == 1
     # Anything that can change the decision makes a new one.
-    dispatch_attention_fn(q.double(), k.double(), v.double(), backend="native")
-    dispatch_attention_fn(q, k, v, backend="native", is_causal=True)
-    dispatch_attention_fn(q, k, v, backend="native", attn_mask=torch.ones(16, 16, dtype=torch.bool))
-    dispatch_attention_fn(q, k, v, backend="native", attn_mask=torch.ones(1, 16, dtype=torch.bool))
-    dispatch_attention_fn(q, k, v, backend="native", scale=0.5)
-    dispatch_attention_fn(q, k, v, backend="native", return_lse=False, layout="BHSD")
-    dispatch_attention_fn(q.requires_grad_(), k, v, backend="native")
-    assert len(calls) == 8
+    dispatch_attention_fn(q, k, v, backend=backend, is_causal=True)
+    dispatch_attention_fn(q, k, v, backend=backend, attn_mask=torch.ones(16, 16, dtype=torch.bool))
+    dispatch_attention_fn(q, k, v, backend=backend, attn_mask=torch.ones(1, 16, dtype=torch.bool))
+    dispatch_attention_fn(q, k, v, backend=backend, scale=0.5)
+    dispatch_attention_fn(q, k, v, backend=backend, return_lse=False, layout="BHSD")
+    assert len(calls) == 6
+    # Dtype and grad change what a kernel can run, except along SDPA's chain (every dtype, backward everywhere):
+    # its decisions are kept by shapes and flags alone.
+    dispatch_attention_fn(q.double(), k.double(), v.double(), backend=backend)
+    dispatch_attention_fn(q.requires_grad_(), k, v, backend=backend)
+    assert len(calls) == (6 if backend == "native" else 8)
 
 
 def test_hot_path_keeps_errors_and_trust_dependence():

@@ -100,7 +100,7 @@ def _window(kwargs: dict, window_size) -> None:
         kwargs["window_size"] = tuple(int(w) for w in window_size)
 
 
-def dense(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, kernel=None, style="fa2",
+def dense(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *, kernel=None, style="fa2",
           window_size=None):
     kernel = kernel or {"fa2": _fa2_pip, "fa3": _fa3_pip}[style]()
     kwargs = {"softmax_scale": scale, "causal": is_causal}
@@ -112,7 +112,7 @@ def dense(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return
     return _out_and_lse(kernel(q, k, v, **kwargs), return_lse)
 
 
-def varlen(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, kernel=None, style="fa2",
+def varlen(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *, kernel=None, style="fa2",
            window_size=None):
     kernel = kernel or {"fa2": _fa2_varlen_pip, "fa3": _fa3_varlen_pip}[style]()
     b, lq, h, d = q.shape

@@ -125,7 +125,7 @@ def vmap_enabled():
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
-def flex_attention_backend(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+def flex_attention_backend(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     if not torch.compiler.is_dynamo_compiling():
         if _functorch_excluded(_FUNCTORCH_FRONT):  # inside a dispatch mode's handler (0.1 us to ask)
             with vmap_enabled():

@@ -13,9 +13,8 @@ from ..checks import declare
 from ..inputs import AttentionInputs
 from ..registry import add
 from ..requirements import CudaCapability, OnDevice, Package, TorchVersion
-from ..spec import FLOATS, HALF, BackendSpec, HeadDims
+from ..spec import ANY_DEVICE, FLOATS, HALF, BackendSpec, HeadDims
 
-ANY_DEVICE = frozenset({"cpu", "cuda", "rocm", "mps", "xpu", "npu"})
 ALL_MASKS = frozenset({"bool", "key_padding", "additive"})
 SM80 = CudaCapability(minimum=(8, 0))
 
@@ -27,7 +26,7 @@ def _like_query(q, k, v, enable_gqa):
     which computes the same."""
     q_shape, k_shape = q.shape, k.shape  # read once: each read builds a torch.Size (this runs on every GPU call)
     if k_shape[0] != q_shape[0]:
-        k, v = (x.expand(q_shape[0], *x.shape[1:]) for x in (k, v))
+        k, v = k.expand(q_shape[0], *k_shape[1:]), v.expand(q_shape[0], *v.shape[1:])  # no generator: its cell
         if q.device.type != "cpu":
             k, v = k.contiguous(), v.contiguous()
     return k, v, bool(enable_gqa or k_shape[1] != q_shape[1])
@@ -72,48 +71,53 @@ _FLAG_ACCESS = [(getattr(SDPBackend, member), getattr(torch._C, f"_get_{flag}_sd
 _priority_orders: dict[tuple, list[int]] = {}  # (backends, order in force) -> the order to set
 
 
-def _select(backends, priority: bool, call):
-    """`call()` with only `backends` enabled (priority=False) or with them tried first (priority=True).
+def _backends_first(backends, order: list[int]) -> list[int]:
+    first = [int(b) for b in backends]
+    return first + [p for p in order if p not in first]
+
+
+def _select(backends, priority: bool, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` with only `backends` enabled (priority=False) or with them tried first (priority=True).
 
     torch's `sdpa_kernel` context manager costs ~37 us of CPU time per call, more than a small attention
     kernel takes on an H200 (SDXL's 32x32 level ran at 0.38x ComfyUI's speed through it); flipping the
     same process-wide flags directly costs ~2 us, under the same lock. Under torch.compile the context
-    manager is what dynamo understands, so it is used there."""
+    manager is what dynamo understands, so it is used there. (fn and its arguments, not a closure: a closure
+    makes a cell of each captured variable on every call.)"""
     if torch.compiler.is_dynamo_compiling():
         with sdpa_kernel(list(backends), set_priority=priority):
-            return call()
+            return fn(*args, **kwargs)
     with _FLAGS:
         if priority:
             previous = torch._C._get_sdp_priority_order()
             wanted = _priority_orders.get((backends, tuple(previous)))
             if wanted is None:
-                first = [int(b) for b in backends]
-                wanted = _priority_orders[(backends, tuple(previous))] = first + [p for p in previous if p not in first]
+                wanted = _priority_orders[(backends, tuple(previous))] = _backends_first(backends, previous)
             if wanted == previous:  # already in force (e.g. inside ComfyUI's own priority block): nothing to flip
-                return call()
+                return fn(*args, **kwargs)
             torch._C._set_sdp_priority_order(wanted)
             try:
-                return call()
+                return fn(*args, **kwargs)
             finally:
                 torch._C._set_sdp_priority_order(previous)
         saved = [get() for _, get, _ in _FLAG_ACCESS]
         try:
             for member, _, set_flag in _FLAG_ACCESS:
                 set_flag(member in backends)
-            return call()
+            return fn(*args, **kwargs)
         finally:
             for (_, _, set_flag), was in zip(_FLAG_ACCESS, saved):
                 set_flag(was)
 
 
-def _sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, pinned=None):
+def _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *, pinned=None):
     attn_mask, is_causal = _causal_as_mask(q, k, attn_mask, is_causal, scale)
     kwargs = {"attn_mask": attn_mask, "dropout_p": dropout_p, "is_causal": is_causal, "scale": scale}
     if enable_gqa:
         kwargs["enable_gqa"] = True
     if pinned is None:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    return _select((pinned,), False, lambda: F.scaled_dot_product_attention(q, k, v, **kwargs))
+    return _select((pinned,), False, F.scaled_dot_product_attention, q, k, v, **kwargs)
 
 
 def _math(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -136,24 +140,26 @@ CUDA_PRIORITY = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBack
 _scaled_dot_product_attention = F.scaled_dot_product_attention
 
 
-def sdpa_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
-    if not q.is_cuda:
-        if not (is_causal or enable_gqa):  # the common call: positional arguments parse fastest (~0.6 us a call)
-            if scale is None:
-                return _scaled_dot_product_attention(q, k, v, attn_mask, dropout_p)
-            return _scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, scale=scale)
-        return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                     enable_gqa=enable_gqa, return_lse=False)
+def sdpa_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    # No closure in here (nor in _sdpa_cuda): a function with one makes a cell of every argument it captures on
+    # every call (~0.5 us on the CPU).
+    if q.is_cuda:
+        return _sdpa_cuda(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if not (is_causal or enable_gqa):  # the common call: positional arguments parse fastest (~0.6 us a call)
+        if scale is None:
+            return _scaled_dot_product_attention(q, k, v, attn_mask, dropout_p)
+        return _scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, scale=scale)
+    return _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, False)
+
+
+def _sdpa_cuda(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     k, v, enable_gqa = _like_query(q, k, v, enable_gqa)  # so that the fused kernels, not math, can take broadcasts
     if not enable_gqa and scale is None:  # the common call, positional (as on the CPU above)
-        return _select(CUDA_PRIORITY, True, lambda: _scaled_dot_product_attention(q, k, v, attn_mask, dropout_p,
-                                                                                  is_causal))
-    return _select(CUDA_PRIORITY, True, lambda: _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                      is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                                                      return_lse=False))
+        return _select(CUDA_PRIORITY, True, _scaled_dot_product_attention, q, k, v, attn_mask, dropout_p, is_causal)
+    return _select(CUDA_PRIORITY, True, _sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, False)
 
 
-def math_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+def math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     if not return_lse:
         return _math(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=enable_gqa)
@@ -174,7 +180,7 @@ def math_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gq
     return torch.matmul(probs, v.to(acc)).to(q.dtype), lse.to(acc)
 
 
-def flash_sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+def flash_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     q, k, v = _unit_stride(q, k, v)  # pinned to one fused kernel: SDPA cannot pick math for a strided view
     if not return_lse and q.device.type != "cpu":
         k, v, enable_gqa = _like_query(q, k, v, enable_gqa)
@@ -194,7 +200,7 @@ def flash_sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, r
     return out, lse.float()
 
 
-def efficient_sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+def efficient_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     k, v = _gqa_expand(q, k, v, enable_gqa)
     q, k, v = _unit_stride(q, k, v)  # pinned to one fused kernel: SDPA cannot pick math for a strided view
     if not return_lse:
@@ -206,7 +212,7 @@ def efficient_sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gq
     return out, lse[..., : q.shape[-2]].float()
 
 
-def cudnn_sdpa(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+def cudnn_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     k, v = _gqa_expand(q, k, v, enable_gqa)
     q, k, v = _unit_stride(q, k, v)  # pinned to one fused kernel: SDPA cannot pick math for a strided view
     if not return_lse:
@@ -263,7 +269,7 @@ def _not_dropout_with_lse(inputs: AttentionInputs) -> list[str]:
     return ["dropout_p > 0 with return_lse=True is not supported"] if inputs.dropout and inputs.return_lse else []
 
 
-def npu_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+def npu_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     import torch_npu
 
     heads, head_dim = q.shape[2], q.shape[3]
@@ -277,7 +283,7 @@ def npu_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa
         keep_prob=1.0 - dropout_p, pre_tockens=65536, next_tockens=65536)[0]
 
 
-def xla_attention(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+def xla_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     from torch_xla.experimental.custom_kernel import flash_attention
 
     return flash_attention(q, k, v, causal=is_causal, sm_scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))

@@ -57,7 +57,7 @@ def _pip_function(name: str):
     return getattr(sageattention, name)
 
 
-def sage_call(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, kernel=None, function="sageattn"):
+def sage_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *, kernel=None, function="sageattn"):
     kernel = kernel or _pip_function(function)
     kwargs = {"tensor_layout": "NHD", "is_causal": is_causal}
     if scale is not None:
@@ -71,7 +71,7 @@ def sage_call(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, re
     return out, lse.transpose(1, 2).float()  # (B, H, S) -> (B, S, H)
 
 
-def sage_blackwell_call(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, kernel):
+def sage_blackwell_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *, kernel):
     """SageAttention 3 for Blackwell (`sageattn3_blackwell`), called as diffusers calls it: (B, H, S, D) copies,
     since the kernel takes HND and subtracts the key's per-token mean in place (the copies keep the caller's
     tensors intact), and only is_causal: it derives the scale from the head dim and returns no LSE (the spec
@@ -83,7 +83,7 @@ def sage_blackwell_call(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enab
 declare(sage_call)
 
 
-def sage_varlen_call(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+def sage_varlen_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     from .flash import varlen
     return varlen(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                   return_lse=False, kernel=_sage_varlen_adapter, style="sage")

@@ -18,7 +18,7 @@ def _probe():
     torch.cuda.synchronize()
 
 
-def xformers_call(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+def xformers_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     import xformers.ops as xops
 
     b, lq, h, d = q.shape
