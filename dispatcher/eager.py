@@ -42,15 +42,20 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
     if quality_guard is None:
         quality_guard = scoped_guard
     m = attn_mask
-    mask_key = None if m is None else (m.dtype, m.shape) if type(m) is _Tensor else (
-        type(m), getattr(m, "dtype", None), getattr(m, "shape", None), getattr(m, "device", None))
+    if m is None:
+        mask_dtype = mask_shape = None
+    elif type(m) is _Tensor:
+        mask_dtype, mask_shape = m.dtype, m.shape
+    else:  # a BlockMask (or a wrong type: the full path raises the real error)
+        mask_dtype, mask_shape = type(m), (getattr(m, "dtype", None), getattr(m, "shape", None),
+                                           getattr(m, "device", None))
     q_shape, k_shape, v_shape = query.shape, key.shape, value.shape
     machine_id = id(_current_machine())  # kept alive by the decision (decision.machine), so the id stays unique
     decision = shapes_key = None
     if by_shapes:
         try:
             if requested in _shapes_only:
-                shapes_key = (requested, policy, layout, q_shape, k_shape, v_shape, mask_key, is_causal,
+                shapes_key = (requested, policy, layout, q_shape, k_shape, v_shape, mask_dtype, mask_shape, is_causal,
                               dropout_p > 0, scale is None, enable_gqa, return_lse, machine_id, model, quality_guard)
                 decision = _fast.get(shapes_key)
         except TypeError:  # an unhashable backend name or mask: the full path below raises the real error
@@ -58,8 +63,8 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
     validated = decision is None
     if validated:
         fast_key = (requested, policy, layout, q_shape, k_shape, v_shape, query.dtype, key.dtype, value.dtype,
-                    query.device, key.device, value.device, mask_key, None if type(m) is not _Tensor else m.device,
-                    is_causal, dropout_p > 0, scale is None,
+                    query.device, key.device, value.device, mask_dtype, mask_shape,
+                    None if type(m) is not _Tensor else m.device, is_causal, dropout_p > 0, scale is None,
                     enable_gqa, return_lse,
                     _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
                     machine_id, model, quality_guard)
@@ -71,8 +76,8 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
             decision, fast_key = None, None
         if decision is None:
             decision = _first_call(fast_key, requested, policy, model, quality_guard, call)
-        if decision.shapes_only:  # validated in full: calls of these shapes may take the shorter key from now on
-            _shapes_only.add(requested)
+        if decision.shapes_only and decision.requested == requested:  # not an auto: its pick depends on more
+            _shapes_only.add(requested)  # validated in full: calls of these shapes may take the shorter key
             if shapes_key is not None:
                 _fast[shapes_key] = decision
     if recorder is None:
@@ -84,8 +89,8 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
     if mode == "off" and not attention_kwargs:
         # The common call: its first candidate serves it unwatched (a guarded one goes the long way) and is counted
         # as the loop below would count it (no failure, no reasons: the requested backend served).
-        candidate = candidates[0]
-        if not candidate.guard_every and candidate.name == decision.requested:
+        candidate = decision.unwatched
+        if candidate is not None:
             try:
                 out = run(candidate, call)
             except Exception as exc:
@@ -98,9 +103,7 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
                 return out
     if not validated:  # checks, attention_kwargs, a guarded or demoted kernel: the full path
         return dispatch_eager(call, by_shapes=False)
-    first = 0 if failed is None else 1
-    if failed is None:
-        failed = []
+    first, failed = (0, []) if failed is None else (1, failed)
     if mode != "off":
         checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, requested)
     if attention_kwargs:  # only backends that pass every key on to their kernel may run it

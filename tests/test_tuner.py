@@ -370,6 +370,15 @@ def test_hot_path_builds_no_attention_inputs_once_decided(monkeypatch, backend):
     assert len(calls) == (6 if backend == "native" else 8)
 
 
+def test_an_auto_that_picked_sdpa_is_not_found_by_shapes_alone(cache):
+    """auto's pick depends on dtype, device and the model's values: even when it picks SDPA, a call of other
+    dtypes is judged again, never served from a key of shapes alone."""
+    q, k, v = (torch.randn(1, 16, 2, 8) for _ in range(3))
+    for _ in range(3):
+        dispatch_attention_fn(q, k, v, backend="auto_exact")
+    assert "auto_exact" not in eager._shapes_only
+
+
 def test_hot_path_keeps_errors_and_trust_dependence():
     q, k, v = (torch.randn(1, 16, 2, 8) for _ in range(3))
     with pytest.raises(dispatcher.UnknownBackendError):
