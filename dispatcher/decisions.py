@@ -55,7 +55,7 @@ class Decision:
     machine: object = None  # the machine it was made for (kept so its id in the cache key stays unique)
     trust_sensitive: bool = False  # a Hub backend in the chain: the decision depends on trust settings
     shapes_only: bool = False  # every backend in the chain is `universal`: dtypes, devices, grad cannot change it
-    unwatched: Any = None  # the first candidate when it is the requested one and unguarded (eager.py's fast lane)
+    lane: Any = None  # the first candidate when it is the requested one: what eager.py's fast lane runs
     guard_counts: dict = field(default_factory=dict, repr=False, compare=False)  # (name, site) -> calls seen
     _reasons: dict = field(default_factory=dict, repr=False, compare=False)  # served -> reasons_for(served)
 
@@ -121,8 +121,7 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, qu
     decision = Decision(requested, [], trust_sensitive=any(s.hub is not None for s in specs),
                         shapes_only=all(s.universal for s in specs))
     plain_mask = inputs.mask_kind in ("bool", "key_padding") and len(inputs.mask_shape or ()) == 4
-    for name in chain:
-        spec = registry.get(name)
+    for name, spec in zip(chain, specs):
         reasons = _reasons(name, spec, inputs)
         if not reasons:
             try:
@@ -138,13 +137,13 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, qu
         decision.skipped.append((name, reasons))
     if not decision.candidates:
         raise BackendNotSupportedError(requested, inputs.describe(), decision.skipped, policy)
-    decision.unwatched = _unwatched(decision)
+    decision.lane = _lane(decision)
     return decision
 
 
-def _unwatched(decision: Decision):
+def _lane(decision: Decision):
     first = decision.candidates[0] if decision.candidates else None
-    return first if first is not None and first.name == decision.requested and not first.guard_every else None
+    return first if first is not None and first.name == decision.requested else None
 
 
 def decision_for(requested: str, policy: str, inputs: AttentionInputs, layout: str, model: str,
@@ -176,7 +175,7 @@ def demote(decision: Decision, name: str, reason: str) -> None:
         if not any(c.name == name for c in decision.candidates):
             return  # another thread demoted it first
         decision.candidates = [c for c in decision.candidates if c.name != name]
-        decision.unwatched = _unwatched(decision)
+        decision.lane = _lane(decision)
         decision.skipped.append((name, [reason]))
         decision._reasons.clear()
     logger.warning("attention backend '%s' failed (%s); falling back for these inputs", name, reason)

@@ -87,10 +87,10 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
     # run (a bad argument a kernel rejects, memory exhausted everywhere) raises and changes no decision.
     failed = None  # [(name, why it is demoted, the error recorded)] once one failed
     if mode == "off" and not attention_kwargs:
-        # The common call: its first candidate serves it unwatched (a guarded one goes the long way) and is counted
-        # as the loop below would count it (no failure, no reasons: the requested backend served).
-        candidate = decision.unwatched
-        if candidate is not None:
+        # The common call: its first candidate serves it (a guarded one unless this call is one the guard checks:
+        # that goes the long way) and is counted as the loop below would count it (the requested backend served).
+        candidate = decision.lane
+        if candidate is not None and (not candidate.guard_every or _not_checked(decision, candidate, call_site)):
             try:
                 out = run(candidate, call)
             except Exception as exc:
@@ -162,6 +162,18 @@ def _account(decision, name, failed, recorder, call_site, requested) -> None:
         decisions.log_once(decision.requested, name, reasons)
     if recorder is not None:
         recorder.record(call_site, requested, name, reasons)  # requested may be a pseudo-backend ("auto")
+
+
+def _not_checked(decision, candidate, call_site) -> bool:
+    """Whether this call of a guarded kernel is not one the guard checks; it is counted then (a checked one is
+    counted by `_guarded`, on the long path)."""
+    counts = decision.guard_counts
+    key = (candidate.name, call_site)
+    seen = counts.get(key, 0)
+    if seen % candidate.guard_every:
+        counts[key] = seen + 1
+        return True
+    return False
 
 
 def _guarded(decision, candidate, call, out, recorder, policy):

@@ -32,7 +32,7 @@ from .reference import error_terms, exact_attention, non_finite, strided_rows, t
 
 GUARD_MODES = ("quantised", "all", "off")
 DEFAULT_MODE = "quantised"
-DEFAULT_EVERY = 200  # SDXL (140 calls a step, the worst case): 0.7 checks a step, under 1% of it; docs/auto.md
+DEFAULT_EVERY = 200  # SDXL (140 calls a step, the worst case): 0.7 checks a step, ~1% of it (docs/auto.md)
 DEFAULT = (DEFAULT_MODE, DEFAULT_EVERY)  # the (mode, every) form calls and decisions carry
 ROWS = 16
 QUANTISED_BOUND = 1e-1

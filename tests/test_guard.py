@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dispatcher
+from dispatcher import eager
 from dispatcher import AttentionQualityError, Recorder, dispatch_attention_fn, guard, recording
 from dispatcher.reference import exact_attention
 from helpers.tensors import qkv, sdpa as exact
@@ -46,6 +47,27 @@ def run_calls(name, n, inputs=None, site="self", rec=None, **kw):
         for _ in range(n):
             outs.append(dispatch_attention_fn(q, k, v, backend=name, call_site=site, **kw))
     return outs, exact(q, k, v)
+
+
+@pytest.mark.parametrize("every", [1, 4, 7])
+@pytest.mark.parametrize("sites", [("self",), ("self", "cross")])
+def test_checks_fall_on_the_first_and_every_nth_call_per_site_and_the_rest_take_the_fast_lane(every, sites, monkeypatch):
+    """Calls the guard does not check are counted in the eager path's fast lane, checked ones on its long way:
+    together they keep one count per call site (the first call and every `every`-th after it are checked)."""
+    name = register("t_count", Drifting(good_calls=10**9))  # always right: nothing is demoted
+    rec = Recorder()
+    long_way = []
+    real = eager._guarded
+    monkeypatch.setattr(eager, "_guarded", lambda *a, **kw: long_way.append(1) or real(*a, **kw))
+    calls = 15
+    for _ in range(calls):
+        for site in sites:
+            run_calls(name, 1, site=site, rec=rec, guard="quantised", guard_every=every)
+    checks = {g["site"]: g["checks"] for g in rec.snapshot()["guard"]}
+    assert checks == {site: -(-calls // every) for site in sites}
+    assert len(long_way) == sum(checks.values())  # only the checked calls went the long way
+    served = {(r["site"], r["served"]): r["calls"] for r in rec.snapshot()["rows"]}
+    assert served == {(site, name): calls for site in sites}
 
 
 @pytest.mark.parametrize("how", ["noise", "nan"])

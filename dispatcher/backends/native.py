@@ -26,7 +26,8 @@ def _like_query(q, k, v, enable_gqa):
     which computes the same."""
     q_shape, k_shape = q.shape, k.shape  # read once: each read builds a torch.Size (this runs on every GPU call)
     if k_shape[0] != q_shape[0]:
-        k, v = k.expand(q_shape[0], *k_shape[1:]), v.expand(q_shape[0], *v.shape[1:])  # no generator: its cell
+        # Two calls, not a generator over (k, v): one would make a cell of q_shape on every call of this function.
+        k, v = k.expand(q_shape[0], *k_shape[1:]), v.expand(q_shape[0], *v.shape[1:])
         if q.device.type != "cpu":
             k, v = k.contiguous(), v.contiguous()
     return k, v, bool(enable_gqa or k_shape[1] != q_shape[1])

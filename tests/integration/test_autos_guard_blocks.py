@@ -192,7 +192,7 @@ def test_old_prompts_without_the_new_inputs_still_run(comfy):
     for name in ("quality_guard", "guard_every", "block_start", "block_end"):
         prompt["10"]["inputs"].pop(name, None)
     report = model_report(comfy, comfy.run(prompt), "10")
-    assert report["quality_guard"] == {"mode": "quantised", "every": 100} and report["recorder"]["calls"] >= 8
+    assert report["quality_guard"] == {"mode": "quantised", "every": 200} and report["recorder"]["calls"] >= 8
 
 
 def test_block_range_on_the_sd15_unet_sends_other_blocks_to_comfy(comfy):
