@@ -26,7 +26,7 @@ def strided_rows(len_q: int, rows: int) -> slice | None:
     is a view, where sample_rows' index tensor costs a gather kernel (the quality guard's check counts its ops)."""
     if rows >= len_q:
         return None
-    return slice(0, len_q, max(1, (len_q - 1) // (rows - 1)))
+    return slice(0, len_q, max(1, (len_q - 1) // max(1, rows - 1)))
 
 
 def exact_attention(query, key, value, attn_mask=None, is_causal=False, scale=None, layout="BSHD", rows=None,
