@@ -14,7 +14,6 @@ timed alone they show that added work without the noise of a 60 ms step.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,7 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dispatcher  # noqa: E402
-from timing import interleaved_ms  # noqa: E402  (bench/ is on sys.path when a script of it runs)
+from output import emit  # noqa: E402  (bench/ is on sys.path when a script of it runs)
+from timing import interleaved_ms  # noqa: E402
 
 # (blocks, tokens, heads, site prefix) of SDXL's UNet at 1024x1024: input, middle and output transformer blocks.
 SDXL_BLOCKS = [(4, 4096, 10, "input"), (20, 1024, 20, "input"), (10, 1024, 20, "middle"), (30, 1024, 20, "output"),
@@ -88,9 +88,7 @@ def main(argv=None) -> int:
               "failures": sum(len(g["failures"]) for g in recorder.snapshot()["guard"]),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": args.rounds,
               "steps_per_sample": args.steps}
-    print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, args.json)
     return 0
 
 

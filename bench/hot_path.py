@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import sys
 import time
@@ -26,7 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from timing import shuffled_rounds  # bench/ is on sys.path when a script of it runs
+from output import emit  # bench/ is on sys.path when a script of it runs
+from timing import shuffled_rounds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,9 +138,7 @@ def main(argv=None) -> int:
         result["diffusers"] = diffusers.__version__
     except ImportError:
         pass
-    print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, args.json)
     return 0
 
 

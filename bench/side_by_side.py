@@ -11,7 +11,6 @@ target such as "auto_fast >= x1.35 of cuDNN on Wan 14B" reads from one run, not 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dispatcher  # noqa: E402
 from dispatcher.tools.bench import time_interleaved  # noqa: E402
+from output import emit  # noqa: E402  (bench/ is on sys.path when a script of it runs)
 
 
 def main(argv=None) -> int:
@@ -48,9 +48,7 @@ def main(argv=None) -> int:
               "served": {name: served.get(name, name) for name in names},
               f"speedup_of_{names[0]}": {name: round(t / times[0], 4) for name, t in zip(names[1:], times[1:])},
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
-    print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, args.json)
     return 0
 
 

@@ -17,7 +17,6 @@ kernel's GPU time, the host, not the kernel, sets the pace.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from comfy_model_step import ROOT, load_pack  # bench/ is on sys.path when a script of it runs
+from output import emit
 from timing import host_us_per_call, interleaved_ms
 
 
@@ -83,9 +83,7 @@ def main(argv=None) -> int:
               "host_us": {k: round(v, 3) for k, v in host.items()},
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": args.rounds,
               "calls": args.calls, "pack": str(args.pack)}
-    print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, args.json)
     return 0
 
 
