@@ -111,6 +111,7 @@ def _scoped(value, **changes):
 def current() -> tuple[tuple[str, str, str, tuple], str]:
     """((backend, policy, model, guard), checks mode) in force here: what the eager path reads on every call."""
     scope = _scope.get()
+    # _default_checks() written out: one Python call less on every attention call
     checks = scope.checks or _checks_override or ("raise" if _checks_from_env() else "off")
     if scope is _NO_SCOPE:  # no block open: the process defaults, worked out once per change
         return _defaults or _process_defaults(), checks
