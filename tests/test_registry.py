@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import sys
+import types
 
 import pytest
 import torch
@@ -72,6 +76,52 @@ def test_builtin_spec_describes_itself(name):
     assert all(m in ("bool", "key_padding", "additive", "blockmask") for m in c["supports"]["mask"])
     # Every chain ends in something that runs anything SDPA accepts.
     assert all(f in BUILTIN_NAMES for f in c["fallback"])
+
+
+@pytest.mark.parametrize("name", BUILTIN_NAMES)
+def test_builtin_runner_takes_the_standard_arguments_by_position(name):
+    """The dispatcher passes a built-in runner the nine standard arguments by position (registry.prepare's
+    protocol; only custom backends get keywords). A wrapper that takes `(q, k, v, **kwargs)` breaks every call of
+    its family, and only on a GPU with that family installed: checked here for all of them."""
+    spec = get_backend_spec(name)
+    fn = functools.partial(spec.fn, kernel=object()) if spec.hub is not None else spec.fn  # as prepare() makes it
+    inspect.signature(fn).bind(*range(9))
+
+
+def test_named_sage_kernels_run_through_the_dispatchers_call_protocol(monkeypatch):
+    """Each named SageAttention function, called as the dispatcher calls it (positional standard arguments),
+    gets (B, S, H, D) tensors with tensor_layout='NHD', the scale as sm_scale and return_lse; here a stand-in
+    `sageattention` module (SDPA underneath) records the calls, as the GPU tests run the real one."""
+    from dispatcher import registry
+    seen = []
+
+    def kernel(function):
+        def run(q, k, v, *, tensor_layout, is_causal, sm_scale=None, return_lse=False):
+            seen.append((function, tensor_layout, sm_scale, return_lse))
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=is_causal, scale=sm_scale)
+            lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+            return (out.transpose(1, 2), lse) if return_lse else out.transpose(1, 2)
+        return run
+
+    names = {"sage": "sageattn", "_sage_qk_int8_pv_fp8_cuda": "sageattn_qk_int8_pv_fp8_cuda",
+             "_sage_qk_int8_pv_fp8_cuda_sm90": "sageattn_qk_int8_pv_fp8_cuda_sm90",
+             "_sage_qk_int8_pv_fp16_cuda": "sageattn_qk_int8_pv_fp16_cuda",
+             "_sage_qk_int8_pv_fp16_triton": "sageattn_qk_int8_pv_fp16_triton"}
+    module = types.ModuleType("sageattention")
+    for function in names.values():
+        setattr(module, function, kernel(function))
+    monkeypatch.setitem(sys.modules, "sageattention", module)
+    q, k, v = (torch.randn(1, 16, 2, 64) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.1).transpose(1, 2)
+    for name, function in names.items():
+        runner = registry.prepare(name)
+        torch.testing.assert_close(runner(q, k, v, None, 0.0, False, 0.1, False, False), expected)
+        assert seen[-1] == (function, "NHD", 0.1, False)
+        if get_backend_spec(name).lse:
+            out, lse = runner(q, k, v, None, 0.0, False, 0.1, False, True)
+            assert lse.shape == (1, 16, 2) and seen[-1][3] is True
 
 
 def test_hub_backends_name_their_repository():

@@ -147,8 +147,9 @@ _HONOURED = {"fa2": ("window_size",), "fa3": ("window_size",), "fa4": (), "aiter
 
 
 def _style(fn, **fixed):
-    def run(q, k, v, **kwargs):
-        return fn(q, k, v, **kwargs, **fixed)
+    # The standard arguments by position (registry.prepare's protocol: the dispatcher passes them so).
+    def run(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, **kwargs):
+        return fn(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, **kwargs, **fixed)
     run.__name__ = f"{fn.__name__}_{fixed.get('style', '')}"
     return declare(run, attention_kwargs=_HONOURED[fixed.get("style", "fa2")])
 

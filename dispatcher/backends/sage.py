@@ -97,8 +97,10 @@ def _sage_varlen_adapter(q, k, v, cu_q, cu_k, max_q, max_k, *, softmax_scale, ca
 
 
 def _named(function: str):
-    def run(q, k, v, **kwargs):
-        return sage_call(q, k, v, function=function, **kwargs)
+    # The standard arguments by position (registry.prepare's protocol: the dispatcher passes them so).
+    def run(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, **kwargs):
+        return sage_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, function=function,
+                         **kwargs)
     run.__name__ = function
     return declare(run)
 
