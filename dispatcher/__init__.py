@@ -11,7 +11,7 @@ from . import guard  # noqa: F401  (the quality guard's modes and bounds)
 from .call import AttentionCall
 from .checks import AttentionInputError
 from .decisions import BackendNotSupportedError, fallback_order
-from .dispatch import dispatch_attention_fn
+from .dispatch import PreparedAttention, dispatch_attention_fn
 from .inputs import AttentionInputs
 from .hub import KernelLoadError, LoadedKernel, loaded_kernels
 from .machine import Machine, current_machine, detect, use_machine
@@ -33,7 +33,7 @@ from .trust import TRUSTED_PUBLISHERS, trusted_publishers
 BUILTIN_NAMES = _registry.builtin_names()  # in priority order
 
 __all__ = [
-    "AttentionCall", "AttentionInputError", "AttentionInputs", "AttentionQualityError", "active_guard",
+    "AttentionCall", "AttentionInputError", "PreparedAttention", "AttentionInputs", "AttentionQualityError", "active_guard",
     "active_model", "guard", "model_scope", "quality_guard", "set_quality_guard", "BUILTIN_NAMES", "BackendNotSupportedError", "BackendSpec", "BackendStatus",
     "BackendUnavailableError", "HeadDims", "HubKernel", "KernelLoadError", "LoadedKernel", "Machine", "Recorder",
     "TRUSTED_PUBLISHERS", "UnknownBackendError", "active_backend", "active_checks", "active_policy",

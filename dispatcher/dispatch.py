@@ -1,5 +1,7 @@
 """`dispatch_attention_fn`: the entry point. It describes the call once (`AttentionCall`) and routes it:
-context parallelism when a block is open, the traced routes inside torch.compile, else the eager path."""
+context parallelism when a block is open, the traced routes inside torch.compile, else the eager path.
+`PreparedAttention` is the same entry with everything but the tensors fixed once, for callers that make many
+calls of one kind."""
 
 from __future__ import annotations
 
@@ -54,6 +56,34 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if _context_parallel_on:
         return dispatch_call(call)
     return dispatch_eager(call)
+
+
+class PreparedAttention:
+    """`dispatch_attention_fn` with every argument but the tensors fixed once: `prepared(query, key, value,
+    attn_mask=None)` validates, dispatches and records each call exactly as `dispatch_attention_fn(query, key,
+    value, attn_mask, **fixed)` would, without taking a dozen keywords apart on every call (the ComfyUI override
+    keeps one per call signature). The arguments are those of `dispatch_attention_fn`, checked on each call."""
+
+    __slots__ = ("_rest",)
+
+    def __init__(self, *, dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                 enable_gqa: bool = False, attention_kwargs: dict | None = None, backend: str | None = None,
+                 layout: str = "BSHD", policy: str | None = None, return_lse: bool = False,
+                 call_site: str = "attention", recorder=None, model: str | None = None,
+                 guard: str | tuple | None = None, guard_every: int | None = None):
+        if (guard is not None or guard_every is not None) and type(guard) is not tuple:
+            guard = _guard_settings(guard, guard_every)
+        # AttentionCall's fields after the mask, in its order
+        self._rest = (dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, policy, return_lse,
+                      call_site, recorder, model, guard)
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None):
+        if _dynamo_compiling():
+            return dispatch_call(AttentionCall(query, key, value, attn_mask, *self._rest))
+        call = new_call(AttentionCall, (query, key, value, attn_mask) + self._rest)
+        if _context_parallel_on:
+            return dispatch_call(call)
+        return dispatch_eager(call)
 
 
 def dispatch_call(call: AttentionCall):

@@ -31,7 +31,8 @@ import contextlib
 
 import torch
 
-from ..dispatcher import attention_checks, dispatch_attention_fn, fallback_order, get_backend_spec, trusted_publishers
+from ..dispatcher import (PreparedAttention, attention_checks, dispatch_attention_fn, fallback_order, get_backend_spec,
+                          trusted_publishers)
 from ..dispatcher import checks as _checks
 from ..dispatcher.auto import AUTO, AUTO_EXACT, AUTO_FAST
 from ..dispatcher.auto import PSEUDO_BACKENDS as AUTOS  # "auto" is auto_exact (older workflows)
@@ -43,6 +44,8 @@ from .window import in_window
 COMFY_DEFAULT = "comfy default"
 PASS_THROUGH = "pass through"  # checks/compare only: every call goes to `previous` (or `func`)
 _HALF = (torch.float16, torch.bfloat16)
+_Tensor = torch.Tensor  # bound once, as is the next: read on every call
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 def call_site(transformer_options: dict | None, len_q: int, len_k: int) -> str:
@@ -153,20 +156,13 @@ class _Plan:
     """What a repeat call of one signature does, worked out on its first call: a delegation (its reason), or
     the views to take, the backend name to pass and how to shape the output. Plain attributes, read per call."""
 
-    __slots__ = ("reason", "view_q", "view_k", "view_v", "layout", "upcast", "name", "notes", "relabel", "site",
-                 "scale", "gqa", "output")
+    __slots__ = ("reason", "views", "layout", "upcast", "name", "notes", "relabel", "site", "scale", "gqa", "output",
+                 "attend")
 
     def __init__(self, reason=None, **fields):
         self.reason = reason
         for name in self.__slots__[1:]:
             setattr(self, name, fields.get(name))
-
-
-def _signature(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs, to):
-    """Everything a plan depends on; AttributeError/TypeError (not tensors, unhashable options) = no plan."""
-    return (q.shape, k.shape, v.shape, q.dtype, heads, None if mask is None else mask.dtype,
-            attn_precision, skip_reshape, skip_output_reshape, kwargs.get("scale"), kwargs.get("enable_gqa", False),
-            kwargs.get("low_precision_attention", True), to.get("block_type"), to.get("block"))
 
 
 class AttentionOverride:
@@ -203,6 +199,7 @@ class AttentionOverride:
         self._outside_blocks = None if self.blocks is None else f"outside the block range {blocks_text(self.blocks)}"
         self._plans: dict[tuple, _Plan] = {}
         # Made here, not in a traced call (torch.compile cannot trace registering one); others on first use.
+        # (`auto_fast` asking `auto_exact` where the model wants full precision records as `auto_fast`.)
         self._relabels: dict[tuple, _Relabel] = {} if recorder is None else {(): _Relabel(recorder, backend)}
         # Read by the Attention Checks node to rebuild this override with checks on, and by the report.
         self.attention_dispatch = {"backend": backend, "policy": policy, "recorder": recorder, "window": self.window,
@@ -215,76 +212,97 @@ class AttentionOverride:
 
     def __call__(self, func, q, k, v, heads=None, mask=None, attn_precision=None, skip_reshape=False,
                  skip_output_reshape=False, **kwargs):
-        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        if not (isinstance(q, _Tensor) and isinstance(k, _Tensor) and isinstance(v, _Tensor)):
             q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
         to = kwargs.get("transformer_options") or {}
-        args = (q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs)
         backend = self.backend
         if backend == COMFY_DEFAULT or backend == PASS_THROUGH:
             _check_call(q, k, v, mask, skip_reshape)
-            return self._delegate("", func, *args, _site(to, q, k, skip_reshape), to_func=backend == COMFY_DEFAULT)
-        if torch.compiler.is_dynamo_compiling():  # traced once per graph; hashing symbolic sizes would specialise them
+            return self._delegate("", func, q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape,
+                                  kwargs, _site(to, q, k, skip_reshape), to_func=backend == COMFY_DEFAULT)
+        if _dynamo_compiling():  # traced once per graph; hashing symbolic sizes would specialise them
             signature = plan = None
         else:
-            try:
-                signature = _signature(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape,
-                                       kwargs, to)
+            try:  # everything a plan depends on; not tensors or unhashable options: no plan (_plan says why)
+                signature = (q.shape, k.shape, v.shape, q.dtype, heads, None if mask is None else mask.dtype,
+                             attn_precision, skip_reshape, skip_output_reshape, kwargs.get("scale"),
+                             kwargs.get("enable_gqa", False), kwargs.get("low_precision_attention", True),
+                             to.get("block_type"), to.get("block"))
                 plan = self._plans.get(signature)
-            except (AttributeError, TypeError):  # not tensors (_plan raises the clear error), unhashable options
+            except (AttributeError, TypeError):
                 signature = plan = None
         if plan is None:
             plan = self._plan(q, k, v, heads, mask, skip_reshape, skip_output_reshape, attn_precision, kwargs, to)
             if signature is not None:
+                if plan.reason is None:
+                    plan.attend = self._prepared(plan)
                 self._plans[signature] = plan
         window = self.window
         if window is not None and not in_window(to, window):
-            return self._delegate(f"outside the step window {window[0]:.2f}..{window[1]:.2f}", func, *args, plan.site)
+            return self._delegate(f"outside the step window {window[0]:.2f}..{window[1]:.2f}", func, q, k, v, heads,
+                                  mask, attn_precision, skip_reshape, skip_output_reshape, kwargs, plan.site)
         if self.blocks is not None:
             inside = in_blocks(to, self.blocks)
             if inside is False:
-                return self._delegate(self._outside_blocks, func, *args, plan.site)
+                return self._delegate(self._outside_blocks, func, q, k, v, heads, mask, attn_precision, skip_reshape,
+                                      skip_output_reshape, kwargs, plan.site)
             if inside is not True and plan.site not in self.block_notes:  # the range cannot apply: noted once
                 self.block_notes[plan.site] = inside
         if plan.reason is not None:
-            return self._delegate(plan.reason, func, *args, plan.site)
+            return self._delegate(plan.reason, func, q, k, v, heads, mask, attn_precision, skip_reshape,
+                                  skip_output_reshape, kwargs, plan.site)
 
-        if plan.view_q is None:
+        views = plan.views
+        if views is None:
             qs, ks, vs = q, k, v
         elif plan.layout == "BSHD":
-            qs, ks, vs = q.view(*plan.view_q), k.view(*plan.view_k), v.view(*plan.view_v)
+            qs, ks, vs = q.view(*views[0]), k.view(*views[1]), v.view(*views[2])  # ints parse faster than a tuple
         else:
-            qs, ks, vs = _heads_first(q, plan.view_q), _heads_first(k, plan.view_k), _heads_first(v, plan.view_v)
+            qs, ks, vs = _heads_first(q, views[0]), _heads_first(k, views[1]), _heads_first(v, views[2])
         if plan.upcast:
             qs, ks, vs = qs.float(), ks.float(), vs.float()
+        if mask is not None and mask.dim() == 2:  # ComfyUI's 2-D mask is (Lq, Lk): say so (a view), since the
+            mask = mask[None, None]                # dispatcher refuses a bare 2-D mask with B == Lq as ambiguous
+        attend = plan.attend or self._unkept_attend(plan)
         if self.trust or self.checks:  # scopes only when the node asks for them: entering one costs ~1 us per call
             with contextlib.ExitStack() as stack:
                 if self.trust:
                     stack.enter_context(trusted_publishers(self.trust))
                 if self.checks:
                     stack.enter_context(attention_checks(self.checks))
-                out = self._attend(plan, qs, ks, vs, mask)
+                out = attend(qs, ks, vs, mask)
         else:
-            out = self._attend(plan, qs, ks, vs, mask)
+            out = attend(qs, ks, vs, mask)
         if plan.upcast:
             out = out.to(q.dtype)
         output = plan.output
-        if output == "flatten":
+        if output == "transpose_flatten":
+            out = _flat_output(out)
+        elif output == "flatten":
             out = out.flatten(2)
         elif output == "transpose":
             out = out.transpose(1, 2)
-        elif output == "transpose_flatten":
-            out = _flat_output(out)
         if self.checks or self.compare is not None:
             return self._finish(out, plan.site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, plan.scale,
                                 plan.gqa, plan.name)
         return out
 
-    def _attend(self, plan, qs, ks, vs, mask):
-        if mask is not None and mask.dim() == 2:  # ComfyUI's 2-D mask is (Lq, Lk): say so (a view), since the
-            mask = mask[None, None]                # dispatcher refuses a bare 2-D mask with B == Lq as ambiguous
-        return dispatch_attention_fn(qs, ks, vs, attn_mask=mask, scale=plan.scale, enable_gqa=plan.gqa,
-                                     backend=plan.name, layout=plan.layout, policy=self.policy, call_site=plan.site,
-                                     recorder=plan.relabel, model=self.model, guard=self.guard)
+    def _prepared(self, plan) -> PreparedAttention:
+        """The dispatcher's entry with this plan's arguments fixed, asked for once per plan: a repeat call passes
+        only its tensors (a dozen keywords fewer to take apart)."""
+        return PreparedAttention(scale=plan.scale, enable_gqa=plan.gqa, backend=plan.name, layout=plan.layout,
+                                 policy=self.policy, call_site=plan.site, recorder=plan.relabel, model=self.model,
+                                 guard=self.guard)
+
+    def _unkept_attend(self, plan):
+        """For a plan not kept (inside torch.compile, or unhashable options): the plain entry point, which dynamo
+        traces (a prepared call it would have to build in the graph)."""
+        def attend(q, k, v, mask):
+            return dispatch_attention_fn(q, k, v, attn_mask=mask, scale=plan.scale, enable_gqa=plan.gqa,
+                                         backend=plan.name, layout=plan.layout, policy=self.policy,
+                                         call_site=plan.site, recorder=plan.relabel, model=self.model,
+                                         guard=self.guard)
+        return attend
 
     def _record(self, site, requested, served, reasons):
         if self.recorder is not None:
@@ -322,9 +340,10 @@ class AttentionOverride:
         return self._finish(out, site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, kwargs.get("scale"),
                             bool(kwargs.get("enable_gqa", False)), served)
 
-    def _relabel(self, notes):
-        if self.recorder is None:
-            return None
+    def _relabel(self, name, notes):
+        """The recorder a plan passes: the node's own where it would record the same (no hop per call)."""
+        if self.recorder is None or (name == self.backend and not notes):
+            return self.recorder
         if notes not in self._relabels:
             self._relabels[notes] = _Relabel(self.recorder, self.backend, notes)
         return self._relabels[notes]
@@ -361,17 +380,15 @@ class AttentionOverride:
                     and not torch.compiler.is_dynamo_compiling():
                 # (B, H, L, D) views (one as_strided each, `_heads_first`) rather than (B, L, H, D) views it permutes
                 plan.layout = "BHSD"
-                plan.view_q = (q.shape[0], heads, q.shape[1], dim)
-                plan.view_k = (k.shape[0], kv_heads, k.shape[1], dim)
-                plan.view_v = (v.shape[0], heads_v, v.shape[1], dim_v)
+                plan.views = ((q.shape[0], heads, q.shape[1], dim), (k.shape[0], kv_heads, k.shape[1], dim),
+                              (v.shape[0], heads_v, v.shape[1], dim_v))
                 plan.output = "keep" if skip_output_reshape else "transpose_flatten"
             else:
                 plan.layout = "BSHD"
-                plan.view_q = (*q.shape[:-1], heads, dim)
-                plan.view_k = (*k.shape[:-1], kv_heads, dim)
-                plan.view_v = (*v.shape[:-1], heads_v, dim_v)
+                plan.views = ((*q.shape[:-1], heads, dim), (*k.shape[:-1], kv_heads, dim),
+                              (*v.shape[:-1], heads_v, dim_v))
                 plan.output = "transpose" if skip_output_reshape else "flatten"
-        plan.relabel = self._relabel(plan.notes)
+        plan.relabel = self._relabel(plan.name, plan.notes)
         return plan
 
 

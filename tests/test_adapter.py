@@ -249,16 +249,29 @@ def test_closure_survives_deepcopy_like_model_patcher_clone():
 
 
 def test_private_kwargs_never_reach_the_dispatcher(monkeypatch):
-    seen = {}
-    real = adapter.dispatch_attention_fn
+    """The override asks the dispatcher once per plan for a prepared call: ComfyUI's private keywords are in
+    neither what fixes it nor what each call passes."""
+    fixed, passed = {}, []
+    real = adapter.PreparedAttention
 
-    def spy(*args, **kwargs):
-        seen.update(kwargs)
-        return real(*args, **kwargs)
+    class Spy(real):
+        __slots__ = ()
 
-    monkeypatch.setattr(adapter, "dispatch_attention_fn", spy)
-    adapter.make_override("native")(comfy_func, *qkv(), 2, **to_opts())
-    assert seen and "transformer_options" not in seen and "_inside_attn_wrapper" not in seen
+        def __init__(self, **kwargs):
+            fixed.update(kwargs)
+            super().__init__(**kwargs)
+
+        def __call__(self, *args, **kwargs):
+            passed.append((len(args), kwargs))
+            return super().__call__(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "PreparedAttention", Spy)
+    override = adapter.make_override("native")
+    for _ in range(2):
+        override(comfy_func, *qkv(), 2, **to_opts())  # to_opts() has _inside_attn_wrapper
+    assert fixed and "transformer_options" not in fixed and "_inside_attn_wrapper" not in fixed
+    assert fixed["backend"] == "native" and fixed["call_site"] == "self"
+    assert passed == [(4, {}), (4, {})]  # the tensors and the mask, twice through the one prepared call
 
 
 def test_auto_with_low_precision_off_never_picks_a_quantised_backend():

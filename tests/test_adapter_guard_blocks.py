@@ -67,14 +67,27 @@ def _clear():
 
 @pytest.fixture
 def spy(monkeypatch):
-    """The keyword arguments of every dispatch_attention_fn call the override makes."""
+    """The dispatcher's keyword arguments of every call the override makes: a prepared call's fixed ones (one
+    per plan, `PreparedAttention`), or those of a direct `dispatch_attention_fn` call (a plan not kept)."""
     seen = []
-    real = adapter.dispatch_attention_fn
+    prepared, direct = adapter.PreparedAttention, adapter.dispatch_attention_fn
+
+    class Spy(prepared):
+        __slots__ = ("fixed",)
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.fixed = kwargs
+
+        def __call__(self, *args):
+            seen.append(self.fixed)
+            return super().__call__(*args)
 
     def fn(*args, **kwargs):
         seen.append(kwargs)
-        return real(*args, **kwargs)
+        return direct(*args, **kwargs)
 
+    monkeypatch.setattr(adapter, "PreparedAttention", Spy)
     monkeypatch.setattr(adapter, "dispatch_attention_fn", fn)
     return seen
 

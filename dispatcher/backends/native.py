@@ -69,7 +69,12 @@ _FLAG_ACCESS = [(getattr(SDPBackend, member), getattr(torch._C, f"_get_{flag}_sd
                  getattr(torch._C, f"_set_sdp_use_{flag}")) for flag, member in _SDPA_FLAGS.items()]
 
 
-_priority_orders: dict[tuple, list[int]] = {}  # (backends, order in force) -> the order to set
+# (backends, order in force, the order to set) of the last flip: the next call finds it by identity and one
+# list comparison (hashing SDPBackend members, pybind11 enums, costs ~0.2 us each).
+_last_flip: tuple = (None, None, None)
+# Bound once: the priority branch runs on every SDPA call on a GPU, and attribute chains there add up.
+_get_order, _set_order = torch._C._get_sdp_priority_order, torch._C._set_sdp_priority_order
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 def _backends_first(backends, order: list[int]) -> list[int]:
@@ -85,22 +90,24 @@ def _select(backends, priority: bool, fn, *args, **kwargs):
     same process-wide flags directly costs ~2 us, under the same lock. Under torch.compile the context
     manager is what dynamo understands, so it is used there. (fn and its arguments, not a closure: a closure
     makes a cell of each captured variable on every call.)"""
-    if torch.compiler.is_dynamo_compiling():
+    if _dynamo_compiling():
         with sdpa_kernel(list(backends), set_priority=priority):
             return fn(*args, **kwargs)
     with _FLAGS:
         if priority:
-            previous = torch._C._get_sdp_priority_order()
-            wanted = _priority_orders.get((backends, tuple(previous)))
-            if wanted is None:
-                wanted = _priority_orders[(backends, tuple(previous))] = _backends_first(backends, previous)
+            global _last_flip
+            previous = _get_order()
+            last_backends, last_previous, wanted = _last_flip
+            if last_backends is not backends or last_previous != previous:
+                wanted = _backends_first(backends, previous)
+                _last_flip = (backends, previous, wanted)
             if wanted == previous:  # already in force (e.g. inside ComfyUI's own priority block): nothing to flip
                 return fn(*args, **kwargs)
-            torch._C._set_sdp_priority_order(wanted)
+            _set_order(wanted)
             try:
                 return fn(*args, **kwargs)
             finally:
-                torch._C._set_sdp_priority_order(previous)
+                _set_order(previous)
         saved = [get() for _, get, _ in _FLAG_ACCESS]
         try:
             for member, _, set_flag in _FLAG_ACCESS:
