@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     med = {name: ms * 1e3 for name, ms in interleaved_ms(fns, args.rounds, args.calls).items()}  # µs
     host = host_us_per_call({**fns, **layers}, args.rounds, min(args.calls, 100))
     result = {"shape_bhld": [b, h, length, d], "dtype": "bfloat16", "median_us": {k: round(v, 3) for k, v in med.items()},
+              "sdpa_priority_order": torch._C._get_sdp_priority_order(),
+              "kernels": {name: gpu_kernels(fn) for name, fn in fns.items()},
               "bare_over_dispatcher": round(med["bare"] / med["dispatcher"], 4),
               "bare_over_override": round(med["bare"] / med["override"], 4),
               **({"comfy_over_override": round(med["comfy"] / med["override"], 4)} if "comfy" in med else {}),
@@ -85,6 +87,15 @@ def main(argv=None) -> int:
               "calls": args.calls, "pack": str(args.pack)}
     emit(result, args.json)
     return 0
+
+
+def gpu_kernels(fn) -> list[str]:
+    """The names of the GPU kernels one call of `fn` launches (which SDPA kernel each configuration ran)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sorted({e.name[:80] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
 
 
 def comfy_attention():

@@ -47,3 +47,20 @@ def host_us_per_call(fns: dict, rounds: int, calls: int) -> dict[str, float]:
         samples[name].append((time.perf_counter() - begin) / calls * 1e6)
     torch.cuda.synchronize()
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def gpu_us_per_call(fns: dict, rounds: int, calls: int) -> dict[str, float]:
+    """GPU: median GPU time per call of each, in µs: the calls are queued behind a sleep kernel and run back to
+    back, so the host's pace never shows (what the kernels cost, not what the host makes the GPU wait)."""
+    samples = {name: [] for name in fns}
+    for name in shuffled_rounds(fns, rounds, seed=2):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)
+        begin.record()
+        for _ in range(calls):
+            fns[name]()
+        end.record()
+        torch.cuda.synchronize()
+        samples[name].append(begin.elapsed_time(end) / calls * 1e3)
+    return {name: statistics.median(v) for name, v in samples.items()}
