@@ -56,7 +56,7 @@ def reasons_for(name, inputs, machine=H200):
 # --- the built-in specs -------------------------------------------------------------------------
 
 def test_every_builtin_name_is_registered_in_order():
-    assert len(BUILTIN_NAMES) == 28 and len(set(BUILTIN_NAMES)) == 28
+    assert len(BUILTIN_NAMES) == 29 and len(set(BUILTIN_NAMES)) == 29  # diffusers' 28 and sage_sm90_per_warp
     assert backend_names()[:len(BUILTIN_NAMES)] == list(BUILTIN_NAMES)
 
 
@@ -96,8 +96,8 @@ def test_named_sage_kernels_run_through_the_dispatchers_call_protocol(monkeypatc
     seen = []
 
     def kernel(function):
-        def run(q, k, v, *, tensor_layout, is_causal, sm_scale=None, return_lse=False):
-            seen.append((function, tensor_layout, sm_scale, return_lse))
+        def run(q, k, v, *, tensor_layout, is_causal, sm_scale=None, return_lse=False, qk_quant_gran="per_thread"):
+            seen.append((function, tensor_layout, sm_scale, return_lse, qk_quant_gran))
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=is_causal, scale=sm_scale)
             lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
@@ -107,7 +107,8 @@ def test_named_sage_kernels_run_through_the_dispatchers_call_protocol(monkeypatc
     names = {"sage": "sageattn", "_sage_qk_int8_pv_fp8_cuda": "sageattn_qk_int8_pv_fp8_cuda",
              "_sage_qk_int8_pv_fp8_cuda_sm90": "sageattn_qk_int8_pv_fp8_cuda_sm90",
              "_sage_qk_int8_pv_fp16_cuda": "sageattn_qk_int8_pv_fp16_cuda",
-             "_sage_qk_int8_pv_fp16_triton": "sageattn_qk_int8_pv_fp16_triton"}
+             "_sage_qk_int8_pv_fp16_triton": "sageattn_qk_int8_pv_fp16_triton",
+             "sage_sm90_per_warp": "sageattn_qk_int8_pv_fp8_cuda_sm90"}
     module = types.ModuleType("sageattention")
     for function in names.values():
         setattr(module, function, kernel(function))
@@ -118,7 +119,8 @@ def test_named_sage_kernels_run_through_the_dispatchers_call_protocol(monkeypatc
     for name, function in names.items():
         runner = registry.prepare(name)
         torch.testing.assert_close(runner(q, k, v, None, 0.0, False, 0.1, False, False), expected)
-        assert seen[-1] == (function, "NHD", 0.1, False)
+        granularity = "per_warp" if name == "sage_sm90_per_warp" else "per_thread"  # the kernel's own default
+        assert seen[-1] == (function, "NHD", 0.1, False, granularity)
         if get_backend_spec(name).lse:
             out, lse = runner(q, k, v, None, 0.0, False, 0.1, False, True)
             assert lse.shape == (1, 16, 2) and seen[-1][3] is True

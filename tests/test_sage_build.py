@@ -160,7 +160,7 @@ def test_a_good_build_is_installed_and_recorded_like_a_fetched_kernel(fake_build
     entry = json.loads((tmp_path / "lock.json").read_text())["kernels"][0]
     assert entry["kind"] == "source-build" and entry["repo_id"] == sb.SAGE_REPO_ID
     assert entry["package_version"] == "2.2.0" and entry["variant"].endswith("sm90") and entry["replaced"] == "1.0.6"
-    assert set(entry["verified"]) == {"sage", "_sage_qk_int8_pv_fp8_cuda_sm90"}
+    assert set(entry["verified"]) == {"sage", "_sage_qk_int8_pv_fp8_cuda_sm90", "sage_sm90_per_warp"}
     assert (tmp_path / "wheels" / "sageattention-2.2.0-cp312-cp312-linux_x86_64.whl").exists()
     from dispatcher.tools import doctor
     assert doctor.source_builds({entry["repo_id"]: entry}) == [entry]
