@@ -86,6 +86,32 @@ def test_the_fast_backend_wins_over_a_slow_one(cache):
     assert by["t_fast"].rel_error < 1e-5 and record.seconds > 0
 
 
+def test_front_runners_are_timed_again_side_by_side(cache, monkeypatch):
+    """A kernel slowed by drift while it was timed (GPU clocks, other work: here its first calls sleep longer)
+    loses a sequential timing to one that is really slower; the final interleaved round among the candidates
+    near the fastest sets the times the pick uses, and a backend far behind is not timed again. (The margin is
+    widened from 10% so that this machine's sleep jitter cannot keep the drifting one out of the round.)"""
+    monkeypatch.setattr(tuner.tuner, "CONTENDER_MARGIN", 0.5)
+    calls = {"n": 0}
+
+    def drifting(q, k, v, **kw):  # slow for the calls of its sequential timing, fast afterwards
+        calls["n"] += 1
+        time.sleep(0.030 if calls["n"] <= 7 else 0.010)
+        return exact(q, k, v)
+
+    def steady(q, k, v, **kw):  # 7% faster than the other's drifting calls: a contender, and the fastest at first
+        time.sleep(0.028)
+        return exact(q, k, v)
+
+    names = register("t_drifting", drifting), register("t_steady", steady), register("t_far", slower)
+    record = make(cache, *names, runs=5, time_budget_s=5).tune(SIG)
+    by = {c.name: c for c in record.candidates}
+    assert record.chosen == "t_drifting", {n: c.median_ms for n, c in by.items()}
+    assert len(by["t_drifting"].times_ms) == len(by["t_steady"].times_ms) >= 3  # the rounds, side by side
+    assert by["t_drifting"].median_ms < 20 < by["t_steady"].median_ms
+    assert len(by["t_far"].times_ms) == 5  # 60 ms against ~30, over 1.5x: its sequential times stand
+
+
 @pytest.mark.parametrize("preferred, other, chosen", [
     ([1.00, 1.01, 1.00, 0.99, 1.00], [0.90, 0.91, 0.90, 0.89, 0.90], "other"),  # 10% faster: beyond the noise
     ([1.00, 1.05, 0.95, 1.04, 0.96], [0.98, 0.98, 0.98, 0.98, 0.98], "preferred"),  # 2% apart, 5% spread: a tie

@@ -42,6 +42,34 @@ def time_calls(call, device: torch.device, warmup: int, runs: int) -> list[float
     return times
 
 
+def time_rounds(calls: list, device: torch.device, rounds: int) -> list[list[float]]:
+    """Milliseconds of each call over `rounds` rounds, every round calling each once in turn: drift (GPU clocks,
+    other work) falls on all of them alike, which timing one after the other does not give (the same kernel
+    under two names timed 5% apart that way on the H200)."""
+    times: list[list[float]] = [[] for _ in calls]
+    if device.type == "cuda":
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in calls]
+                  for _ in range(rounds)]
+        sync(device)
+        for round_events in events:
+            for call, (begin, end) in zip(calls, round_events):
+                begin.record()
+                call()
+                end.record()
+        sync(device)
+        for round_events in events:
+            for i, (begin, end) in enumerate(round_events):
+                times[i].append(begin.elapsed_time(end))
+        return times
+    for _ in range(rounds):
+        for i, call in enumerate(calls):
+            t0 = time.perf_counter()
+            call()
+            sync(device)
+            times[i].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
 def validate(out, lse, ref_out, ref_lse, rows, layout, bound, result) -> str | None:
     """Why `out` (and `lse`) is not exact attention within `bound` on the sampled rows, or None; sets
     result.rel_error."""

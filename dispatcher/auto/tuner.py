@@ -22,7 +22,7 @@ from ..execute import run
 from ..inputs import AttentionInputs, describe_call
 from . import cache
 from .fingerprint import fingerprint_key, machine_fingerprint
-from .measure import QUADRATIC_MEMORY, random_inputs, shrink, sync, time_calls, validate
+from .measure import QUADRATIC_MEMORY, random_inputs, shrink, sync, time_calls, time_rounds, validate
 from ..reference import exact_attention, first_line, sample_rows
 
 logger = logging.getLogger("attention_dispatch")
@@ -35,6 +35,8 @@ DEFAULT_TIE_MARGIN = 0.03  # at most: how much a later backend in priority order
 # `auto_fast` admits a quantised kernel whose relative error on the model's own activations (sampled query rows
 # against float64 exact attention) is at most this; see docs/auto.md for the measurements behind it.
 FAST_BOUND = 5e-2
+# Candidates timed within this of the fastest are timed again side by side (`_final_round`) before the pick.
+CONTENDER_MARGIN = 0.10
 LIVE, NOISE, DISK = "live values", "noise", "disk"
 
 
@@ -363,6 +365,7 @@ class Tuner:
             ref_out, ref_lse = exact_attention(q, k, v, mask, run_sig.is_causal, attention_call.scale, layout, rows)
         score_bytes = run_sig.batch * run_sig.heads_q * run_sig.len_q * run_sig.len_kv * 4
         by_name = {c.name: c for c in record.candidates}
+        calls = {}  # name -> its call on these inputs, for the final round
         timed_any = False
         # A first call may JIT-compile (Triton, inductor): that one-off cost is not charged to the budget,
         # or the first candidate in preference order would use it up and win untimed.
@@ -386,6 +389,7 @@ class Tuner:
 
             def call(candidate=candidate):
                 return run(candidate, attention_call)
+            calls[name] = call
 
             if not known:
                 try:
@@ -439,6 +443,8 @@ class Tuner:
                 result.times_ms = time_calls(call, device, warmup, runs)
             result.median_ms = statistics.median(result.times_ms)
         valid = [c for c in record.candidates if c.status == "valid" and c.median_ms is not None]
+        if timed_any:
+            self._final_round(valid, calls, device, start, compiling)
         record.judged_on = LIVE if is_live else NOISE
         if not valid:
             record.source = "preference"
@@ -448,6 +454,23 @@ class Tuner:
         record.source = "timed" if timed_any else "judged"
         if not is_live:
             record.reason = "timed on noise; verdicts wait for the model's own activations (the first live call)"
+
+    def _final_round(self, valid, calls, device, start, compiling) -> None:
+        """Time the front-runners (within CONTENDER_MARGIN of the fastest) again in interleaved rounds and keep
+        those times: timed one after the other, two of them a few percent apart can swap places from drift
+        alone. At least 3 rounds, more while the budget lasts (up to 2 x runs)."""
+        fastest = min((c.median_ms for c in valid), default=None)
+        contenders = [c for c in valid if c.name in calls and c.median_ms <= fastest * (1 + CONTENDER_MARGIN)]
+        if len(contenders) < 2:
+            return
+        left = max(0.0, self.time_budget_s - (time.perf_counter() - start - compiling))
+        per_round = sum(c.median_ms for c in contenders) / 1e3
+        rounds = max(3, min(2 * self.runs, int(left / max(per_round, 1e-9))))
+        self.timing_calls += 1
+        with torch.no_grad():
+            times = time_rounds([calls[c.name] for c in contenders], device, rounds)
+        for candidate, samples in zip(contenders, times):
+            candidate.times_ms, candidate.median_ms = samples, statistics.median(samples)
 
     # -- disk: timings are shared by every model on this machine, accuracy verdicts belong to one model
     def _from_disk(self, record: TuneRecord, names: list[str]) -> bool:
