@@ -33,12 +33,13 @@ from .trust import TRUSTED_PUBLISHERS, trusted_publishers
 BUILTIN_NAMES = _registry.builtin_names()  # in priority order
 
 __all__ = [
-    "AttentionCall", "AttentionInputError", "PreparedAttention", "AttentionInputs", "AttentionQualityError", "active_guard",
-    "active_model", "guard", "model_scope", "quality_guard", "set_quality_guard", "BUILTIN_NAMES", "BackendNotSupportedError", "BackendSpec", "BackendStatus",
-    "BackendUnavailableError", "HeadDims", "HubKernel", "KernelLoadError", "LoadedKernel", "Machine", "Recorder",
-    "TRUSTED_PUBLISHERS", "UnknownBackendError", "active_backend", "active_checks", "active_policy",
-    "attention_backend", "attention_checks", "availability_reasons", "backend_names", "current_machine", "detect",
-    "dispatch_attention_fn", "fallback_order", "fallback_policy", "get_backend_spec", "list_backends",
-    "loaded_kernels", "recording", "register_backend", "register_mask_format", "set_attention_backend", "set_checks",
-    "set_fallback_policy", "trusted_publishers", "auto", "unregister_backend", "use_machine", "validate_backend",
+    "AttentionCall", "AttentionInputError", "AttentionInputs", "AttentionQualityError", "active_guard",
+    "active_model", "guard", "model_scope", "quality_guard", "set_quality_guard", "BUILTIN_NAMES",
+    "BackendNotSupportedError", "BackendSpec", "BackendStatus", "BackendUnavailableError", "HeadDims", "HubKernel",
+    "KernelLoadError", "LoadedKernel", "Machine", "PreparedAttention", "Recorder", "TRUSTED_PUBLISHERS",
+    "UnknownBackendError", "active_backend", "active_checks", "active_policy", "attention_backend",
+    "attention_checks", "availability_reasons", "backend_names", "current_machine", "detect", "dispatch_attention_fn",
+    "fallback_order", "fallback_policy", "get_backend_spec", "list_backends", "loaded_kernels", "recording",
+    "register_backend", "register_mask_format", "set_attention_backend", "set_checks", "set_fallback_policy",
+    "trusted_publishers", "auto", "unregister_backend", "use_machine", "validate_backend",
 ]

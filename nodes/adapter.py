@@ -156,7 +156,7 @@ class _Plan:
     """What a repeat call of one signature does, worked out on its first call: a delegation (its reason), or
     the views to take, the backend name to pass and how to shape the output. Plain attributes, read per call."""
 
-    __slots__ = ("reason", "views", "layout", "upcast", "name", "notes", "relabel", "site", "scale", "gqa", "output",
+    __slots__ = ("reason", "views", "layout", "upcast", "name", "notes", "recorder", "site", "scale", "gqa", "output",
                  "attend")
 
     def __init__(self, reason=None, **fields):
@@ -291,16 +291,16 @@ class AttentionOverride:
         """The dispatcher's entry with this plan's arguments fixed, asked for once per plan: a repeat call passes
         only its tensors (a dozen keywords fewer to take apart)."""
         return PreparedAttention(scale=plan.scale, enable_gqa=plan.gqa, backend=plan.name, layout=plan.layout,
-                                 policy=self.policy, call_site=plan.site, recorder=plan.relabel, model=self.model,
+                                 policy=self.policy, call_site=plan.site, recorder=plan.recorder, model=self.model,
                                  guard=self.guard)
 
     def _unkept_attend(self, plan):
-        """For a plan not kept (inside torch.compile, or unhashable options): the plain entry point, which dynamo
-        traces (a prepared call it would have to build in the graph)."""
+        """For a plan not kept (inside torch.compile, where dynamo traces the plain entry point, or with unhashable
+        options): `dispatch_attention_fn` with the plan's arguments."""
         def attend(q, k, v, mask):
             return dispatch_attention_fn(q, k, v, attn_mask=mask, scale=plan.scale, enable_gqa=plan.gqa,
                                          backend=plan.name, layout=plan.layout, policy=self.policy,
-                                         call_site=plan.site, recorder=plan.relabel, model=self.model,
+                                         call_site=plan.site, recorder=plan.recorder, model=self.model,
                                          guard=self.guard)
         return attend
 
@@ -388,7 +388,7 @@ class AttentionOverride:
                 plan.views = ((*q.shape[:-1], heads, dim), (*k.shape[:-1], kv_heads, dim),
                               (*v.shape[:-1], heads_v, dim_v))
                 plan.output = "transpose" if skip_output_reshape else "flatten"
-        plan.relabel = self._relabel(plan.name, plan.notes)
+        plan.recorder = self._relabel(plan.name, plan.notes)
         return plan
 
 

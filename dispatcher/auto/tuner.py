@@ -459,7 +459,9 @@ class Tuner:
         """Time the front-runners (within CONTENDER_MARGIN of the fastest) again in interleaved rounds and keep
         those times: timed one after the other, two of them a few percent apart can swap places from drift
         alone. At least 3 rounds, more while the budget lasts (up to 2 x runs)."""
-        fastest = min((c.median_ms for c in valid), default=None)
+        if len(valid) < 2:
+            return
+        fastest = min(c.median_ms for c in valid)
         contenders = [c for c in valid if c.name in calls and c.median_ms <= fastest * (1 + CONTENDER_MARGIN)]
         if len(contenders) < 2:
             return

@@ -48,7 +48,8 @@ SAGE_COMMIT = "d1a57a546c3d395b1ffcbeecc66d81db76f3b4b5"  # 2026-01-17, sageatte
 # Architectures the SageAttention 2 setup.py builds kernels for, and the nvcc each needs (its own checks).
 # The backends the verification calls on each architecture (each must run and stay within its error bound).
 VERIFY_BACKENDS = {(8, 0): ["sage", "_sage_qk_int8_pv_fp16_cuda"], (8, 6): ["sage", "_sage_qk_int8_pv_fp16_cuda"],
-                   (8, 9): ["sage", "_sage_qk_int8_pv_fp8_cuda"], (9, 0): ["sage", "_sage_qk_int8_pv_fp8_cuda_sm90", "sage_sm90_per_warp"]}
+                   (8, 9): ["sage", "_sage_qk_int8_pv_fp8_cuda"],
+                   (9, 0): ["sage", "_sage_qk_int8_pv_fp8_cuda_sm90", "sage_sm90_per_warp"]}
 BUILD_SOURCES = ("setup.py", "csrc", "sageattention")
 
 
