@@ -4,8 +4,9 @@
 
 (B, H, L, D) bf16 in the dispatcher's default (B, L, H, D) layout; each backend runs through
 `dispatch_attention_fn` with policy 'strict' (an auto resolves to the kernel it picked for this shape and the
-model scope `bench`). Prints and writes (`--json`) the median ms of each and every ratio to the first, so a
-target such as "auto_fast >= x1.35 of cuDNN on Wan 14B" reads from one run, not from two runs' tables.
+model scope `bench`). Prints and writes (`--json`) the median ms of each, every ratio to the first and the tuner's
+account of each auto's pick (`auto_explain`), so a target such as "auto_fast >= x1.35 of cuDNN on Wan 14B" reads
+from one run, not from two runs' tables.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def main(argv=None) -> int:
               "ms": dict(zip(names, (round(t, 3) for t in times))),
               "served": {name: served.get(name, name) for name in names},
               f"speedup_of_{names[0]}": {name: round(t / times[0], 4) for name, t in zip(names[1:], times[1:])},
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              # why each auto picked what it did: every candidate's verdict, timing and reason
+              "auto_explain": dispatcher.auto.explain().splitlines()}
     emit(result, args.json)
     return 0
 

@@ -112,6 +112,17 @@ def test_front_runners_are_timed_again_side_by_side(cache, monkeypatch):
     assert len(by["t_far"].times_ms) == 5  # 60 ms against ~30, over 1.5x: its sequential times stand
 
 
+def test_interleaved_rounds_turn_the_order_and_time_samples_after_a_settling_call():
+    """No call always runs first in its round, and each sample times back-to-back calls of one candidate after
+    an untimed one (at a power cap, a GPU runs a kernel timed right after another at the other's clocks)."""
+    from dispatcher.auto.measure import time_rounds
+    ran = []
+    calls = [lambda name=name: ran.append(name) for name in "abc"]
+    times = time_rounds(calls, torch.device("cpu"), rounds=3, per_sample=[1, 2, 1])
+    assert "".join(ran) == "aabbbcc" "bbbccaa" "ccaabbb"
+    assert [len(t) for t in times] == [3, 3, 3] and all(x >= 0 for t in times for x in t)
+
+
 @pytest.mark.parametrize("preferred, other, chosen", [
     ([1.00, 1.01, 1.00, 0.99, 1.00], [0.90, 0.91, 0.90, 0.89, 0.90], "other"),  # 10% faster: beyond the noise
     ([1.00, 1.05, 0.95, 1.04, 0.96], [0.98, 0.98, 0.98, 0.98, 0.98], "preferred"),  # 2% apart, 5% spread: a tie

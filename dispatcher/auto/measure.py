@@ -42,31 +42,45 @@ def time_calls(call, device: torch.device, warmup: int, runs: int) -> list[float
     return times
 
 
-def time_rounds(calls: list, device: torch.device, rounds: int) -> list[list[float]]:
-    """Milliseconds of each call over `rounds` rounds, every round calling each once in turn: drift (GPU clocks,
-    other work) falls on all of them alike, which timing one after the other does not give (the same kernel
-    under two names timed 5% apart that way on the H200)."""
+def time_rounds(calls: list, device: torch.device, rounds: int, per_sample: list[int] | None = None
+                ) -> list[list[float]]:
+    """Milliseconds per call of each call over `rounds` rounds. A round takes one sample of each call in turn:
+    drift (clocks, other work) falls on all of them alike, which timing one after the other does not give (the
+    same kernel under two names timed 5% apart that way on the H200). A sample is one untimed call, then
+    `per_sample[i]` back-to-back calls timed together: at its power cap the H200's clocks follow what ran just
+    before, so single calls alternating time each kernel partly at the others' clocks: on Wan 14B attention FA3
+    and Sage came out 2.4% apart that way and 13% apart in samples of several calls, which is what a model step
+    shows (bench/results, 2026-12-04). The order turns by one place each round, so no call always follows
+    the same one."""
+    per_sample = per_sample or [1] * len(calls)
     times: list[list[float]] = [[] for _ in calls]
+    order = [[(start + i) % len(calls) for i in range(len(calls))] for start in range(rounds)]
     if device.type == "cuda":
         events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in calls]
-                  for _ in range(rounds)]
+                  for _ in order]
         sync(device)
-        for round_events in events:
-            for call, (begin, end) in zip(calls, round_events):
+        for turn, round_events in zip(order, events):
+            for i in turn:
+                calls[i]()  # settles the clocks on this kernel
+                begin, end = round_events[i]
                 begin.record()
-                call()
+                for _ in range(per_sample[i]):
+                    calls[i]()
                 end.record()
         sync(device)
         for round_events in events:
             for i, (begin, end) in enumerate(round_events):
-                times[i].append(begin.elapsed_time(end))
+                times[i].append(begin.elapsed_time(end) / per_sample[i])
         return times
-    for _ in range(rounds):
-        for i, call in enumerate(calls):
-            t0 = time.perf_counter()
-            call()
+    for turn in order:
+        for i in turn:
+            calls[i]()
             sync(device)
-            times[i].append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            for _ in range(per_sample[i]):
+                calls[i]()
+            sync(device)
+            times[i].append((time.perf_counter() - t0) * 1e3 / per_sample[i])
     return times
 
 

@@ -35,8 +35,12 @@ DEFAULT_TIE_MARGIN = 0.03  # at most: how much a later backend in priority order
 # `auto_fast` admits a quantised kernel whose relative error on the model's own activations (sampled query rows
 # against float64 exact attention) is at most this; see docs/auto.md for the measurements behind it.
 FAST_BOUND = 5e-2
-# Candidates timed within this of the fastest are timed again side by side (`_final_round`) before the pick.
-CONTENDER_MARGIN = 0.10
+# Candidates timed within this of the fastest are timed again side by side (`_final_round`) before the pick:
+# timed one after the other, one kernel drifted 15% within its own runs on the H200 (clocks settling under
+# load), more than the 10% this margin was: drift alone could keep the fastest kernel out of the round.
+CONTENDER_MARGIN = 0.25
+FINAL_ROUNDS = 5  # at least, side by side; more while the budget lasts (up to 2 x runs)
+FINAL_SAMPLE_MS = 60.0  # a final-round sample runs a candidate back to back for about this long (2 to 100 calls)
 LIVE, NOISE, DISK = "live values", "noise", "disk"
 
 
@@ -458,19 +462,21 @@ class Tuner:
     def _final_round(self, valid, calls, device, start, compiling) -> None:
         """Time the front-runners (within CONTENDER_MARGIN of the fastest) again in interleaved rounds and keep
         those times: timed one after the other, two of them a few percent apart can swap places from drift
-        alone. At least 3 rounds, more while the budget lasts (up to 2 x runs)."""
+        alone. Each sample runs one candidate for about FINAL_SAMPLE_MS (measure.time_rounds says why);
+        at least FINAL_ROUNDS rounds, more while the budget lasts (up to 2 x runs)."""
         if len(valid) < 2:
             return
         fastest = min(c.median_ms for c in valid)
         contenders = [c for c in valid if c.name in calls and c.median_ms <= fastest * (1 + CONTENDER_MARGIN)]
         if len(contenders) < 2:
             return
+        per_sample = [max(2, min(100, math.ceil(FINAL_SAMPLE_MS / max(c.median_ms, 1e-6)))) for c in contenders]
         left = max(0.0, self.time_budget_s - (time.perf_counter() - start - compiling))
-        per_round = sum(c.median_ms for c in contenders) / 1e3
-        rounds = max(3, min(2 * self.runs, int(left / max(per_round, 1e-9))))
+        per_round = sum(c.median_ms * (n + 1) for c, n in zip(contenders, per_sample)) / 1e3
+        rounds = max(FINAL_ROUNDS, min(2 * self.runs, int(left / max(per_round, 1e-9))))
         self.timing_calls += 1
         with torch.no_grad():
-            times = time_rounds([calls[c.name] for c in contenders], device, rounds)
+            times = time_rounds([calls[c.name] for c in contenders], device, rounds, per_sample)
         for candidate, samples in zip(contenders, times):
             candidate.times_ms, candidate.median_ms = samples, statistics.median(samples)
 
