@@ -62,6 +62,15 @@ def test_bench_command_end_to_end_on_small_cpu_shapes(tmp_path):
         assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_interleaved_samples_turn_their_order():
+    """Every function leads a round in turn (a sample runs partly at the clocks the one before it left)."""
+    ran = []
+    fns = [lambda name=name: ran.append(name) for name in "abc"]
+    medians = bench.time_interleaved(fns, torch.device("cpu"), warmup=0, runs=3, target_s=1e-9)
+    assert "".join(ran) == "abc" + "abc" "bca" "cab"  # one call each to size its samples, then three rounds
+    assert len(medians) == 3 and all(m >= 0 for m in medians)
+
+
 def test_bench_your_own_shape_and_backend_list(tmp_path, capsys):
     out = tmp_path / "mine.json"
     code = cli(["bench", "--shape", "1,2,40,16,24", "--backends", "native,_native_math,no_such", "--no-overhead",
