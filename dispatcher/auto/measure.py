@@ -42,6 +42,12 @@ def time_calls(call, device: torch.device, warmup: int, runs: int) -> list[float
     return times
 
 
+def turning_order(count: int, rounds: int) -> list[list[int]]:
+    """The order of `count` calls in each of `rounds` rounds, turned by one place each round, so that no call
+    always follows the same one (at a power cap a GPU runs a kernel partly at the clocks the one before it left)."""
+    return [[(start + i) % count for i in range(count)] for start in range(rounds)]
+
+
 def time_rounds(calls: list, device: torch.device, rounds: int, per_sample: list[int] | None = None
                 ) -> list[list[float]]:
     """Milliseconds per call of each call over `rounds` rounds. A round takes one sample of each call in turn:
@@ -50,11 +56,10 @@ def time_rounds(calls: list, device: torch.device, rounds: int, per_sample: list
     `per_sample[i]` back-to-back calls timed together: at its power cap the H200's clocks follow what ran just
     before, so single calls alternating time each kernel partly at the others' clocks: on Wan 14B attention FA3
     and Sage came out 2.4% apart that way and 13% apart in samples of several calls, which is what a model step
-    shows (bench/results, 2026-12-04). The order turns by one place each round, so no call always follows
-    the same one."""
+    shows (bench/results, 2026-12-04). The order turns each round (`turning_order`)."""
     per_sample = per_sample or [1] * len(calls)
     times: list[list[float]] = [[] for _ in calls]
-    order = [[(start + i) % len(calls) for i in range(len(calls))] for start in range(rounds)]
+    order = turning_order(len(calls), rounds)
     if device.type == "cuda":
         events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in calls]
                   for _ in order]

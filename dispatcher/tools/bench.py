@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import auto as tuner
+from ..auto.measure import turning_order
 from .. import registry
 from ..dispatch import dispatch_attention_fn
 from ..inputs import AttentionInputs
@@ -177,8 +178,7 @@ def sample_ms(fn, device, inner: int) -> float:
 def time_interleaved(fns, device, warmup: int, runs: int, target_s: float, budget_s: float | None = None
                      ) -> list[float]:
     """Median ms per call of each function, samples alternating between them (drift hits all alike), in an
-    order that turns by one place each round: at the H200's power cap a sample runs partly at the clocks the one
-    before it left (dispatcher/auto/measure.py), so no function should always follow the same one.
+    order that turns each round (`turning_order`: no function always follows the same one).
 
     With `budget_s`, fewer samples (at least one) when all of them would take longer than that.
     """
@@ -194,9 +194,8 @@ def time_interleaved(fns, device, warmup: int, runs: int, target_s: float, budge
     else:
         first = [[] for _ in fns]
     samples = first
-    for turn in range(runs):
-        for place in range(len(fns)):
-            i = (turn + place) % len(fns)
+    for turn in turning_order(len(fns), runs):
+        for i in turn:
             samples[i].append(sample_ms(fns[i], device, inner[i]))
     return [statistics.median(s) for s in samples]
 
