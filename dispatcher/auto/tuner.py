@@ -39,8 +39,11 @@ FAST_BOUND = 5e-2
 # timed one after the other, one kernel drifted 15% within its own runs on the H200 (clocks settling under
 # load), more than the 10% this margin was: drift alone could keep the fastest kernel out of the round.
 CONTENDER_MARGIN = 0.25
-FINAL_ROUNDS = 5  # at least, side by side; more while the budget lasts (up to 2 x runs)
-FINAL_SAMPLE_MS = 60.0  # a final-round sample runs a candidate back to back for about this long (2 to 100 calls)
+FINAL_ROUNDS = 3  # at least, side by side; more while the budget lasts (up to 2 x runs)
+# A final-round sample runs a candidate back to back for about this long (2 to 100 calls): as long as the bench's
+# samples. With 60 ms samples (2-3 calls on Wan 14B) the tuner ranked per-warp Sage last of the three Sage
+# kernels on the H200 after a minute of load, where 200 ms samples and a model step rank it first (bench/results).
+FINAL_SAMPLE_MS = 200.0
 LIVE, NOISE, DISK = "live values", "noise", "disk"
 
 
