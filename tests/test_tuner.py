@@ -112,15 +112,29 @@ def test_front_runners_are_timed_again_side_by_side(cache, monkeypatch):
     assert len(by["t_far"].times_ms) == 5  # 60 ms against ~30, over 1.5x: its sequential times stand
 
 
-def test_interleaved_rounds_turn_the_order_and_time_samples_after_a_settling_call():
-    """No call always runs first in its round, and each sample times back-to-back calls of one candidate after
-    an untimed one (at a power cap, a GPU runs a kernel timed right after another at the other's clocks)."""
+def test_interleaved_rounds_change_the_order_and_time_samples_after_a_settling_call():
+    """No call always runs first in its round or after the same call, and each sample times back-to-back calls
+    of one candidate after an untimed one (at a power cap, a GPU runs a kernel timed right after another at the
+    other's clocks)."""
     from dispatcher.auto.measure import time_rounds
     ran = []
     calls = [lambda name=name: ran.append(name) for name in "abc"]
     times = time_rounds(calls, torch.device("cpu"), rounds=3, per_sample=[1, 2, 1])
-    assert "".join(ran) == "aabbbcc" "bbbccaa" "ccaabbb"
+    assert "".join(ran) == "aabbbcc" "ccbbbaa" "bbbccaa"
     assert [len(t) for t in times] == [3, 3, 3] and all(x >= 0 for t in times for x in t)
+
+
+@pytest.mark.parametrize("count", range(1, 9))
+def test_the_turning_order_is_balanced(count):
+    """Over 2 x count rounds every call runs in every round, first equally often, and right after each other
+    call equally often (a balanced Latin square)."""
+    from collections import Counter
+    from dispatcher.auto.measure import turning_order
+    rounds = turning_order(count, 2 * count)
+    assert all(sorted(row) == list(range(count)) for row in rounds)
+    assert set(Counter(row[0] for row in rounds).values()) == {2}
+    follows = Counter((row[i], row[i + 1]) for row in rounds for i in range(count - 1))
+    assert len(follows) == count * (count - 1) and set(follows.values()) <= {2}
 
 
 @pytest.mark.parametrize("preferred, other, chosen", [

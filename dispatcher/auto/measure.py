@@ -43,9 +43,26 @@ def time_calls(call, device: torch.device, warmup: int, runs: int) -> list[float
 
 
 def turning_order(count: int, rounds: int) -> list[list[int]]:
-    """The order of `count` calls in each of `rounds` rounds, turned by one place each round, so that no call
-    always follows the same one (at a power cap a GPU runs a kernel partly at the clocks the one before it left)."""
-    return [[(start + i) % count for i in range(count)] for start in range(rounds)]
+    """The order of `count` calls in each of `rounds` rounds: the rows of a balanced Latin square (Williams'
+    design, with mirrored rows when `count` is odd), so that each call runs first, and after each other call,
+    about equally often. At a power cap a GPU runs a kernel partly at the clocks the one before it left: turned
+    by one place each round, a call followed the same one in all rounds but one, and on the H200 the Sage kernel
+    that always followed FA3 timed 1.3-2.0% slower than the same kernel under another name (bench/results)."""
+    if count < 1:
+        return [[] for _ in range(rounds)]
+    base, low, high = [0], 1, count - 1
+    for place in range(1, count):  # 0, 1, n-1, 2, n-2, ...: every step between neighbours differs
+        if place % 2:
+            base.append(low)
+            low += 1
+        else:
+            base.append(high)
+            high -= 1
+    rows = []
+    for shift in range(count):
+        row = [(x + shift) % count for x in base]
+        rows += [row, row[::-1]] if count % 2 else [row]
+    return [rows[r % len(rows)] for r in range(rounds)]
 
 
 def time_rounds(calls: list, device: torch.device, rounds: int, per_sample: list[int] | None = None
@@ -56,7 +73,7 @@ def time_rounds(calls: list, device: torch.device, rounds: int, per_sample: list
     `per_sample[i]` back-to-back calls timed together: at its power cap the H200's clocks follow what ran just
     before, so single calls alternating time each kernel partly at the others' clocks: on Wan 14B attention FA3
     and Sage came out 2.4% apart that way and 13% apart in samples of several calls, which is what a model step
-    shows (bench/results, 2026-12-04). The order turns each round (`turning_order`)."""
+    shows (bench/results, 2026-12-04). The order changes each round (`turning_order`)."""
     per_sample = per_sample or [1] * len(calls)
     times: list[list[float]] = [[] for _ in calls]
     order = turning_order(len(calls), rounds)

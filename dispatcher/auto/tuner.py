@@ -40,9 +40,9 @@ FAST_BOUND = 5e-2
 # load), more than the 10% this margin was: drift alone could keep the fastest kernel out of the round.
 CONTENDER_MARGIN = 0.25
 FINAL_ROUNDS = 3  # at least, side by side; more while the budget lasts (up to 2 x runs)
-# A final-round sample runs a candidate back to back for about this long (2 to 100 calls): as long as the bench's
-# samples. With 60 ms samples (2-3 calls on Wan 14B) the tuner ranked per-warp Sage last of the three Sage
-# kernels on the H200 after a minute of load, where 200 ms samples and a model step rank it first (bench/results).
+# A final-round sample runs a candidate back to back for about this long (2 to 100 calls), as long as the bench's
+# samples, so that both rank kernels alike: with 60 ms samples (2-3 calls on Wan 14B) the tuner ranked per-warp
+# Sage last of the three Sage kernels on the H200 after a minute of load, where the bench ranks it first.
 FINAL_SAMPLE_MS = 200.0
 LIVE, NOISE, DISK = "live values", "noise", "disk"
 

@@ -178,7 +178,7 @@ def sample_ms(fn, device, inner: int) -> float:
 def time_interleaved(fns, device, warmup: int, runs: int, target_s: float, budget_s: float | None = None
                      ) -> list[float]:
     """Median ms per call of each function, samples alternating between them (drift hits all alike), in an
-    order that turns each round (`turning_order`: no function always follows the same one).
+    order that changes each round (`turning_order`: each follows each other one about equally often).
 
     With `budget_s`, fewer samples (at least one) when all of them would take longer than that.
     """
