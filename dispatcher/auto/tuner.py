@@ -41,8 +41,9 @@ FAST_BOUND = 5e-2
 CONTENDER_MARGIN = 0.25
 FINAL_ROUNDS = 3  # at least, side by side; more while the budget lasts (up to 2 x runs)
 # A final-round sample runs a candidate back to back for about this long (2 to 100 calls), as long as the bench's
-# samples, so that both rank kernels alike: with 60 ms samples (2-3 calls on Wan 14B) the tuner ranked per-warp
-# Sage last of the three Sage kernels on the H200 after a minute of load, where the bench ranks it first.
+# samples: with 60 ms samples (2-3 calls on Wan 14B) the tuner ranked per-warp Sage last of the three Sage kernels
+# in two runs on the H200 after a minute of load, where the bench ranks it first; with 200 ms samples and the
+# balanced order (`measure.turning_order`) it ranked first in both runs (bench/results, seventh session).
 FINAL_SAMPLE_MS = 200.0
 LIVE, NOISE, DISK = "live values", "noise", "disk"
 
