@@ -125,12 +125,12 @@ def test_interleaved_rounds_change_the_order_and_time_samples_after_a_settling_c
 
 
 @pytest.mark.parametrize("count", range(1, 9))
-def test_the_turning_order_is_balanced(count):
+def test_the_order_of_rounds_is_balanced(count):
     """Over 2 x count rounds every call runs in every round, first equally often, and right after each other
     call equally often (a balanced Latin square)."""
     from collections import Counter
-    from dispatcher.auto.measure import turning_order
-    rounds = turning_order(count, 2 * count)
+    from dispatcher.auto.measure import balanced_order
+    rounds = balanced_order(count, 2 * count)
     assert all(sorted(row) == list(range(count)) for row in rounds)
     assert set(Counter(row[0] for row in rounds).values()) == {2}
     follows = Counter((row[i], row[i + 1]) for row in rounds for i in range(count - 1))

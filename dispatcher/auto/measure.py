@@ -42,7 +42,7 @@ def time_calls(call, device: torch.device, warmup: int, runs: int) -> list[float
     return times
 
 
-def turning_order(count: int, rounds: int) -> list[list[int]]:
+def balanced_order(count: int, rounds: int) -> list[list[int]]:
     """The order of `count` calls in each of `rounds` rounds: the rows of a balanced Latin square (Williams'
     design, with mirrored rows when `count` is odd), so that each call runs first, and after each other call,
     about equally often. At a power cap a GPU runs a kernel partly at the clocks the one before it left: turned
@@ -73,10 +73,10 @@ def time_rounds(calls: list, device: torch.device, rounds: int, per_sample: list
     `per_sample[i]` back-to-back calls timed together: at its power cap the H200's clocks follow what ran just
     before, so single calls alternating time each kernel partly at the others' clocks: on Wan 14B attention FA3
     and Sage came out 2.4% apart that way and 13% apart in samples of several calls, which is what a model step
-    shows (bench/results, 2026-12-04). The order changes each round (`turning_order`)."""
+    shows (bench/results, 2026-12-04). The order changes each round (`balanced_order`)."""
     per_sample = per_sample or [1] * len(calls)
     times: list[list[float]] = [[] for _ in calls]
-    order = turning_order(len(calls), rounds)
+    order = balanced_order(len(calls), rounds)
     if device.type == "cuda":
         events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in calls]
                   for _ in order]

@@ -43,7 +43,7 @@ FINAL_ROUNDS = 3  # at least, side by side; more while the budget lasts (up to 2
 # A final-round sample runs a candidate back to back for about this long (2 to 100 calls), as long as the bench's
 # samples: with 60 ms samples (2-3 calls on Wan 14B) the tuner ranked per-warp Sage last of the three Sage kernels
 # in two runs on the H200 after a minute of load, where the bench ranks it first; with 200 ms samples and the
-# balanced order (`measure.turning_order`) it ranked first in both runs (bench/results, seventh session).
+# balanced order (`measure.balanced_order`) it ranked first in both runs (bench/results, seventh session).
 FINAL_SAMPLE_MS = 200.0
 LIVE, NOISE, DISK = "live values", "noise", "disk"
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import auto as tuner
-from ..auto.measure import turning_order
+from ..auto.measure import balanced_order
 from .. import registry
 from ..dispatch import dispatch_attention_fn
 from ..inputs import AttentionInputs
@@ -178,7 +178,7 @@ def sample_ms(fn, device, inner: int) -> float:
 def time_interleaved(fns, device, warmup: int, runs: int, target_s: float, budget_s: float | None = None
                      ) -> list[float]:
     """Median ms per call of each function, samples alternating between them (drift hits all alike), in an
-    order that changes each round (`turning_order`: each follows each other one about equally often).
+    order that changes each round (`balanced_order`: each follows each other one about equally often).
 
     With `budget_s`, fewer samples (at least one) when all of them would take longer than that.
     """
@@ -194,7 +194,7 @@ def time_interleaved(fns, device, warmup: int, runs: int, target_s: float, budge
     else:
         first = [[] for _ in fns]
     samples = first
-    for turn in turning_order(len(fns), runs):
+    for turn in balanced_order(len(fns), runs):
         for i in turn:
             samples[i].append(sample_ms(fns[i], device, inner[i]))
     return [statistics.median(s) for s in samples]
