@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import env, trust
+from . import env, kernels_api, trust
 from .machine import current_machine
 from .spec import HubKernel
 from .versions import at_least
@@ -154,6 +154,7 @@ def load(hub: HubKernel) -> tuple[Callable, LoadedKernel]:
         else:
             where = f"revision {revision}" if revision else f"version {hub.version}"
         module = _load_fetched(kernels, hub.repo_id, locked, kwargs) if locked else None
+        fetched = module is not None
         if module is None:
             try:
                 module = kernels.get_kernel(hub.repo_id, **kwargs)
@@ -167,7 +168,7 @@ def load(hub: HubKernel) -> tuple[Callable, LoadedKernel]:
             raise KernelLoadError(f"'{hub.function}' of kernel '{hub.repo_id}' is not callable "
                                   f"(it is {type(fn).__name__})")
         path = _module_path(module)
-        resolved, source = _origin_of(module, path)
+        resolved, source = _origin_of(module, path, fetched)
         if source == "local" and revision:
             logger.warning("'%s' is overridden by LOCAL_KERNELS (%s), which ignores the requested %s", hub.repo_id,
                            path, where)
@@ -206,11 +207,9 @@ def fetched_build(entry: dict) -> tuple[Path | None, str | None]:
     if entry.get("revision") and (match is None or match.group(1) != str(entry["revision"]).strip()):
         return None, f"{variant} is not the snapshot of revision {entry.get('revision')}"
     try:
-        from kernels.variants import get_variants_local, resolve_variant
-    except Exception:  # another kernels version: trust the recorded build
+        chosen = kernels_api.chosen_variant(variant)
+    except ImportError:  # a kernels with no variant resolution of its own (before 0.12): trust the recorded build
         return variant, None
-    try:
-        chosen, _ = resolve_variant(get_variants_local(variant.parent))
     except Exception as exc:  # noqa: BLE001
         return None, f"the kernels library cannot check {variant.name} ({type(exc).__name__}: {exc})"
     if chosen is None or chosen.variant_str != variant.name:
@@ -239,22 +238,33 @@ def _load_fetched(kernels, repo_id: str, locked: dict, kwargs: dict):
         return None
 
 
-def _origin_of(module, path: str | None) -> tuple[str | None, str]:
+def _origin_of(module, path: str | None, fetched: bool) -> tuple[str | None, str]:
     """(the commit that was loaded, where from: "hub" | "cache" | "local").
 
-    The snapshot directory names the commit for every HF-cache load (a requested "v1" or "main" is a
-    ref, not a commit); offline loads (HubCacheResolver) carry no repo_info at all.
+    The snapshot directory names the commit of every HF-cache load (a requested "v1" or "main" is a ref, not a
+    commit). Whether that snapshot was just resolved on the Hub or read offline is the Hub's offline switch, which
+    `kernels` itself reads to choose (every version since 0.12): `repo_info` cannot tell, since kernels 0.19
+    fills it for offline loads too. A lock's fetched build (`fetched`) is read from the cache by path.
     """
     match = _SNAPSHOT.search((path or "") + "/")
-    commit = match.group(1) if match else None
+    if match:
+        return match.group(1), "cache" if fetched or _hub_offline() else "hub"
     try:
         import kernels
         for loaded in kernels.get_loaded_kernels():
             if loaded.module is module and loaded.repo_info is not None:
-                return commit or loaded.repo_info.revision, "hub"
-    except Exception:
+                return loaded.repo_info.revision, "hub"
+    except Exception:  # noqa: BLE001  (kernels < 0.16 has no registry of loaded kernels)
         pass
-    return (commit, "cache") if commit else (None, "local")
+    return None, "local"
+
+
+def _hub_offline() -> bool:
+    try:
+        from huggingface_hub import constants
+    except Exception:  # noqa: BLE001
+        return False
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def loaded_kernels() -> list[LoadedKernel]:

@@ -9,6 +9,7 @@ import torch
 
 import dispatcher  # from the repository root: pyproject.toml's `pythonpath` puts it (and tests/) on sys.path
 from dispatcher import registry
+from helpers import comfyui
 from helpers.dispatcher_state import remove_custom_backends, reset
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,12 +29,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if Path(str(item.fspath)).resolve().is_relative_to(gpu_dir):
             item.add_marker(pytest.mark.gpu)
+    if not comfyui.requested():  # the integration and browser tests: one reason each (helpers/comfyui.py)
+        for item in items:
+            if "integration" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=comfyui.SKIP_REASON))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many tests ran, and how many were skipped for want of ComfyUI (CI has none; docs/testing.md)."""
+    stats = terminalreporter.stats
+    ran = sum(len([r for r in stats.get(key, []) if r.when == "call"]) for key in ("passed", "failed"))
+    skipped = [r for r in stats.get("skipped", [])]
+    wants_comfyui = sum(1 for r in skipped if comfyui.SKIP_PREFIX in str(r.longrepr))
+    where = f"ComfyUI at {comfyui.COMFYUI_PATH}" if comfyui.requested() else "no ComfyUI (COMFYUI_PATH unset)"
+    terminalreporter.write_line(f"attention-dispatch: {ran} tests ran, {len(skipped)} skipped, of which "
+                                f"{wants_comfyui} for want of ComfyUI; {where}")
 
 
 @pytest.fixture(autouse=True)

@@ -623,7 +623,7 @@ def test_online_record_uses_repo_info(monkeypatch, tmp_path):
     library's registry entry is given the RepoInfo a download would have)."""
     import dataclasses
 
-    from kernels.hf_hub import RepoInfo
+    RepoInfo = kernels.RepoInfo  # exported at the top level by every kernels version that has it (0.16+)
     repo = kr.make_local_repo(tmp_path, f"{TRUSTED_ORG}/attn-online")
     use_local(monkeypatch, repo)
     register("online_hub", repo.repo_id)

@@ -378,21 +378,36 @@ def test_signature_of_an_unsigned_build(tmp_path):
 
 
 def test_signature_results_are_mapped(monkeypatch, tmp_path):
-    pytest.importorskip("sigstore")
-    import kernels.verify as kv
-    R_ = kv.VerificationResult
-    cases = [(R_.Success(), "verified"), (R_.DigestMissing(), "unverified: the metadata has no digest"),
-             (R_.DigestVerificationFailure(violations=[]), "failed: "),
-             (R_.SignatureVerificationFailure(reason="bad cert"), "unverified: SignatureVerificationFailure: bad cert")]
+    """What the kernels library's check says (0.16-0.18 `verify_variant`, 0.19+ `verify_signature` then
+    `verify_digest`, both read by kernels_api) becomes one line of the fetch report."""
+    from dispatcher import kernels_api
+    cases = [(("verified", ""), "verified"), (("unsigned", ""), "unsigned"),
+             (("digest-missing", ""), "unverified: the metadata has no digest"),
+             (("digest-failed", "lib.so: sha256 differs"), "failed: the downloaded files differ from the signed "
+                                                           "digest lib.so: sha256 differs"),
+             (("signature-failed", "SignatureVerificationFailure: bad cert"),
+              "unverified: SignatureVerificationFailure: bad cert")]
     for result, expected in cases:
-        monkeypatch.setattr(kv, "verify_variant", lambda path, r=result: r)
-        assert fetch.verify_signature(tmp_path).startswith(expected)
+        monkeypatch.setattr(kernels_api, "signature_result", lambda path, repo, commit, r=result: r)
+        assert fetch.verify_signature(tmp_path) == expected
 
-    def offline(path):
+    def offline(path, repo, commit):
         raise ConnectionError("no route to the sigstore trust root")
 
-    monkeypatch.setattr(kv, "verify_variant", offline)
+    monkeypatch.setattr(kernels_api, "signature_result", offline)
     assert fetch.verify_signature(tmp_path) == "unverified: ConnectionError: no route to the sigstore trust root"
+
+
+def test_signature_check_is_asked_with_the_snapshot_repo_and_commit(monkeypatch, tmp_path):
+    """kernels 0.19+ verifies by Hub location: a cache snapshot's repo and commit are read from its path."""
+    from dispatcher import kernels_api
+    seen = []
+    monkeypatch.setattr(kernels_api, "signature_result", lambda path, repo, commit: seen.append((repo, commit))
+                        or ("unsigned", ""))
+    build = tmp_path / "kernels--kernels-community--attn-x" / "snapshots" / ("a" * 40) / "build" / kr.VARIANT
+    assert fetch.verify_signature(build) == "unsigned"
+    assert fetch.verify_signature(tmp_path / "local" / kr.VARIANT) == "unsigned"
+    assert seen == [("kernels-community/attn-x", "a" * 40), (None, None)]
 
 
 def test_failure_lines_name_the_cause(monkeypatch):
@@ -472,7 +487,9 @@ OTHER_VARIANT = "torch-rocm"  # a build for another backend: rejected on CPU and
 
 def chosen_variant() -> str:
     """The variant the kernels library picks here among the fake repository's two builds."""
-    from kernels.variants import parse_variant, resolve_variant
+    from dispatcher import kernels_api
+    parse_variant, resolve_variant = (getattr(kernels_api.module("variants"), f)
+                                      for f in ("parse_variant", "resolve_variant"))
     variant, _ = resolve_variant([parse_variant(kr.VARIANT), parse_variant(OTHER_VARIANT)])
     return variant.variant_str
 

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .. import env, hub, trust
+from .. import env, hub, kernels_api, trust
 from .install_plan import PROTECTED, FetchTarget, Plan, Step, pip_argv
 from ..versions import at_least
 
@@ -185,28 +185,31 @@ def _offline_mode() -> bool:
 def verify_signature(variant_path: Path) -> str:
     """'verified', 'unsigned', 'failed: ...' (the files differ from the signed digest) or 'unverified: ...'.
 
-    kernels>=0.16 ships `kernels.verify.verify_variant` (the check behind `kernels verify-signature`,
-    using sigstore and the kernels-community build workflows as trusted signers). Never raises.
+    The kernels library's own check (kernels>=0.16, with its optional sigstore; the kernels-community build
+    workflows are the trusted signers), wherever the installed version keeps it (`kernels_api`). Never raises.
     """
     try:
-        from kernels.verify import VerificationResult, verify_variant
-    except Exception as exc:  # noqa: BLE001  (older kernels, or sigstore missing)
+        kind, detail = kernels_api.signature_result(Path(variant_path), *_repo_and_commit_of(Path(variant_path)))
+    except ImportError as exc:  # older kernels, sigstore missing, or no Hub snapshot to name
         return f"unverified: this kernels install cannot verify signatures ({type(exc).__name__})"
-    try:
-        result = verify_variant(Path(variant_path))
     except Exception as exc:  # noqa: BLE001  (sigstore's trust root needs the network, ...)
         return f"unverified: {_why(exc)}"
-    if isinstance(result, VerificationResult.Success):
-        return "verified"
-    if isinstance(result, VerificationResult.SignatureBundleMissing):
-        return "unsigned"
-    if isinstance(result, VerificationResult.DigestVerificationFailure):
-        return "failed: the downloaded files differ from the signed digest " + \
-               "; ".join(str(v) for v in result.violations[:3])
-    if isinstance(result, (VerificationResult.DigestMissing, VerificationResult.MetadataMissing)):
-        return "unverified: the metadata has no digest"
-    reason = getattr(result, "reason", "") or type(result).__name__
-    return f"unverified: {type(result).__name__}: {' '.join(str(reason).split())[:300]}"
+    if kind in ("verified", "unsigned"):
+        return kind
+    if kind == "digest-failed":
+        return "failed: the downloaded files differ from the signed digest " + detail
+    if kind in ("digest-missing", "metadata-missing"):
+        return "unverified: the metadata has no digest" if kind == "digest-missing" else "unverified: no metadata"
+    return f"unverified: {detail}"
+
+
+def _repo_and_commit_of(path: Path) -> tuple[str | None, str | None]:
+    """(repo_id, commit) of a build in the HF cache (<cache>/kernels--org--name/snapshots/<commit>/build/<v>)."""
+    commit = _commit_of(path)
+    for parent in path.parents:
+        if parent.name.startswith("kernels--") and commit:
+            return parent.name[len("kernels--"):].replace("--", "/", 1), commit
+    return None, commit
 
 
 # ----------------------------------------------------------------------------------------------- fetching
@@ -215,16 +218,11 @@ def _check_build(ctx: _Context, target: FetchTarget, path: Path, trust_kwargs: d
     """Why the downloaded build cannot be used, or None: the library's architecture check, then the
     import and the functions the backends call (what a load will do)."""
     try:
-        from kernels._rust import Metadata
-        from kernels.validate import ArchValidator
-    except Exception:  # noqa: BLE001  (another kernels version: the import below still checks the build)
-        ArchValidator = None
-    if ArchValidator is not None:
-        try:
-            ArchValidator().validate_metadata(metadata=Metadata.read_from_file(path / "metadata.json"),
-                                              variant=path.name)
-        except Exception as exc:  # noqa: BLE001
-            return f"the build does not support this device: {_why(exc)}"
+        kernels_api.check_arch(path)
+    except ImportError:
+        pass  # a kernels without the check: the import below still checks the build
+    except Exception as exc:  # noqa: BLE001
+        return f"the build does not support this device: {_why(exc)}"
     try:
         try:
             module = ctx.kernels.get_local_kernel(path, **trust_kwargs)

@@ -1,8 +1,9 @@
 """A real ComfyUI with this pack installed, started once per session on 127.0.0.1 (CPU).
 
-Needs COMFYUI_PATH (a ComfyUI checkout); COMFYUI_PYTHON is its interpreter (default: this one).
-`bash .ci/comfyui-env` builds both from ../shared/comfyui and prints the exports (docs/testing.md).
-Outside CI these tests skip with the reason when ComfyUI is missing; under CI (CI=true) they fail instead.
+Needs COMFYUI_PATH (a ComfyUI checkout you have); COMFYUI_PYTHON is its interpreter (default: this one).
+`bash .ci/comfyui-env` prepares that interpreter for the checkout and prints the exports (docs/testing.md).
+Without COMFYUI_PATH these tests skip, each saying it wants ComfyUI; with it, a ComfyUI that cannot start fails
+them (helpers/comfyui.py).
 """
 
 from __future__ import annotations
@@ -22,47 +23,24 @@ from pathlib import Path
 
 import pytest
 
+from helpers import comfyui
+
 from . import helper_pack
 
 ROOT = Path(__file__).resolve().parents[2]
-COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
-COMFYUI_PYTHON = os.environ.get("COMFYUI_PYTHON") or sys.executable
+COMFYUI_PATH, COMFYUI_PYTHON = comfyui.COMFYUI_PATH, comfyui.COMFYUI_PYTHON
 
 pytestmark = pytest.mark.integration
 
-IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-ENV_HINT = 'eval "$(bash .ci/comfyui-env)"  (builds ComfyUI 0.3.64 from ../shared/comfyui; see docs/testing.md)'
-
-
-def comfyui_missing() -> str | None:
-    """Why no ComfyUI can be started here, or None."""
-    if not COMFYUI_PATH:
-        return "COMFYUI_PATH is not set"
-    if not (Path(COMFYUI_PATH) / "main.py").is_file():
-        return f"COMFYUI_PATH={COMFYUI_PATH} has no main.py"
-    if not (os.path.isfile(COMFYUI_PYTHON) and os.access(COMFYUI_PYTHON, os.X_OK)):
-        return f"COMFYUI_PYTHON={COMFYUI_PYTHON} is not an executable"
-    return None
-
 
 def require_comfyui() -> None:
-    """Skip (outside CI) or fail (CI=true) when ComfyUI cannot be started: CI must never pass by skipping."""
-    missing = comfyui_missing()
-    if missing is None:
-        return
-    message = f"{missing}: these tests start a real ComfyUI. Set it up with: {ENV_HINT}"
-    if IN_CI:
-        pytest.fail(f"CI=true and {message}", pytrace=False)
-    pytest.skip(message)
-
-
-def pytest_collection_modifyitems(config, items):
-    if comfyui_missing() is None or IN_CI:
-        return  # under CI the fixtures fail each test with the reason instead
-    skip = pytest.mark.skip(reason=f"{comfyui_missing()}: these tests start a real ComfyUI. Set it up with: {ENV_HINT}")
-    for item in items:
-        if "integration" in item.keywords:
-            item.add_marker(skip)
+    """Skip without COMFYUI_PATH (tests/conftest.py has already marked the tests so); fail when COMFYUI_PATH
+    names a ComfyUI that cannot start: asking for the ComfyUI suite never passes by skipping it."""
+    if not comfyui.requested():
+        pytest.skip(comfyui.SKIP_REASON)
+    why = comfyui.broken()
+    if why is not None:
+        pytest.fail(f"{why}. Set it up with: {comfyui.SETUP_HINT}", pytrace=False)
 
 
 def _free_port() -> int:
