@@ -121,7 +121,7 @@ def _to_bhsd(out: torch.Tensor, skip_output_reshape: bool, heads: int) -> torch.
 
 def _non_quantised(name: str) -> str:
     for candidate in fallback_order(name):
-        if not get_backend_spec(candidate).quantised:
+        if get_backend_spec(candidate).exact:
             return candidate
     return "native"
 
@@ -364,9 +364,10 @@ class AttentionOverride:
         if kwargs.get("low_precision_attention", True) is False:  # the model asked for full precision here
             if backend == AUTO_FAST or backend == AUTO:
                 plan.name = AUTO_EXACT
-            elif backend not in AUTOS and get_backend_spec(backend).quantised:
+            elif backend not in AUTOS and not get_backend_spec(backend).exact:
                 replacement = _non_quantised(backend)
-                plan.notes = (f"low_precision_attention=False: quantised '{backend}' replaced by '{replacement}'",)
+                plan.notes = (f"low_precision_attention=False: {get_backend_spec(backend).precision} '{backend}' "
+                              f"replaced by '{replacement}'",)
                 plan.name = replacement
         if skip_reshape:  # (B, H, L, D), possibly non-contiguous: strides are kept, the dispatcher copes
             plan.layout = "BHSD"

@@ -287,10 +287,13 @@ def bench_shape(shape: BenchShape, *, dtype, device, backends=None, warmup=2, ru
     score_bytes = b * h * lq * lk * torch.empty((), dtype=dtype).element_size() * 3
     with torch.no_grad():
         for name in names:
-            quantised = registry.get(name).quantised
-            # Noise passes no verdict on a quantised kernel (its error depends on the values): shown, not judged.
+            spec = registry.get(name)
+            quantised = not spec.exact
+            # Noise passes no verdict on a kernel that is not exact (its error depends on the values): shown, not
+            # judged. "quantised" here: not exact (quantised or approximate); "precision" says which.
             row = {"shape": shape.name, "backend": name, "ms": None, "tflops": None, "rel_error": None,
-                   "error_bound": None if quantised else registry.get(name).error_bound, "quantised": quantised,
+                   "error_bound": None if quantised else spec.error_bound, "quantised": quantised,
+                   "precision": spec.precision,
                    "valid": False, "peak_mb": None,
                    "ratio_to_best": None, "direct_ms": None, "dispatch_vs_direct": None, "error": None}
             result["rows"].append(row)
@@ -323,7 +326,7 @@ def bench_shape(shape: BenchShape, *, dtype, device, backends=None, warmup=2, ru
         timed = [r for r in result["rows"] if r["ms"] is not None and r["valid"] and not r["quantised"]]
         best = min(timed, key=lambda r: r["ms"]) if timed else None  # the exact oracle: what auto_exact may reach
         admitted = [r for r in result["rows"] if r["ms"] is not None and r["valid"]
-                    and (not r["quantised"] or r["rel_error"] <= tuner.FAST_BOUND)]
+                    and (not r["quantised"] or r["rel_error"] <= tuner.admission_bound(registry.get(r["backend"])))]
         best_fast = min(admitted, key=lambda r: r["ms"]) if admitted else None  # what auto_fast may reach
         for r in result["rows"]:
             if best is not None and r["ms"] is not None:
@@ -454,8 +457,8 @@ def render(data: dict) -> str:
                 lines.append(f"  {r['backend']:28} {r['error'] or 'not timed'}")
                 continue
             flag = ("  INVALID (error over its bound)" if not r["valid"] else
-                    "  quantised: error on noise; auto_fast judges it on the model's own activations"
-                    if r.get("quantised") else "")
+                    f"  {r.get('precision', 'quantised')}: error on noise; auto_fast judges it on the model's own "
+                    "activations" if r.get("quantised") else "")
             lines.append(f"  {r['backend']:28} {_fmt(r['ms'], '.3f', 10)} {_fmt(r['tflops'], '.2f', 8)} "
                          f"{_fmt(r['rel_error'], '.1e', 8)} {_fmt(r['peak_mb'], '.0f', 8)} "
                          f"{_fmt(r['ratio_to_best'], '.3f', 8)} {_fmt(r['direct_ms'], '.3f', 10)} "
