@@ -418,7 +418,10 @@ class Tuner:
                     continue
                 result.first_call_ms = first * 1e3
                 out, lse = result_value if run_sig.return_lse else (result_value, None)
-                problem = validate(out, lse, ref_out, ref_lse, rows, layout, result.error_bound, result)
+                # Noise has none of the locality an approximate kernel relies on (sol_attn: 0.76 on N(0,1)): there
+                # only a broken output (NaN, shape) rejects it; its error is judged on live values alone.
+                bound = math.inf if spec.approximate and not is_live else result.error_bound
+                problem = validate(out, lse, ref_out, ref_lse, rows, layout, bound, result)
                 del result_value, out, lse
                 if problem:
                     result.status = "rejected"
