@@ -192,7 +192,8 @@ def test_tau():
     for bad in (-0.1, 4.5, float("nan"), float("inf"), "1.0", None, True):
         assert "tau must be a number from 0 to 4 (higher is sparser)" in kitchen.tau_problem(bad)
     with pytest.raises(ValueError, match="sol_attn: tau must be a number from 0 to 4"):
-        kitchen.sol_attn_call(*qkv(1, 64, h=1, d=128), None, 0.0, False, None, False, False, tau=9)
+        with kitchen.sol_attn_options(tau=9):
+            pass
 
 
 # --- the approximate class in auto_fast and the guard, with a real windowed kernel on the CPU ---------------

@@ -19,7 +19,11 @@ ComfyUI's HIP (ROCm) builds of both kernels are not declared here: neither has b
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+import re
+from dataclasses import dataclass
 
 import torch
 
@@ -39,11 +43,16 @@ SM80 = CudaCapability(minimum=(8, 0))  # comfy_kitchen.sol_attn_is_available: "t
 # measured it on the H200. ComfyUI's node takes 0..4.
 DEFAULT_TAU = 1.0
 TAU_RANGE = (0.0, 4.0)
+# ComfyUI's node keeps sequences shorter than this dense: "below roughly 12k tokens dense or a fused attention is
+# usually faster" (comfy_kitchen.sol_attn's docstring; issue 31: Flux's 4608 tokens, 0.549 ms against cuDNN's 0.436).
+DEFAULT_MIN_TOKENS = 12288
+MAX_MIN_TOKENS = 1 << 20
 # The declared bound: how far from exact attention (relative error on sampled query rows, float64) `auto_fast`
 # lets the block-sparse kernel be on the model's own activations. A policy, not a measurement: twice the quantised
 # kernels' 5e-2, since leaving out blocks costs more than rounding does, and well under the 0.3-1.0 of a kernel
 # that spoils the picture (docs/auto.md). To be checked on WAN's activations on the H200 (bench/side_by_side.py).
 SOL_ATTN_BOUND = 1e-1
+SOL_ATTN_NAME = "sol_attn"
 
 
 _kitchen: list = []  # the module, once imported: a call then imports nothing
@@ -61,13 +70,12 @@ def int8_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, retur
     return _module().int8_attention(q, k, v, scale=scale, attn_mask=attn_mask)
 
 
-def sol_attn_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *, tau=DEFAULT_TAU):
-    """(B, T, H, 128) in and out; tau: the routing threshold (an attention_kwargs key)."""
-    problem = tau_problem(tau)
-    if problem:
-        raise ValueError(f"sol_attn: {problem}")
-    return _module().sol_attn(q, k, v, tau=float(tau), scale=scale)
+def sol_attn_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    """(B, T, H, 128) in and out, with the routing threshold of the active `sol_attn_options`."""
+    return _module().sol_attn(q, k, v, tau=_options.get().tau, scale=scale)
 
+
+# --- sol_attn's options: ComfyUI's "Model Sparse Attention" parameters -----------------------------------------
 
 def tau_problem(tau) -> str | None:
     """Why `tau` is not a routing threshold sol_attn takes, or None."""
@@ -75,6 +83,79 @@ def tau_problem(tau) -> str | None:
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or not low <= tau <= high:
         return f"tau must be a number from {low:g} to {high:g} (higher is sparser); got {tau!r}"
     return None
+
+
+_BLOCK_ITEM = re.compile(r"^(\d+)(?:\s*-\s*(\d+))?$")
+
+
+def parse_dense_blocks(text) -> tuple[frozenset[int], str | None]:
+    """'0, 1, 47-49' -> ({0, 1, 47, 48, 49}, None); anything else -> (empty, why). ComfyUI's node skips what it
+    cannot read (a typo silently makes every block sparse); this names the item and the form instead."""
+    if not isinstance(text, str):
+        return frozenset(), f"dense_blocks must be text such as '0, 1, 47-49'; got {type(text).__name__}"
+    blocks: set[int] = set()
+    for item in (part.strip() for part in text.replace(";", ",").split(",")):
+        if not item:
+            continue
+        match = _BLOCK_ITEM.match(item)
+        if match is None:
+            return frozenset(), (f"dense_blocks: {item!r} is not a block number or a range; write block numbers "
+                                 "from 0 and ranges a-b, separated by commas, e.g. '0, 1, 47-49'")
+        first, last = int(match.group(1)), int(match.group(2) or match.group(1))
+        if last < first:
+            return frozenset(), f"dense_blocks: the range {item!r} runs backwards; write it {last}-{first}"
+        if last - first > 100000:
+            return frozenset(), f"dense_blocks: the range {item!r} is longer than any model's block count"
+        blocks.update(range(first, last + 1))
+    return frozenset(blocks), None
+
+
+@dataclass(frozen=True)
+class SolAttnOptions:
+    """The knobs of ComfyUI's Model Sparse Attention node (method sol-attn): `tau`, the routing threshold; calls of
+    fewer than `min_tokens` tokens and blocks in `dense_blocks` run dense (the node decides those before a call
+    reaches the dispatcher; `tau` reaches the kernel through `sol_attn_options`)."""
+
+    tau: float = DEFAULT_TAU
+    min_tokens: int = DEFAULT_MIN_TOKENS
+    dense_blocks: frozenset[int] = frozenset()
+
+    def problems(self) -> list[str]:
+        found = []
+        why = tau_problem(self.tau)
+        if why:
+            found.append(why)
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
+                not 0 <= self.min_tokens <= MAX_MIN_TOKENS:
+            found.append(f"min_tokens must be a whole number from 0 to {MAX_MIN_TOKENS}; got {self.min_tokens!r}")
+        return found
+
+    def dense_reason(self, tokens: int, block: int | None) -> str | None:
+        """Why a call of `tokens` tokens in block `block` (None: the model does not say) stays dense, or None."""
+        if tokens < self.min_tokens:
+            return f"{tokens} tokens < min_tokens {self.min_tokens}: short sequences run faster dense"
+        if block is not None and block in self.dense_blocks:
+            return f"block {block} is in dense_blocks"
+        return None
+
+
+_options: contextvars.ContextVar[SolAttnOptions] = contextvars.ContextVar("sol_attn_options", default=SolAttnOptions())
+
+
+@contextlib.contextmanager
+def sol_attn_options(tau: float = DEFAULT_TAU):
+    """sol_attn's routing threshold for the calls inside the block (checked here: a clear error, never a kernel
+    failure that would look like a fallback). Note that `auto_fast`'s verdicts on sol_attn are per model and
+    signature, not per tau: choose sol_attn by name to use another tau."""
+    options = SolAttnOptions(tau=tau)
+    problems = options.problems()
+    if problems:
+        raise ValueError("sol_attn: " + "; ".join(problems))
+    token = _options.set(options)
+    try:
+        yield options
+    finally:
+        _options.reset(token)
 
 
 def _probe(function: str):
@@ -112,9 +193,9 @@ add(BackendSpec(
     backward=False, capability=SM75, quantised=True, error_bound=3e-2, fallback=("native",),
     requires=(KITCHEN, ON_CUDA, Probe("comfy-kitchen INT8 attention", _probe("int8_attention")))))
 add(BackendSpec(
-    name="sol_attn", family="kitchen",
+    name=SOL_ATTN_NAME, family="kitchen",
     description="comfy-kitchen Sol-Attn block-sparse attention (ComfyUI's Model Sparse Attention; approximate)",
-    fn=declare(sol_attn_call, attention_kwargs=("tau",)), layout="BSHD", devices=frozenset({"cuda"}), dtypes=HALF,
+    fn=declare(sol_attn_call), layout="BSHD", devices=frozenset({"cuda"}), dtypes=HALF,
     head_dims=HeadDims(allowed=(128,)), causal=False, backward=False, capability=SM80, quantised=True,
     approximate=True, error_bound=SOL_ATTN_BOUND, extra_reasons=_self_attention_only,
     fallback=("_native_flash", "native"),
