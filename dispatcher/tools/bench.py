@@ -97,6 +97,39 @@ def parse_shape(text: str) -> BenchShape:
     return BenchShape(f"custom-{b}x{h}x{lq}x{d}" + (f"x{lk}" if lk else ""), "your shape", b, h, lq, d, lk)
 
 
+# ------------------------------------------------------------------------------------------------------ inputs
+
+def video_grid(length: int) -> tuple[int, int, int]:
+    """(frames, height, width) of a token grid of `length` tokens: WAN 2.1 480p x 81 frames for 32760 (latent
+    21 x 60 x 104, patches of 2 x 2), else one frame as near square as the length allows."""
+    if length == 32760:
+        return 21, 30, 52
+    height = max(h for h in range(1, int(math.isqrt(length)) + 1) if length % h == 0)
+    return 1, height, length // height
+
+
+def local_video_qkv(batch: int, heads: int, frames: int, height: int, width: int, head_dim: int, *, device,
+                    dtype=torch.bfloat16, scale: float = 1.5, noise: float = 0.5, seed: int = 0):
+    """(q, k, v) in (B, L, H, D), L = frames x height x width in raster order (as video DiTs lay out patches), whose
+    query and key carry a 3-D positional code (frequencies 0.1..3.2 per axis) plus noise: each token's scores peak
+    at its neighbours in space and time, the locality block-sparse routing relies on (on a 4x16x32 grid, 99% of each
+    64-token query block's attention falls in its top 16% of key blocks, the share sol_attn's tau 1.0 keeps exact).
+    Noise inputs have none of it: sol_attn's error there (0.76) says nothing of its error on a video model."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    axes = torch.meshgrid(*(torch.arange(n, device=device, dtype=torch.float32) for n in (frames, height, width)),
+                          indexing="ij")
+    freqs = torch.logspace(-1, 0.5, head_dim // 6, device=device)
+    code = torch.cat([f(axis.reshape(-1, 1) * freqs) for axis in axes for f in (torch.cos, torch.sin)], -1)
+    code = F.pad(code, (0, head_dim - code.shape[-1])) * (scale * math.sqrt(head_dim / (head_dim // 6 * 3)))
+    length = code.shape[0]
+    base = code[None, :, None, :].expand(batch, length, heads, head_dim)
+
+    def draw():
+        return torch.randn(batch, length, heads, head_dim, device=device, generator=gen)
+    q, k, v = base + noise * draw(), base + noise * draw(), draw()
+    return tuple(t.to(dtype).contiguous() for t in (q, k, v))
+
+
 # ----------------------------------------------------------------------------------------------- reference paths
 
 def pack_attention(q, k, v, heads, backend):

@@ -140,23 +140,12 @@ def test_backend_features(backend, feature):
 
 # --- the new kernels of issue 31, each against exact attention within its declared bound -------------------------
 
-def local_inputs(frames, height, width, heads=12, d=128, scale=1.5, noise=0.5, dtype=torch.bfloat16, seed=0):
-    """A video-like token grid (frames x height x width, in raster order like WAN's patches) whose query and key
-    carry a 3-D positional code (frequencies 0.1..3.2 per axis), plus noise: each token's scores peak at its
-    neighbours in space and time, the locality block-sparse routing relies on (on a 4x16x32 grid, 99% of each query
-    block's attention falls in its top 16% of key blocks, the share tau 1.0 keeps exact; checked on the CPU)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    t, y, x = torch.meshgrid(*(torch.arange(n, device="cuda", dtype=torch.float32) for n in (frames, height, width)),
-                             indexing="ij")
-    freqs = torch.logspace(-1, 0.5, d // 6, device="cuda")
-    code = torch.cat([f(axis.reshape(-1, 1) * freqs) for axis in (t, y, x) for f in (torch.cos, torch.sin)], -1)
-    code = torch.nn.functional.pad(code, (0, d - code.shape[-1])) * (scale / math.sqrt(d // 6 * 3) * math.sqrt(d))
-    length = code.shape[0]
-    base = code.t().reshape(1, 1, d, length).transpose(-1, -2).expand(1, heads, length, d)
-    q = base + noise * torch.randn(1, heads, length, d, device="cuda", generator=g)
-    k = base + noise * torch.randn(1, heads, length, d, device="cuda", generator=g)
-    v = torch.randn(1, heads, length, d, device="cuda", generator=g)
-    return q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype).contiguous()
+def local_inputs(frames, height, width, heads=12, d=128):
+    """Video-like activations with the locality block-sparse routing relies on (dispatcher.tools.bench's
+    `local_video_qkv`, the bench's own), in (B, H, L, D)."""
+    from dispatcher.tools.bench import local_video_qkv
+    q, k, v = local_video_qkv(1, heads, frames, height, width, d, device="cuda")
+    return tuple(t.transpose(1, 2).contiguous() for t in (q, k, v))
 
 
 def _available(name):
