@@ -289,3 +289,27 @@ def test_the_guard_recomputes_an_approximate_kernel_past_twice_its_bound(approxi
     (entry,) = rec.snapshot()["guard"]
     assert entry["backend"] == sparse and entry["failures"]
     assert "exceeds its guard bound 2e-01" in str(entry["failures"][0])
+
+
+def test_sol_attn_call_on_comfy_kitchens_own_cpu_reference():
+    """Where comfy-kitchen is installed (not in the CI venv: `pip install comfy-kitchen`), its eager Sol-Attn (the
+    algorithm in full precision, which runs on a CPU) through the pack's call: the layout and arguments are right,
+    tau reaches it, and on video-like local activations it stays far within the declared bound while on noise it is
+    far off. Measured with comfy-kitchen 0.2.40 on a 4x16x32 grid: 1.0e-3 (tau 0.5), 1.5e-3 (1.0), 7.8e-3 (2.0);
+    0.73 on N(0,1) noise."""
+    pytest.importorskip("comfy_kitchen")
+    from dispatcher.reference import exact_attention, relative_error
+    from dispatcher.tools.bench import local_video_qkv
+    q, k, v = local_video_qkv(1, 2, 4, 16, 32, 128, device="cpu", dtype=torch.float32)
+    ref, _ = exact_attention(q, k, v, with_lse=False)
+    errors = {}
+    for tau in (0.5, 1.0, 2.0):
+        with kitchen.sol_attn_options(tau):
+            out = kitchen.sol_attn_call(q, k, v, None, 0.0, False, None, False, False)
+        assert out.shape == q.shape
+        errors[tau] = relative_error(out.transpose(1, 2).double(), ref)
+    assert errors[0.5] <= errors[1.0] <= errors[2.0] < kitchen.SOL_ATTN_BOUND / 5, errors
+    noise = torch.randn(3, 1, 2048, 2, 128, generator=torch.Generator().manual_seed(0))
+    ref, _ = exact_attention(*noise, with_lse=False)
+    out = kitchen.sol_attn_call(*noise, None, 0.0, False, None, False, False)
+    assert relative_error(out.transpose(1, 2).double(), ref) > 0.5
