@@ -182,9 +182,10 @@ def test_sol_attn_error_grows_with_tau():
 
 def test_comfy_kitchen_int8_masks_as_comfyui_passes_them():
     """ComfyUI hands int8_attention its masks as SDPA takes them: bool (True = attend) and additive (-inf = drop),
-    broadcast over heads and queries, on text cross-attention (Lk 77, 512)."""
+    broadcast over heads and queries, on text cross-attention (Lk 77, 512) and on keys past 1024, where the kernel
+    packs a broadcast mask into its own tile layout first (comfy_kitchen's `_prepare_attn_mask`)."""
     _available("comfy_kitchen_int8")
-    for lk in (77, 512):
+    for lk in (77, 512, 4096):
         q, k, v = _inputs(2, 10, 4096, 64, lk=lk)
         keep = torch.arange(lk, device="cuda")[None, None, None] < torch.tensor([lk, lk // 3], device="cuda")[:, None,
                                                                                                                 None, None]
