@@ -82,8 +82,8 @@ def _policy_field(tooltip: str) -> v.Field:
 
 AUTOS_TOOLTIP = ("auto_exact (default): the fastest exact kernel for each call, judged on this model's own "
                  "activations; never a quantised kernel. auto_fast: also quantised kernels such as SageAttention "
-                 f"whose error on this model's activations stays within {FAST_BOUND:.0e}, watched by the quality "
-                 "guard. ")
+                 f"whose error on this model's activations stays within {FAST_BOUND:.0e}, and approximate ones "
+                 "such as block-sparse sol_attn within their own bound, watched by the quality guard. ")
 BLOCKS_TOOLTIP = ("Blocks outside block_start..block_end go where calls outside the step window go (an upstream Set "
                   "Attention Backend, else ComfyUI's attention). Needs a model that tells attention its block "
                   "position: newer ComfyUI's Flux, WAN, Chroma and Lumina, and the SD/SDXL UNet, do; ComfyUI "
