@@ -191,7 +191,7 @@ def _guarded(decision, candidate, call, out, recorder, policy):
         if recorder is not None and hasattr(recorder, "record_guard"):
             recorder.record_guard(call.call_site, candidate.name, error=error)
         return out, candidate.name
-    replacement = next((c for c in decision.candidates if c.name != candidate.name and not c.spec.quantised), None)
+    replacement = next((c for c in decision.candidates if c.name != candidate.name and c.spec.exact), None)
     if recorder is not None and hasattr(recorder, "record_guard_failure"):
         recorder.record_guard_failure(call.call_site, candidate.name, why, replacement.name if replacement else "")
     if policy == "strict" or replacement is None:

@@ -15,11 +15,12 @@ it needs. Checking without the sync (the exact result computed beside the kernel
 verdict read later) was built and measured twice on the H200: the extra exact call cost more than the wait, so
 checks wait. Figures: docs/auto.md and bench/results/README.md.
 
-Modes: 'quantised' (the default: kernels whose spec says `quantised`, e.g. SageAttention), 'all' (every
-kernel, for a custom or untrusted one) and 'off'. Bounds: `QUANTISED_BOUND` for quantised kernels (twice
+Modes: 'quantised' (the default: every kernel that is not exact, i.e. whose spec says `quantised`, e.g.
+SageAttention, or `approximate`, e.g. block-sparse sol_attn), 'all' (every kernel, for a custom or untrusted one)
+and 'off'. Bounds: `QUANTISED_BOUND` for quantised kernels (twice
 `auto_fast`'s admission bound: a 16-row sample is noisier than the 64 rows a verdict uses, and a kernel that
 spoils a picture is off by far more, 0.3-1.0, measured in tests/test_guard.py), twice the spec's
-`error_bound` for exact ones. bench/results/README.md has the overhead measured per sampling step.
+`error_bound` for exact and approximate ones (an approximate kernel's bound is its own declaration). bench/results/README.md has the overhead measured per sampling step.
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ def settings(mode: str | None = None, every: int | None = None) -> tuple[str, in
 def every_for(spec, guard: tuple[str, int]) -> int:
     """How often the guard checks this backend's calls (0: never)."""
     mode, every = guard
-    if mode == "all" or (mode == "quantised" and spec.quantised):
+    if mode == "all" or (mode == "quantised" and not spec.exact):
         return every
     return 0
 
 
 def bound_for(spec) -> float:
-    return QUANTISED_BOUND if spec.quantised else 2 * spec.error_bound
+    return QUANTISED_BOUND if spec.quantised and not spec.approximate else 2 * spec.error_bound
 
 
 def checkable(call) -> bool:

@@ -91,9 +91,24 @@ class BackendSpec:
     # A kernel whose result may differ from exact attention by more than bf16 rounding (int8 Sage).
     error_bound: float = 2e-2
     quantised: bool = False  # computes in reduced precision (int8/fp8): never chosen by `auto_exact`
+    # Leaves part of the attention out by design (block-sparse routing): its error depends on how local the model's
+    # attention is, so `auto_fast` admits it only within its own `error_bound` on the model's own activations (not
+    # `FAST_BOUND`), and the guard holds it to twice that. Like a quantised kernel, never chosen by `auto_exact`.
+    approximate: bool = False
     extra_reasons: Callable[[AttentionInputs], list[str]] | None = field(default=None, compare=False, repr=False)
     custom: bool = False
     mask_format: str = "additive"  # what the kernel is handed: additive | bool | blockmask | key_padding
+
+    @property
+    def exact(self) -> bool:
+        """Its result is exact attention up to rounding: neither quantised nor approximate. Only exact kernels serve
+        `auto_exact`, calls that ask for full precision, and recomputations after a failed guard check."""
+        return not (self.quantised or self.approximate)
+
+    @property
+    def precision(self) -> str:
+        """Its class, for listings: exact | quantised | approximate (an approximate kernel may also quantise)."""
+        return "approximate" if self.approximate else "quantised" if self.quantised else "exact"
 
     @property
     def universal(self) -> bool:
@@ -184,5 +199,7 @@ class BackendSpec:
             "context_parallel": list(self.context_parallel_modes),
             "error_bound": self.error_bound,
             "quantised": self.quantised,
+            "approximate": self.approximate,
+            "precision": self.precision,
             "custom": self.custom,
         }

@@ -23,6 +23,9 @@ Decisions, documented once:
 - blocks: (start, end) of the block range (nodes/blocks.py); calls from other blocks are delegated like calls
   outside the step window. When a call says no usable block position, the backend serves it and the site is
   noted once (in `block_notes`, which the node's report reads).
+- sparse: sol_attn's options (dispatcher/backends/kitchen.py `SolAttnOptions`), only with backend `sol_attn`: calls
+  of fewer than `min_tokens` tokens and calls from `dense_blocks` are delegated (dense, as ComfyUI's Model Sparse
+  Attention node does), and `tau` reaches the kernel through `sol_attn_options` around each call.
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ from ..dispatcher import (PreparedAttention, attention_checks, dispatch_attentio
                           trusted_publishers)
 from ..dispatcher import checks as _checks
 from ..dispatcher.auto import AUTO, AUTO_EXACT, AUTO_FAST
+from ..dispatcher.backends.kitchen import SOL_ATTN_NAME as SOL_ATTN
+from ..dispatcher.backends.kitchen import SolAttnOptions, sol_attn_options
 from ..dispatcher.auto import PSEUDO_BACKENDS as AUTOS  # "auto" is auto_exact (older workflows)
 from ..dispatcher.guard import settings as guard_settings
 from ..dispatcher.report import register as register_recorder
-from .blocks import blocks_text, in_blocks, is_default
+from .blocks import block_position, blocks_text, in_blocks, is_default
 from .window import in_window
 
 COMFY_DEFAULT = "comfy default"
@@ -121,7 +126,7 @@ def _to_bhsd(out: torch.Tensor, skip_output_reshape: bool, heads: int) -> torch.
 
 def _non_quantised(name: str) -> str:
     for candidate in fallback_order(name):
-        if not get_backend_spec(candidate).quantised:
+        if get_backend_spec(candidate).exact:
             return candidate
     return "native"
 
@@ -175,7 +180,8 @@ class AttentionOverride:
     model: the model's identity string (None: the dispatcher's active scope); guard: the quality guard's mode
     ("quantised" | "all" | "off"; None: the dispatcher's default) and guard_every; blocks: (block_start, block_end)
     or None (every block); block_notes: a dict, site -> why the block range cannot apply there (shared with the
-    node's report and with overrides rebuilt from this one's config).
+    node's report and with overrides rebuilt from this one's config); sparse: a `SolAttnOptions` for backend
+    `sol_attn` (None: its defaults; ignored for any other backend).
 
     Per call signature (shapes, dtype, mask kind, flags, block) the first call validates and plans; repeat
     calls cost a dict lookup, the views and the dispatcher's own lookup (see `_Plan`).
@@ -183,8 +189,9 @@ class AttentionOverride:
 
     def __init__(self, backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
                  compare=None, previous=None, model: str | None = None, guard: str | None = None,
-                 guard_every: int | None = None, blocks=None, block_notes: dict | None = None):
+                 guard_every: int | None = None, blocks=None, block_notes: dict | None = None, sparse=None):
         self.backend, self.policy, self.recorder = backend, policy, recorder
+        self.sparse = (sparse or SolAttnOptions()) if backend == SOL_ATTN else None
         self.window = tuple(window) if window is not None else None
         self.trust = frozenset(trust or ())
         self.checks, self.compare, self.previous = checks, compare, previous
@@ -205,7 +212,7 @@ class AttentionOverride:
         self.attention_dispatch = {"backend": backend, "policy": policy, "recorder": recorder, "window": self.window,
                                    "trust": tuple(sorted(self.trust)), "checks": checks, "compare": compare,
                                    "previous": previous, "model": model, "guard": guard, "guard_every": guard_every,
-                                   "blocks": self.blocks, "block_notes": self.block_notes}
+                                   "blocks": self.blocks, "block_notes": self.block_notes, "sparse": sparse}
 
     def __deepcopy__(self, memo):  # ModelPatcher.clone() deep-copies model_options: every clone shares this one
         return self
@@ -251,6 +258,13 @@ class AttentionOverride:
         if plan.reason is not None:
             return self._delegate(plan.reason, func, q, k, v, heads, mask, attn_precision, skip_reshape,
                                   skip_output_reshape, kwargs, plan.site)
+        sparse = self.sparse
+        if sparse is not None:  # ComfyUI's sparse node decides these before attention: dense means delegated
+            position = block_position(to)
+            dense = sparse.dense_reason(q.shape[2] if skip_reshape else q.shape[1], None if position is None else position[0])
+            if dense is not None:
+                return self._delegate(dense, func, q, k, v, heads, mask, attn_precision, skip_reshape,
+                                      skip_output_reshape, kwargs, plan.site)
 
         views = plan.views
         if views is None:
@@ -264,12 +278,14 @@ class AttentionOverride:
         if mask is not None and mask.dim() == 2:  # ComfyUI's 2-D mask is (Lq, Lk): say so (a view), since the
             mask = mask[None, None]                # dispatcher refuses a bare 2-D mask with B == Lq as ambiguous
         attend = plan.attend or self._unkept_attend(plan)
-        if self.trust or self.checks:  # scopes only when the node asks for them: entering one costs ~1 us per call
+        if self.trust or self.checks or sparse is not None:  # scopes only when asked for: ~1 us each per call
             with contextlib.ExitStack() as stack:
                 if self.trust:
                     stack.enter_context(trusted_publishers(self.trust))
                 if self.checks:
                     stack.enter_context(attention_checks(self.checks))
+                if sparse is not None:
+                    stack.enter_context(sol_attn_options(sparse.tau))
                 out = attend(qs, ks, vs, mask)
         else:
             out = attend(qs, ks, vs, mask)
@@ -364,9 +380,10 @@ class AttentionOverride:
         if kwargs.get("low_precision_attention", True) is False:  # the model asked for full precision here
             if backend == AUTO_FAST or backend == AUTO:
                 plan.name = AUTO_EXACT
-            elif backend not in AUTOS and get_backend_spec(backend).quantised:
+            elif backend not in AUTOS and not get_backend_spec(backend).exact:
                 replacement = _non_quantised(backend)
-                plan.notes = (f"low_precision_attention=False: quantised '{backend}' replaced by '{replacement}'",)
+                plan.notes = (f"low_precision_attention=False: {get_backend_spec(backend).precision} '{backend}' "
+                              f"replaced by '{replacement}'",)
                 plan.name = replacement
         if skip_reshape:  # (B, H, L, D), possibly non-contiguous: strides are kept, the dispatcher copes
             plan.layout = "BHSD"
@@ -394,7 +411,7 @@ class AttentionOverride:
 
 def make_override(backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
                   compare=None, previous=None, model=None, guard=None, guard_every=None, blocks=None,
-                  block_notes=None) -> AttentionOverride:
+                  block_notes=None, sparse=None) -> AttentionOverride:
     """An `optimized_attention_override` for one Set Attention Backend node (see `AttentionOverride`)."""
     return AttentionOverride(backend, policy, recorder, window, trust, checks, compare, previous, model, guard,
-                             guard_every, blocks, block_notes)
+                             guard_every, blocks, block_notes, sparse)

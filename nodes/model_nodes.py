@@ -8,6 +8,7 @@ from ..dispatcher import (TRUSTED_PUBLISHERS, Recorder, availability_reasons, ba
                           trusted_publishers)
 from ..dispatcher import env as _env
 from ..dispatcher.auto import FAST_BOUND
+from ..dispatcher.backends import kitchen as _kitchen
 from ..dispatcher.guard import DEFAULT_EVERY
 from . import blocks as _blocks
 from . import reports
@@ -22,6 +23,7 @@ OVERRIDE_KEY = "optimized_attention_override"
 WRAPPER_KEY = "attention_dispatch"
 POLICIES = ["fallback", "strict"]
 Trust = io.Custom("ATTN_TRUST")
+Sparse = io.Custom("ATTN_SPARSE")  # a dispatcher.backends.kitchen.SolAttnOptions, for backend sol_attn
 CHECK_MODES = ["raise", "warn"]
 # Which of our nodes patched a model, upstream first: model_options[CHAIN_KEY] (cloned with the model), read
 # when a sampler runs to say which Set Attention Backend node took over (see _chain_notes).
@@ -80,8 +82,8 @@ def _policy_field(tooltip: str) -> v.Field:
 
 AUTOS_TOOLTIP = ("auto_exact (default): the fastest exact kernel for each call, judged on this model's own "
                  "activations; never a quantised kernel. auto_fast: also quantised kernels such as SageAttention "
-                 f"whose error on this model's activations stays within {FAST_BOUND:.0e}, watched by the quality "
-                 "guard. ")
+                 f"whose error on this model's activations stays within {FAST_BOUND:.0e}, and approximate ones "
+                 "such as block-sparse sol_attn within their own bound, watched by the quality guard. ")
 BLOCKS_TOOLTIP = ("Blocks outside block_start..block_end go where calls outside the step window go (an upstream Set "
                   "Attention Backend, else ComfyUI's attention). Needs a model that tells attention its block "
                   "position: newer ComfyUI's Flux, WAN, Chroma and Lumina, and the SD/SDXL UNet, do; ComfyUI "
@@ -116,6 +118,19 @@ SET_FIELDS = (
             tooltip="The quality guard checks one call in this many per call site (and always the first). On a "
                     "failed check the call is recomputed exactly, the kernel demoted for this model and call shape, "
                     "and this node's report says so."),
+)
+SPARSE_FIELDS = (
+    v.Field("tau", "float", default=_kitchen.DEFAULT_TAU, min=_kitchen.TAU_RANGE[0], max=_kitchen.TAU_RANGE[1],
+            step=0.05,
+            tooltip="sol_attn's routing threshold, in standard deviations of each query block's proxy scores: higher "
+                    "is sparser, faster and further from exact attention (ComfyUI: 1.0 keeps ~16% of key blocks "
+                    "exact, 1.5 ~7%, 2.0 ~2.7%). The quality guard compares sampled calls with exact attention."),
+    v.Field("dense_blocks", "string", default="",
+            tooltip="Transformer blocks that always run dense, e.g. '0, 1, 47-49' (block numbers from 0, ranges a-b, "
+                    "separated by commas). Needs a model that tells attention its block position."),
+    v.Field("min_tokens", "int", default=_kitchen.DEFAULT_MIN_TOKENS, min=0, max=_kitchen.MAX_MIN_TOKENS,
+            tooltip="Sequences shorter than this run dense (below roughly 12k tokens dense attention is usually "
+                    "faster)."),
 )
 CLIP_FIELDS = (
     _backend_field("Attention backend for the text encoder. " + AUTOS_TOOLTIP + "'comfy default' = unchanged."),
@@ -314,6 +329,9 @@ class SetAttentionBackend(io.ComfyNode):
                 *[widget(f) for f in SET_FIELDS],
                 Trust.Input("trust", optional=True,
                             tooltip="From Trust Remote Kernels: publishers whose Hub kernels this model may load."),
+                Sparse.Input("sparse", optional=True,
+                             tooltip="From Sparse Attention Options: tau, dense blocks and minimum tokens for backend "
+                                     "sol_attn (ignored with any other backend)."),
             ],
             outputs=[io.Model.Output(tooltip="A clone of the model using the chosen attention backend.")],
             hidden=[io.Hidden.unique_id],
@@ -330,7 +348,7 @@ class SetAttentionBackend(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, backend, policy, start_percent, end_percent, trust=None, block_start=0, block_end=-1,
-                quality_guard=DEFAULT_GUARD, guard_every=DEFAULT_EVERY) -> io.NodeOutput:
+                quality_guard=DEFAULT_GUARD, guard_every=DEFAULT_EVERY, sparse=None) -> io.NodeOutput:
         node_id = cls.hidden.unique_id
         m = model.clone()
         to = m.model_options.setdefault("transformer_options", {})
@@ -343,10 +361,18 @@ class SetAttentionBackend(io.ComfyNode):
         guard = GUARD_MODES[quality_guard]
         to[OVERRIDE_KEY] = make_override(backend, policy, recorder, window=window, trust=tuple(trust or ()),
                                          previous=previous, model=key, guard=guard, guard_every=guard_every,
-                                         blocks=blocks, block_notes=block_notes)
+                                         blocks=blocks, block_notes=block_notes, sparse=sparse)
         info = {"backend": backend, "policy": policy, "window": [start_percent, end_percent],
                 "chained_previous": previous is not None, "model": key,
                 "quality_guard": {"mode": guard, "every": guard_every}}
+        notes = []
+        if backend == _kitchen.SOL_ATTN_NAME:
+            options = to[OVERRIDE_KEY].sparse
+            info["sparse"] = {"tau": options.tau, "min_tokens": options.min_tokens,
+                              "dense_blocks": sorted(options.dense_blocks)}
+        elif sparse is not None:
+            notes.append(f"Sparse Attention Options apply to backend sol_attn only; this node's backend is {backend}: "
+                         "they are ignored.")
         if blocks is not None:
             info["blocks"] = {"range": list(blocks)}
         entry = {"kind": "model", "node": str(node_id), "backend": backend, "window": [start_percent, end_percent],
@@ -356,9 +382,10 @@ class SetAttentionBackend(io.ComfyNode):
             info["replaces"] = replaces
             upstream = f"Set Attention Backend #{replaces['node']} ({replaces.get('backend')})"
             scope = _scope_text(entry)
-            info["notes"] = [f"Takes over from {upstream} upstream: the node nearest the sampler wins"
-                             + (f"; outside this node's {scope} #{replaces['node']}'s backend runs." if scope
-                                else ".")]
+            notes.append(f"Takes over from {upstream} upstream: the node nearest the sampler wins"
+                         + (f"; outside this node's {scope} #{replaces['node']}'s backend runs." if scope else "."))
+        if notes:
+            info["notes"] = notes
         _add_outer_sample_wrapper(m, _run_wrapper("model", node_id, recorder, info=info, block_notes=block_notes))
         return io.NodeOutput(m)
 
@@ -436,6 +463,39 @@ class AttentionChecks(io.ComfyNode):
         return io.NodeOutput(m)
 
 
+class SparseAttentionOptions(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="SparseAttentionOptions",
+            display_name="Sparse Attention Options",
+            category=CATEGORY,
+            description="Options of the block-sparse backend sol_attn (comfy-kitchen's Sol-Attn, as ComfyUI's Model "
+                        "Sparse Attention node sets them): tau, the blocks and the short sequences that stay dense. "
+                        "Connect to Set Attention Backend's sparse input with backend sol_attn.",
+            inputs=[widget(f) for f in SPARSE_FIELDS],
+            outputs=[Sparse.Output(tooltip="Connect to Set Attention Backend's sparse input.")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, tau=v.MISSING, dense_blocks=v.MISSING, min_tokens=v.MISSING):
+        problems, good = v.check(SPARSE_FIELDS, {"tau": tau, "dense_blocks": dense_blocks, "min_tokens": min_tokens})
+        if "dense_blocks" in good:
+            _, why = _kitchen.parse_dense_blocks(good["dense_blocks"])
+            if why:
+                problems.append(why)
+        return v.answer(problems)
+
+    @classmethod
+    def execute(cls, tau, dense_blocks, min_tokens) -> io.NodeOutput:
+        blocks, why = _kitchen.parse_dense_blocks(dense_blocks)
+        options = _kitchen.SolAttnOptions(tau=float(tau), min_tokens=int(min_tokens), dense_blocks=blocks)
+        problems = ([why] if why else []) + options.problems()
+        if problems:  # validate_inputs said so at queue time; a prompt that skipped it still gets the same words
+            raise ValueError("Sparse Attention Options: " + "; ".join(problems))
+        return io.NodeOutput(options)
+
+
 class TrustRemoteKernels(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -484,4 +544,4 @@ class TrustRemoteKernels(io.ComfyNode):
         return io.NodeOutput(parsed.names, ui={"text": ["\n".join(lines)]})
 
 
-NODES = [SetAttentionBackend, SetClipAttentionBackend, AttentionChecks, TrustRemoteKernels]
+NODES = [SetAttentionBackend, SetClipAttentionBackend, AttentionChecks, SparseAttentionOptions, TrustRemoteKernels]

@@ -213,3 +213,35 @@ def test_chart_has_one_panel_per_ratio_with_labelled_reference_lines(tmp_path, m
         tallest = max(p.get_height() for p in ax.patches)
         assert ax.get_ylim()[1] > tallest  # never clipped (the old chart stopped at 1.5)
     plt.close("all")
+
+
+def test_side_by_side_reports_errors_picks_and_what_cannot_run(tmp_path):
+    """bench/side_by_side.py on a small CPU shape with local (video-like) inputs: each backend's time and error
+    against float64, what each auto served, and the GPU kernels listed as skipped with their reasons."""
+    import side_by_side
+    out = tmp_path / "sbs.json"
+    assert side_by_side.main(["--shape", "1,2,512,64", "--inputs", "local", "--runs", "2", "--json", str(out),
+                              "--backends", "native,sol_attn,comfy_kitchen_int8,flash_4,auto_exact,auto_fast"]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["ms"]) == {"native", "auto_exact", "auto_fast"} and result["grid"] == [1, 16, 32]
+    assert all(e < 1e-5 for e in result["rel_error_vs_float64"].values())  # exact kernels on the CPU
+    assert result["served"]["auto_exact"] in dispatcher.backend_names()
+    for name in ("sol_attn", "comfy_kitchen_int8", "flash_4"):
+        assert any("needs an NVIDIA CUDA GPU" in r for r in result["skipped"][name]), result["skipped"]
+
+
+def test_local_video_inputs_have_the_locality_block_sparse_routing_needs():
+    """Most of each 64-token query block's attention falls in a few key blocks (what sol_attn's tau 1.0 keeps
+    exact, ~16%); on noise it does not."""
+    def mass_in_top_blocks(q, k):
+        q, k = q.transpose(1, 2).double(), k.transpose(1, 2).double()
+        p = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).softmax(-1)
+        n = q.shape[2] // 64
+        per_block = p.reshape(*p.shape[:2], n, 64, n, 64).sum(-1).mean(3)
+        return float(per_block.sort(-1, descending=True).values[..., :max(1, int(0.16 * n))].sum(-1).mean())
+
+    q, k, _ = bench.local_video_qkv(1, 2, 4, 16, 32, 128, device="cpu", dtype=torch.float32)
+    assert mass_in_top_blocks(q, k) > 0.98
+    noise = torch.randn(2, 1, 2048, 2, 128, generator=torch.Generator().manual_seed(0))
+    assert mass_in_top_blocks(noise[0], noise[1]) < 0.5
+    assert bench.video_grid(32760) == (21, 30, 52) and bench.video_grid(4608) == (1, 64, 72)

@@ -105,26 +105,30 @@ def test_simulated_machines_describe_their_hardware():
 F, R, O, P, U = ip.FETCH, ip.READY, ip.OPT_IN, ip.PIP, ip.UNSUPPORTED
 EXPECTED = {
     "t4": {"flash_hub": U, "_flash_3_hub": U, "flash_4_hub": U, "flash": U, "xformers": P, "_native_cudnn": U,
-           "_native_efficient": R, "sage_hub": U},
+           "_native_efficient": R, "sage_hub": U, "flash_4": U, "comfy_kitchen_int8": P, "sol_attn": U},
     "rtx3090": {"flash_hub": F, "_flash_3_hub": F, "flash_4_hub": U, "sage_hub": O, "sage_blackwell_hub": U,
-                "flash": P, "_native_cudnn": R},
+                "flash": P, "_native_cudnn": R, "flash_4": U, "comfy_kitchen_int8": P, "sol_attn": P},
     "a100": {"flash": R, "flash_varlen": R, "flash_hub": F, "_flash_3_hub": F, "flash_4_hub": U, "sage": P},
     "rtx4090": {"sage": R, "_sage_qk_int8_pv_fp8_cuda": R, "_sage_qk_int8_pv_fp8_cuda_sm90": U,
                 "_flash_3_hub": F, "flash_4_hub": U, "flash": P},
     "h200": {"_flash_3_hub": F, "_flash_3_varlen_hub": F, "flash_4_hub": F, "flash_hub": F, "sage_hub": O,
-             "sage_blackwell_hub": U, "aiter_fa2_hub": U, "aiter_sage_hub": U, "flash": P, "_flash_3": P},
+             "sage_blackwell_hub": U, "aiter_fa2_hub": U, "aiter_sage_hub": U, "flash": P, "_flash_3": P,
+             "flash_4": P, "comfy_kitchen_int8": P, "sol_attn": P},
     "h100": {"_flash_3_hub": F, "flash_4_hub": F, "sage_blackwell_hub": U},
-    "b200": {"flash_4_hub": F, "_flash_3_hub": U, "sage_blackwell_hub": O, "sage_hub": O, "flash_hub": F},
-    "rtx5090": {"sage_blackwell_hub": O, "flash_4_hub": U, "_flash_3_hub": U, "flash_hub": F, "sage_hub": U},
+    "b200": {"flash_4_hub": F, "_flash_3_hub": U, "sage_blackwell_hub": O, "sage_hub": O, "flash_hub": F,
+             "flash_4": P},
+    "rtx5090": {"sage_blackwell_hub": O, "flash_4_hub": U, "_flash_3_hub": U, "flash_hub": F, "sage_hub": U,
+                "flash_4": P, "sol_attn": P},
     "mi300x": {"aiter_fa2_hub": F, "aiter_sage_hub": U, "flash_hub": U, "_native_efficient": R,
-               "_native_cudnn": U, "xformers": U},
+               "_native_cudnn": U, "xformers": U, "comfy_kitchen_int8": U, "sol_attn": U, "flash_4": U},
     "mi355x": {"aiter_fa2_hub": F, "aiter_sage_hub": U},
     "rx9070": {"aiter_sage_hub": F, "aiter_fa2_hub": U},
     "rx7900": {"aiter_sage_hub": U, "aiter_fa2_hub": U, "native": R},
     "mac": {"native": R, "_native_math": R, "flash_hub": U, "aiter_fa2_hub": U, "_native_efficient": U},
     "arc": {"native": R, "flash_hub": U, "_native_cudnn": U},
     "ascend": {"_native_npu": R, "flash_hub": U, "_native_xla": U},
-    "cpu": {"native": R, "flex": R, "_native_flash": R, "_native_math": R, "_native_npu": U, "_native_xla": U},
+    "cpu": {"native": R, "flex": R, "_native_flash": R, "_native_math": R, "_native_npu": U, "_native_xla": U,
+            "flash_4": U, "comfy_kitchen_int8": U, "sol_attn": U},
 }
 FETCHABLE = {  # the Hub kernels install.py fetches on each machine without any opt-in
     "t4": set(), "rtx3090": {"flash-attn2", "flash-attn3"}, "a100": {"flash-attn2", "flash-attn3"},
@@ -180,6 +184,10 @@ def test_plan_pip_commands_are_exact_and_deduplicated():
     commands = [s.command for s in plan.pip_commands()]
     assert "pip install 'flash-attn>=2.6.3' --no-build-isolation" in commands
     assert "pip install 'xformers>=0.0.29'" in commands
+    # comfy-kitchen serves two backends: one command; flash-attn-4's CUDA 13 remark is text, not an argument
+    assert commands.count("pip install 'comfy-kitchen>=0.2.40'") == 1
+    assert ip.pip_argv(plan.get("flash_4").steps[0]) == ["install", "flash-attn-4>=4.0.0b40"]
+    assert "[cu13]" in plan.get("flash_4").steps[0].command
     assert commands.count("pip install sageattention") == 1  # PyPI's 1.0.6 serves `sage`
     manual = [s for s in plan.pip_commands() if s.kind == "manual"]
     assert manual and all(ip.pip_argv(s) is None for s in manual)  # FA3: a community wheel or a source build

@@ -40,6 +40,8 @@ def _good(nodes):
         nodes.SetClipAttentionBackend: (nodes.CLIP_FIELDS, {"backend": "native", "policy": "strict"}),
         nodes.AttentionChecks: (nodes.CHECKS_FIELDS, {"mode": "warn", "compare": True, "compare_every": 10}),
         nodes.TrustRemoteKernels: (nodes.TRUST_FIELDS, {"publishers": _untrusted(nodes)[0]}),
+        nodes.SparseAttentionOptions: (nodes.SPARSE_FIELDS, {"tau": 1.0, "dense_blocks": "0, 47-49",
+                                                             "min_tokens": 12288}),
     }
 
 

@@ -12,8 +12,8 @@ export const ALWAYS_AVAILABLE = new Set(["auto_exact", "auto_fast", "auto", "com
 /** What the dropdown says beside the values that are not registry backends. */
 export const PSEUDO_NOTES = {
   auto_exact: "fastest exact kernel for each call, judged on this model's own activations; never a quantised kernel",
-  auto_fast: "also quantised kernels (SageAttention) whose error on this model's activations stays within 5e-2, " +
-    "watched by the quality guard",
+  auto_fast: "also quantised kernels (SageAttention, comfy-kitchen INT8) whose error on this model's activations " +
+    "stays within 5e-2, and approximate ones (sol_attn) within their own bound, watched by the quality guard",
   auto: "older name of auto_exact: best available exact kernel for each call",
   "comfy default": "ComfyUI's own attention",
 };

@@ -2,7 +2,8 @@
 
 - `auto_exact`: exact kernels only (error at bf16 rounding level; never a quantised kernel).
 - `auto_fast`: also quantised kernels (SageAttention's int8/fp8) whose relative error on the model's own
-  activations is at most `FAST_BOUND` (docs/auto.md says why that number); the quality guard
+  activations is at most `FAST_BOUND` (docs/auto.md says why that number), and approximate ones (block-sparse
+  sol_attn) within their own declared `error_bound`; the quality guard
   (dispatcher/guard.py) then watches them while sampling.
 - `auto`: the name older workflows and callers use, the same as `auto_exact`.
 

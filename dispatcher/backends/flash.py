@@ -31,6 +31,14 @@ FA3_FORWARD_WHEEL = Package("fa3-fwd", module="fa3_fwd_interface", torch="2.10",
                             pip="pip install fa3-fwd (a community build of FlashAttention-3's forward kernels whose "
                                 "metadata names no author: install it yourself if you trust it)")
 FA3 = OneOf((FA3_FORWARD_WHEEL, FA3_SOURCE))
+# FlashAttention-4 (CuTe DSL, JIT-compiled on first use of each shape family; needs nvidia-cutlass-dsl, which pip
+# brings). It installs `flash_attn/cute` into the `flash_attn` namespace, so FlashAttention-2 is detected by
+# `flash_attn.flash_attn_interface`, never by `import flash_attn`. On CUDA 13 its README asks for the [cu13] extra.
+FA4 = Package("flash-attn-4", "4.0.0b40", module="flash_attn.cute",
+              pip="pip install 'flash-attn-4>=4.0.0b40' (on CUDA 13: 'flash-attn-4[cu13]>=4.0.0b40')")
+# flash_attn/cute/interface.py 4.0.0b40 has kernels for sm_90 (Hopper), sm_100/sm_103/sm_110 (Blackwell datacenter,
+# Thor) and sm_120/sm_121 (Blackwell GeForce, DGX Spark); its sm_80 path is left out (FA2 and FA3 serve Ampere).
+FA4_ARCHS = CudaCapability(exact=((9, 0), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1)))
 
 FLASH_2_HUB = HubKernel("kernels-community/flash-attn2", "flash_attn_func", version=3)
 FLASH_2_VARLEN_HUB = HubKernel("kernels-community/flash-attn2", "flash_attn_varlen_func", version=3)
@@ -80,6 +88,26 @@ def _fa3_varlen_pip():
     return _fa3_module().flash_attn_varlen_func
 
 
+def _fa4_pip():
+    from flash_attn.cute import flash_attn_func
+    return flash_attn_func
+
+
+def _fa4_head_dims(inputs: AttentionInputs) -> list[str]:
+    """FlashAttention-4's head dims per GPU generation (its `_validate_head_dims`): up to 256 on sm_90; on the
+    Blackwell datacenter parts up to 128, or exactly 256; its sm_120 kernel sizes tiles by shared memory and is
+    declared up to 128 only (larger ones are not verified)."""
+    from ..machine import capability_of
+    capability = capability_of(inputs.device) if inputs.device_kind == "cuda" else None
+    if capability is None or capability[0] == 9 or inputs.head_dim <= 128:
+        return []
+    if capability[0] in (10, 11) and inputs.head_dim == 256:
+        return []
+    allowed = "8..128 or 256" if capability[0] in (10, 11) else "8..128"
+    return [f"head dim {inputs.head_dim} is not supported by FlashAttention-4 on sm_{capability[0]}{capability[1]} "
+            f"(supported there: {allowed}, multiple of 8)"]
+
+
 def _fa3_wheel_limits(inputs: AttentionInputs) -> list[str]:
     """What the forward-only wheel lacks, when it is the FlashAttention-3 in use."""
     if import_error(FA3_SOURCE.module) is None or import_error(FA3_FORWARD_WHEEL.module) is not None:
@@ -102,13 +130,13 @@ def _window(kwargs: dict, window_size) -> None:
 
 def dense(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *, kernel=None, style="fa2",
           window_size=None):
-    kernel = kernel or {"fa2": _fa2_pip, "fa3": _fa3_pip}[style]()
+    kernel = kernel or {"fa2": _fa2_pip, "fa3": _fa3_pip, "fa4": _fa4_pip}[style]()
     kwargs = {"softmax_scale": scale, "causal": is_causal}
     _window(kwargs, window_size)
     if style in ("fa2", "aiter"):
         kwargs["dropout_p"] = dropout_p
-    if return_lse:
-        kwargs["return_lse" if style == "aiter" else "return_attn_probs"] = True
+    if return_lse:  # FlashAttention-4's flash_attn_func names it return_lse, as AITER's does
+        kwargs["return_lse" if style in ("aiter", "fa4") else "return_attn_probs"] = True
     return _out_and_lse(kernel(q, k, v, **kwargs), return_lse)
 
 
@@ -190,6 +218,11 @@ add(BackendSpec(name="flash_4_hub", family="flash4", description="FlashAttention
                 fn=_style(dense, style="fa4"), capability=HOPPER_BLACKWELL, hub=FLASH_4_HUB,
                 backward=False, requires=(kernels_requirement(FLASH_4_HUB), ON_CUDA),
                 **{**COMMON, "head_dims": HeadDims(8, 128, 8)}))
+add(BackendSpec(name="flash_4", family="flash4",
+                description="FlashAttention-4 (pip flash-attn-4, CuTe DSL): sm_90, sm_100, sm_120",
+                # backward=False: FlashAttention-4 has a backward pass, but no test of this pack has run it yet
+                fn=_style(dense, style="fa4"), capability=FA4_ARCHS, backward=False, extra_reasons=_fa4_head_dims,
+                requires=(FA4, ON_CUDA), **COMMON))
 add(BackendSpec(name="aiter_fa2_hub", family="aiter", description="AMD AITER CK FlashAttention-2 from the Hub (bf16)",
                 fn=_style(dense, style="aiter"), devices=frozenset({"rocm"}), dtypes=BF16, dropout=True,
                 rocm=RocmArch(("gfx942", "gfx950")), hub=AITER_FA2_HUB,

@@ -10,7 +10,8 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-NODES = ("SetAttentionBackend", "SetClipAttentionBackend", "AttentionChecks", "TrustRemoteKernels")
+NODES = ("SetAttentionBackend", "SetClipAttentionBackend", "AttentionChecks", "SparseAttentionOptions",
+         "TrustRemoteKernels")
 _prefix = itertools.count()
 
 

@@ -130,3 +130,35 @@ def test_checks_before_set_say_they_saw_no_calls(comfy):
     report = checks[-1]
     assert report["no_calls"] is True and report["compare"]["samples"] == 0
     assert report["notes"][0].startswith("Saw no attention calls: Set Attention Backend #61 (flex)"), report
+
+
+@pytest.mark.parametrize("inputs, expected", [
+    ({"tau": 1.0, "dense_blocks": "0, first", "min_tokens": 0}, "dense_blocks: 'first' is not a block number"),
+    ({"tau": 9.0, "dense_blocks": "", "min_tokens": 0}, "tau: 9 is above the maximum 4"),
+    ({"tau": 1.0, "dense_blocks": "", "min_tokens": -5}, "min_tokens: -5 is below the minimum 0"),
+])
+def test_sparse_options_are_checked_at_queue_time(comfy, inputs, expected):
+    sparse = {"30": {"class_type": "SparseAttentionOptions", "inputs": inputs}}
+    prompt = sampled([("31", SET, set_inputs(backend="sol_attn", sparse=["30", 0]))], seed=307, extra=sparse)
+    assert expected in refused(comfy, prompt, "30")
+
+
+def test_sol_attn_on_a_cpu_says_why_and_applies_the_dense_rules(comfy):
+    """On this CPU sol_attn cannot run: with min_tokens 0 its calls fall back along its chain with the reason; with
+    min_tokens above every sequence they all run dense (ComfyUI's attention), each with its reason."""
+    def report_for(min_tokens, seed):
+        sparse = {"30": {"class_type": "SparseAttentionOptions",
+                         "inputs": {"tau": 1.3, "dense_blocks": "", "min_tokens": min_tokens}}}
+        entry = comfy.run(sampled([("31", SET, set_inputs(backend="sol_attn", sparse=["30", 0]))], seed=seed,
+                                  extra=sparse))
+        return model_report(comfy, entry, "31")
+
+    report = report_for(0, 308)
+    assert report["sparse"] == {"tau": 1.3, "min_tokens": 0, "dense_blocks": []}
+    rows = report["recorder"]["rows"]
+    assert rows and all(r["served"] in ("_native_flash", "native") for r in rows), rows
+    assert all(any("needs an NVIDIA CUDA GPU" in reason for reason in r["reasons"]) for r in rows), rows
+    rows = report_for(1 << 20, 309)["recorder"]["rows"]
+    assert rows and all(r["served"].startswith("comfy:") for r in rows), rows
+    assert all(any("< min_tokens 1048576: short sequences run faster dense" in reason for reason in r["reasons"])
+               for r in rows), rows

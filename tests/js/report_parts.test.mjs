@@ -30,7 +30,7 @@ describe("the autos", () => {
       assert.equal(isUnavailable(INDEX, v), false);
     }
     assert.match(menuEntry(INDEX, "auto_exact").note, /never a quantised kernel/);
-    assert.match(menuEntry(INDEX, "auto_fast").note, /within 5e-2, watched by the quality guard/);
+    assert.match(menuEntry(INDEX, "auto_fast").note, /within 5e-2, and approximate ones \(sol_attn\) within their own bound, watched by the quality guard/);
     assert.match(menuEntry(INDEX, "auto").note, /auto_exact/);
     const values = ["auto_exact", "auto_fast", "comfy default", "native", "flash"];
     assert.deepEqual(visibleValues(values, INDEX, false, "auto_exact"), ["auto_exact", "auto_fast", "comfy default",
