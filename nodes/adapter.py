@@ -460,9 +460,11 @@ class AttentionOverride:
         target = previous if to_previous else None
         call = None
         if containers:  # a container_function down the chain takes the containers itself; else they are taken here
-            if target is None:
-                func = self._default_func()
-            call = getattr(target if target is not None else func, "container_function", None)
+            call = None if target is None else getattr(target, "container_function", None)
+            if call is None:
+                func = self._default_func()  # a plain override, or ComfyUI's attention itself, needs func
+                if target is None:
+                    call = getattr(func, "container_function", None)
             if call is None:
                 q, k, v = q.take(), k.take(), v.take()
         if call is None:
