@@ -287,7 +287,8 @@ def _foreign_notes(own, top, calls: int) -> dict:
     if len(above) == len(order):  # not reached
         if known:
             last = overrides.describe(foreign[-1])
-            return {"overridden_by": {"node": None, "label": last, "backend": last},
+            return {"overridden_by": {"node": None, "label": last, "short": overrides.short_name(foreign[-1]),
+                                      "backend": last},
                     "notes": [f"Overridden: {last} was installed after this node and does not pass attention calls on "
                               f"to it, so this node's backend served {calls} calls. ComfyUI has one override key and "
                               f"the last writer wins: put Set Attention Backend after {last} (nearer the sampler); it "

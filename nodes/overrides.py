@@ -71,6 +71,19 @@ def describe(fn) -> str:
     return f"{module}.{name}" if module else name
 
 
+def short_name(fn) -> str:
+    """A few words for a badge: the core node's name, or the override's own name."""
+    what = kind(fn)
+    if what == "core_backend":
+        return "Model Attention Backend"
+    if what == "core_sparse":
+        return "Model Sparse Attention"
+    if what in ("ours", "context_parallel", "none"):
+        return describe(fn)
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return name.rsplit(".", 1)[-1]
+
+
 def passes_to(fn):
     """The override `fn` passes the calls it does not take to: a list (empty: it passes none on, only to ComfyUI's
     own attention or its one backend), or None when that cannot be told from outside."""

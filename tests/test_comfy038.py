@@ -212,6 +212,7 @@ def test_model_attention_backend_downstream_replaces_the_pack_and_the_report_say
     c38.call_site(c38.attention_pytorch, q, k, v, 2, after.model_options["transformer_options"], True)
     report = _run(nodes, after)
     assert report["overridden_by"]["label"] == "ComfyUI Model Attention Backend (attention_pytorch)"
+    assert report["overridden_by"]["short"] == "Model Attention Backend"  # the badge's words
     assert report["notes"][-1].startswith("Overridden: ComfyUI Model Attention Backend (attention_pytorch) was "
                                           "installed after this node")
     assert report["recorder"]["calls"] == 0
