@@ -53,7 +53,7 @@ from ..dispatcher.auto import PSEUDO_BACKENDS as AUTOS  # "auto" is auto_exact (
 from ..dispatcher.guard import settings as guard_settings
 from ..dispatcher.report import register as register_recorder
 from .blocks import blocks_text, in_blocks, is_default
-from .overrides import OverrideChainError, chain, describe
+from .overrides import OverrideChainError, chain, comfy_default_attention, describe
 from .window import in_window
 
 COMFY_DEFAULT = "comfy default"
@@ -236,7 +236,8 @@ class AttentionOverride:
     ("quantised" | "all" | "off"; None: the dispatcher's default) and guard_every; blocks: (block_start, block_end)
     or None (every block); block_notes: a dict, site -> why the block range cannot apply there (shared with the
     node's report and with overrides rebuilt from this one's config); default_attention: a zero-argument callable
-    returning ComfyUI's default attention function, for container calls passed on (they come without `func`);
+    returning the attention function for container calls passed on (they come without `func`; by default
+    ComfyUI's default attention, `overrides.comfy_default_attention`);
     precision_notes: a dict, (site, what kept it exact) -> calls with low_precision_attention=False (shared like
     block_notes).
 
@@ -255,7 +256,7 @@ class AttentionOverride:
         chain(previous)  # a chain that already loops fails here, when the node runs, not on the first call
         # what the report says served the calls passed on (fixed now: the previous override does not change)
         self.previous_label = None if previous is None else f"previous override: {describe(previous)}"
-        self.default_attention = default_attention
+        self.default_attention = comfy_default_attention if default_attention is None else default_attention
         self.model = model
         # (mode, every), checked once here: the dispatcher takes a tuple as is (no per-call parsing)
         if guard is None and guard_every is None:
@@ -443,12 +444,13 @@ class AttentionOverride:
             active.discard(id(self))
 
     def _default_func(self):
-        if self.default_attention is None:
+        try:
+            return self.default_attention()
+        except ImportError as error:
             raise RuntimeError(
-                "a ComfyUI 0.38 container call (no func) must be passed on to ComfyUI's attention, but this override "
-                "was made without default_attention; make it with default_attention=nodes.overrides."
-                "comfy_default_attention (the Set Attention Backend node does)")
-        return self.default_attention()
+                "a ComfyUI 0.38 container call (it comes without func) is passed on to ComfyUI's attention, and "
+                f"ComfyUI's default attention function cannot be imported here ({error}); outside ComfyUI, make the "
+                "override with default_attention=<a function returning the attention to run>") from error
 
     def _pass_on(self, reason, func, q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs,
                  site, containers):

@@ -275,9 +275,15 @@ def _foreign_notes(own, top, calls: int) -> dict:
         order, known = overrides.chain(top)
     except overrides.OverrideChainError as error:
         return {"notes": [str(error)]}
+    recorder = getattr(own, "recorder", None)
+
+    def mine(o):  # this node's override, or Attention Checks' rebuild of it (same recorder)
+        config = getattr(o, "attention_dispatch", None)
+        return o is own or (recorder is not None and isinstance(config, dict) and config.get("recorder") is recorder)
+
     above = []
     for o in order:
-        if o is own:
+        if mine(o):
             break
         above.append(o)
     foreign = [o for o in above if overrides.kind(o) not in ("ours", "context_parallel")]
@@ -436,8 +442,7 @@ class SetAttentionBackend(io.ComfyNode):
         precision_notes: dict = {}
         override = make_override(backend, policy, recorder, window=window, trust=tuple(trust or ()),
                                  previous=previous, model=key, guard=guard, guard_every=guard_every, blocks=blocks,
-                                 block_notes=block_notes, default_attention=overrides.comfy_default_attention,
-                                 precision_notes=precision_notes)
+                                 block_notes=block_notes, precision_notes=precision_notes)
         to[OVERRIDE_KEY] = override
         info = {"backend": backend, "policy": policy, "window": [start_percent, end_percent],
                 "chained_previous": previous is not None, "model": key,
@@ -530,8 +535,7 @@ class AttentionChecks(io.ComfyNode):
         if config is not None:  # ours: the same backend, now with checks
             to[OVERRIDE_KEY] = make_override(**{**config, "checks": mode, "compare": cmp})
         else:  # none or another pack's: check around it
-            to[OVERRIDE_KEY] = make_override(PASS_THROUGH, recorder=None, checks=mode, compare=cmp, previous=existing,
-                                             default_attention=overrides.comfy_default_attention)
+            to[OVERRIDE_KEY] = make_override(PASS_THROUGH, recorder=None, checks=mode, compare=cmp, previous=existing)
         _add_outer_sample_wrapper(m, _run_wrapper("checks", node_id, compare=cmp, info={"checks": mode}))
         return io.NodeOutput(m)
 

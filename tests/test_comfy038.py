@@ -288,10 +288,11 @@ def test_another_packs_plain_override_upstream_gets_func_for_container_calls(as_
                                          "gets_func_for_container_calls.<locals>.other_pack"]
 
 
-def test_container_call_passed_on_needs_comfy_default_attention():
+def test_container_call_passed_on_outside_comfyui_is_a_clear_error():
+    """By default a container call passed on runs ComfyUI's default attention, imported from ComfyUI when needed."""
     fn = adapter.make_override("comfy default")
     q, k, v = c38.flat_qkv()
-    with pytest.raises(RuntimeError, match="without default_attention"):
+    with pytest.raises(RuntimeError, match="ComfyUI's default attention function cannot be imported here"):
         c38.call_site(c38.attention_pytorch, q, k, v, 2, options(fn), True)
 
 
@@ -387,3 +388,60 @@ def test_embedded_attention_method_is_reported(monkeypatch):
     (m,) = nodes.SetAttentionBackend.execute(model, "native", "fallback", 0.0, 1.0).result
     note, = [n for n in _run(nodes, m)["notes"] if "embeds" in n]
     assert "'comfy_kitchen_int8' in 1 modules" in note and "does not show it to an override" in note
+
+
+# ------------------------------------------------------------------------------------------------ node reports
+
+def _sample(nodes, model, *calls):
+    """One sampling run of `model`: its OUTER_SAMPLE wrappers around an executor that makes `calls` (transformer
+    options -> None) on the run's model options; the node's report."""
+    reports = importlib.import_module(f"{PACK}.nodes.reports")
+    reports.clear()
+    guider = types.SimpleNamespace(model_options=model.model_options)
+
+    class Executor:
+        class_obj = guider
+
+        def __call__(self, *args, **kwargs):
+            for call in calls:
+                call(guider.model_options["transformer_options"])
+
+    for wrapper in model.outer_wrappers():
+        wrapper(Executor())
+    (report,) = [r for r in reports.latest()["reports"] if r["kind"] == "model"]
+    return report
+
+
+def test_report_counts_the_calls_kept_exact(monkeypatch):
+    nodes = node_stub.install(monkeypatch)
+    (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "sage", "fallback", 0.0, 1.0).result
+    q, k, v = c38.flat_qkv(lk=8)
+
+    def image_cross_attention(to):
+        c38.call_site(c38.attention_pytorch, q, k, v, 2, to, True, low_precision_attention=False)
+
+    report = _sample(nodes, m, image_cross_attention, image_cross_attention)
+    (row,) = report["full_precision"]
+    assert row["site"] == "cross" and row["calls"] == 2 and row["reason"].startswith("quantised 'sage' replaced by")
+    assert any(n.startswith("Kept exact: 2 calls with low_precision_attention=False") for n in report["notes"])
+
+
+@pytest.mark.parametrize("checks_after", [False, True])
+def test_report_of_a_node_under_sparse_attention_and_one_replaced(monkeypatch, checks_after):
+    """Model Sparse Attention installed after the node: the node still serves the dense calls, and its report says the
+    sparse node sees each call first. Attention Checks rebuilding the node's override is still the node."""
+    nodes = node_stub.install(monkeypatch)
+    (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "native", "fallback", 0.0, 1.0).result
+    if checks_after:
+        (m,) = nodes.AttentionChecks.execute(m, "warn", False, 1).result
+    patch = c38.SparsePatch(min_tokens=16)
+    short = c38.flat_qkv(lq=8, lk=8)
+
+    def step(to):
+        patch.install(to)  # the sparse node's per-step re-install
+        c38.call_site(c38.attention_pytorch, *short, 2, to, True)
+
+    report = _sample(nodes, m, step, step)
+    assert report["recorder"]["calls"] == 2 and "overridden_by" not in report
+    assert any("ComfyUI Model Sparse Attention gets each attention call before this node" in n
+               for n in report["notes"])
