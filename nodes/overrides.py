@@ -66,7 +66,8 @@ def describe(fn) -> str:
         return f"ComfyUI Model Attention Backend ({name})" if name else "ComfyUI Model Attention Backend"
     if what == "core_sparse":
         return "ComfyUI Model Sparse Attention"
-    module = getattr(fn, "__module__", "") or ""
+    # ComfyUI imports a custom node pack under its folder's path: the folder's name is what a user recognises
+    module = (getattr(fn, "__module__", "") or "").replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
     name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     return f"{module}.{name}" if module else name
 

@@ -378,6 +378,23 @@ def test_comfy_kitchen_int8_is_ours_once_registered(monkeypatch):
         assert "does not offer it yet" in answer and "Model Attention Backend" in answer
 
 
+def test_another_packs_override_is_named_by_its_folder_not_its_path():
+    """ComfyUI 0.3.64 imports a custom node pack under its folder's path; a report never shows a path."""
+    def override(func, *args, **kwargs):
+        return func(*args, **kwargs)
+    override.__module__ = "/home/user/ComfyUI/custom_nodes/OtherPack"
+    assert overrides.describe(override) == "OtherPack.test_another_packs_override_is_named_by_its_folder_not_its_" \
+                                           "path.<locals>.override"
+
+
+def test_backends_route_lists_comfy_names():
+    routes = importlib.import_module(f"{PACK}.nodes.routes")
+    names = routes.backends_payload()["comfy_names"]
+    assert set(names) == {"sage", "sage3", "flash", "xformers", "pytorch", "sub_quad", "split", "comfy_kitchen_int8"}
+    assert names["pytorch"]["backend"] == "native" and names["pytorch"]["refused"] is None
+    assert names["split"]["backend"] is None and "comfy default" in names["split"]["refused"]
+
+
 def test_embedded_attention_method_is_reported(monkeypatch):
     nodes = node_stub.install(monkeypatch)
     layer = torch.nn.Linear(2, 2)
