@@ -57,6 +57,8 @@ def describe(fn) -> str:
     if what == "ours":
         config = fn.attention_dispatch
         label = getattr(config.get("recorder"), "label", "")
+        if not label and config.get("backend") == "pass through":
+            return "Attention Checks"  # around an override that is not this pack's
         return label or f"Set Attention Backend ({config.get('backend')})"
     if what == "context_parallel":
         return "Context Parallel Attention"
