@@ -12,9 +12,22 @@ Decisions, documented once:
 - `attn_precision=torch.float32` with fp16/bf16 inputs: ComfyUI's basic/sub-quad/split backends then
   compute softmax in fp32. We keep that promise by running the dispatcher on fp32 copies and casting
   the output back; a backend without fp32 support then falls back (policy "fallback") or fails ("strict").
-- `low_precision_attention=False` (newer ComfyUI, e.g. WAN I2V image cross-attention) with a quantised
-  backend (`spec.quantised`): the first non-quantised backend in that backend's fallback chain runs instead;
-  `auto_fast` becomes `auto_exact` there.
+- `low_precision_attention=False` (newer ComfyUI, e.g. WAN I2V image cross-attention) with a quantised or
+  approximate backend (not `spec.exact`): the first exact backend in that backend's fallback chain runs instead;
+  `auto_fast` becomes `auto_exact` there. Every such call is counted in `precision_notes` (site, what kept it
+  exact) for the node's report; a call passed on keeps the flag, and the count says where it went.
+- Two call forms (docs/comfyui-versions.md): `__call__(func, q, k, v, ...)` with tensors (ComfyUI 0.3.64, and
+  0.38 for overrides without `container_function`), and `container_function(q, k, v, ...)` with 0.38's
+  single-owner AttentionTensorContainers and no `func`. A container call is planned on `peek()`ed tensors; the
+  containers are taken once, only by whoever serves the call: this override when it runs it, else passed on
+  untouched to a `container_function` down the chain. With no `func`, a container call passed on to a plain
+  override or to ComfyUI's attention gets `default_attention()` (ComfyUI's default attention function).
+  `preferred_attention` (a checkpoint's embedded method) is popped by ComfyUI before any override sees it and
+  used only when no override is installed: the pack cannot honour it (the node's report says when a model has one).
+- Chaining: `previous` is whatever override was on the key before this one (ours, the core Model Attention
+  Backend or Model Sparse Attention, another pack's); calls passed on go to it and are recorded as served by
+  "previous override: <its name>" (nodes/overrides.py). A chain that loops (a call comes back to an override that
+  passed it on, e.g. an override that drops `_inside_attn_wrapper`) raises OverrideChainError, never recurses.
 - "auto_exact" / "auto_fast" ("auto" = auto_exact, for older workflows): the dispatcher's autos (time and validate
   every backend that supports the call on its live values, cache the winner per signature). They never download
   code: Hub kernels count once fetched and trusted.
@@ -31,6 +44,7 @@ Decisions, documented once:
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -44,6 +58,7 @@ from ..dispatcher.auto import PSEUDO_BACKENDS as AUTOS  # "auto" is auto_exact (
 from ..dispatcher.guard import settings as guard_settings
 from ..dispatcher.report import register as register_recorder
 from .blocks import block_position, blocks_text, in_blocks, is_default
+from .overrides import OverrideChainError, chain, comfy_default_attention, describe
 from .window import in_window
 
 COMFY_DEFAULT = "comfy default"
@@ -94,9 +109,54 @@ class _Relabel:
             target(site, backend, reason, replacement)
 
 
-def _unwrap(t):
-    # [2026] ComfyUI may hand AttentionTensorContainer objects (single owner, `.take()`).
-    return t.take() if not isinstance(t, torch.Tensor) and hasattr(t, "take") else t
+_passing_on = threading.local()  # ids of the overrides passing a call on in this thread (a loop comes back to one)
+
+
+def _is_container(t) -> bool:
+    """ComfyUI 0.38's AttentionTensorContainer, by what it offers (`take`; `peek` too, which a container call
+    needs): this module imports no ComfyUI."""
+    return not isinstance(t, torch.Tensor) and hasattr(t, "take")
+
+
+def _consumed(name: str) -> _checks.AttentionInputError:
+    return _checks.AttentionInputError(
+        f"the {name} AttentionTensorContainer was already taken (consumed) before this attention override got it: a "
+        "container is single-owner, so the override or node that took it must pass the tensor on, not the empty "
+        "container")
+
+
+def _unwrap(name: str, t):
+    """A plain-form call that still carries a container (an override passing its containers on): take it once."""
+    if not _is_container(t):
+        return t
+    try:
+        return t.take()
+    except RuntimeError as error:
+        raise _consumed(name) from error
+
+
+def _peek_containers(q, k, v) -> tuple:
+    """The tensors inside a container call's q/k/v, not taken: whoever serves the call takes them."""
+    for name, c in (("q", q), ("k", k), ("v", v)):
+        if c is None:
+            raise TypeError(f"the attention override's container_function got no {name}: ComfyUI 0.38 passes q, k "
+                            "and v as three AttentionTensorContainers")
+        if not (_is_container(c) and hasattr(c, "peek")):
+            raise TypeError(f"the attention override's container_function got {name} as {type(c).__name__}, not an "
+                            "AttentionTensorContainer: ComfyUI 0.38 passes all three as containers there (plain "
+                            "tensors go to the override itself, with func)")
+    for (a, x), (b, y) in ((("q", q), ("k", k)), (("q", q), ("v", v)), (("k", k), ("v", v))):
+        if x is y:
+            raise _checks.AttentionInputError(
+                f"the same AttentionTensorContainer was passed as {a} and {b}: a container is single-owner (taken "
+                "once), so the second take would find it empty. Wrap each of q, k and v in its own container")
+    tensors = []
+    for name, c in (("q", q), ("k", k), ("v", v)):
+        try:
+            tensors.append(c.peek())
+        except RuntimeError as error:
+            raise _consumed(name) from error
+    return tensors
 
 
 def _heads_first(t: torch.Tensor, size: tuple) -> torch.Tensor:
@@ -124,7 +184,7 @@ def _to_bhsd(out: torch.Tensor, skip_output_reshape: bool, heads: int) -> torch.
     return out.unflatten(-1, (heads, -1)).transpose(1, 2)
 
 
-def _non_quantised(name: str) -> str:
+def _exact_fallback(name: str) -> str:
     for candidate in fallback_order(name):
         if get_backend_spec(candidate).exact:
             return candidate
@@ -162,7 +222,7 @@ class _Plan:
     the views to take, the backend name to pass and how to shape the output. Plain attributes, read per call."""
 
     __slots__ = ("reason", "views", "layout", "upcast", "name", "notes", "recorder", "site", "scale", "gqa", "output",
-                 "attend")
+                 "attend", "exact")
 
     def __init__(self, reason=None, **fields):
         self.reason = reason
@@ -180,8 +240,12 @@ class AttentionOverride:
     model: the model's identity string (None: the dispatcher's active scope); guard: the quality guard's mode
     ("quantised" | "all" | "off"; None: the dispatcher's default) and guard_every; blocks: (block_start, block_end)
     or None (every block); block_notes: a dict, site -> why the block range cannot apply there (shared with the
-    node's report and with overrides rebuilt from this one's config); sparse: a `SolAttnOptions` for backend
-    `sol_attn` (None: its defaults; ignored for any other backend).
+    node's report and with overrides rebuilt from this one's config); default_attention: a zero-argument callable
+    returning the attention function for container calls passed on (they come without `func`; by default
+    ComfyUI's default attention, `overrides.comfy_default_attention`);
+    precision_notes: a dict, (site, what kept it exact) -> calls with low_precision_attention=False (shared like
+    block_notes); sparse: a `SolAttnOptions` for backend `sol_attn` (None: its defaults; ignored for any other
+    backend).
 
     Per call signature (shapes, dtype, mask kind, flags, block) the first call validates and plans; repeat
     calls cost a dict lookup, the views and the dispatcher's own lookup (see `_Plan`).
@@ -189,12 +253,17 @@ class AttentionOverride:
 
     def __init__(self, backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
                  compare=None, previous=None, model: str | None = None, guard: str | None = None,
-                 guard_every: int | None = None, blocks=None, block_notes: dict | None = None, sparse=None):
+                 guard_every: int | None = None, blocks=None, block_notes: dict | None = None,
+                 default_attention=None, precision_notes: dict | None = None, sparse=None):
         self.backend, self.policy, self.recorder = backend, policy, recorder
         self.sparse = (sparse or SolAttnOptions()) if backend == SOL_ATTN else None
         self.window = tuple(window) if window is not None else None
         self.trust = frozenset(trust or ())
         self.checks, self.compare, self.previous = checks, compare, previous
+        chain(previous)  # a chain that already loops fails here, when the node runs, not on the first call
+        # what the report says served the calls passed on (fixed now: the previous override does not change)
+        self.previous_label = None if previous is None else f"previous override: {describe(previous)}"
+        self.default_attention = comfy_default_attention if default_attention is None else default_attention
         self.model = model
         # (mode, every), checked once here: the dispatcher takes a tuple as is (no per-call parsing)
         if guard is None and guard_every is None:
@@ -203,6 +272,7 @@ class AttentionOverride:
             self.guard = guard_settings(guard, guard_every)
         self.blocks = None if blocks is None or is_default(*blocks) else (int(blocks[0]), int(blocks[1]))
         self.block_notes = {} if block_notes is None else block_notes
+        self.precision_notes = {} if precision_notes is None else precision_notes
         self._outside_blocks = None if self.blocks is None else f"outside the block range {blocks_text(self.blocks)}"
         self._plans: dict[tuple, _Plan] = {}
         # Made here, not in a traced call (torch.compile cannot trace registering one); others on first use.
@@ -212,21 +282,45 @@ class AttentionOverride:
         self.attention_dispatch = {"backend": backend, "policy": policy, "recorder": recorder, "window": self.window,
                                    "trust": tuple(sorted(self.trust)), "checks": checks, "compare": compare,
                                    "previous": previous, "model": model, "guard": guard, "guard_every": guard_every,
-                                   "blocks": self.blocks, "block_notes": self.block_notes, "sparse": sparse}
+                                   "blocks": self.blocks, "block_notes": self.block_notes,
+                                   "default_attention": default_attention, "precision_notes": self.precision_notes,
+                                   "sparse": sparse}
 
     def __deepcopy__(self, memo):  # ModelPatcher.clone() deep-copies model_options: every clone shares this one
         return self
 
     def __call__(self, func, q, k, v, heads=None, mask=None, attn_precision=None, skip_reshape=False,
                  skip_output_reshape=False, **kwargs):
+        """The plain form: ComfyUI's default backend `func` and tensors."""
         if not (isinstance(q, _Tensor) and isinstance(k, _Tensor) and isinstance(v, _Tensor)):
-            q, k, v = _unwrap(q), _unwrap(k), _unwrap(v)
+            q, k, v = _unwrap("q", q), _unwrap("k", k), _unwrap("v", v)
+        plan, reason = self._route(q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs)
+        if reason is not None:
+            return self._delegate(reason, func, q, k, v, heads, mask, attn_precision, skip_reshape,
+                                  skip_output_reshape, kwargs, plan.site)
+        return self._serve(plan, q, k, v, heads, mask, skip_reshape, skip_output_reshape)
+
+    def container_function(self, q, k=None, v=None, heads=None, mask=None, attn_precision=None, skip_reshape=False,
+                           skip_output_reshape=False, **kwargs):
+        """ComfyUI 0.38's container form (wrap_attn calls it instead of the override, without `func`, when q/k/v
+        come as AttentionTensorContainers): planned on the peeked tensors; each container is taken once, by
+        whoever serves the call."""
+        qt, kt, vt = _peek_containers(q, k, v)
+        plan, reason = self._route(qt, kt, vt, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs)
+        del qt, kt, vt  # the containers stay the only owners until the call is served
+        if reason is not None:
+            return self._delegate(reason, None, q, k, v, heads, mask, attn_precision, skip_reshape,
+                                  skip_output_reshape, kwargs, plan.site, containers=True)
+        return self._serve(plan, q.take(), k.take(), v.take(), heads, mask, skip_reshape, skip_output_reshape)
+
+    def _route(self, q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs):
+        """(plan, None) for a call this override serves, or (plan, why it is passed on): "" for a node that passes
+        every call on ("comfy default", Attention Checks around another pack's override)."""
         to = kwargs.get("transformer_options") or {}
         backend = self.backend
         if backend == COMFY_DEFAULT or backend == PASS_THROUGH:
             _check_call(q, k, v, mask, skip_reshape)
-            return self._delegate("", func, q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape,
-                                  kwargs, _site(to, q, k, skip_reshape), to_func=backend == COMFY_DEFAULT)
+            return _Plan("", site=_site(to, q, k, skip_reshape)), ""
         if _dynamo_compiling():  # traced once per graph; hashing symbolic sizes would specialise them
             signature = plan = None
         else:
@@ -246,26 +340,24 @@ class AttentionOverride:
                 self._plans[signature] = plan
         window = self.window
         if window is not None and not in_window(to, window):
-            return self._delegate(f"outside the step window {window[0]:.2f}..{window[1]:.2f}", func, q, k, v, heads,
-                                  mask, attn_precision, skip_reshape, skip_output_reshape, kwargs, plan.site)
+            return plan, f"outside the step window {window[0]:.2f}..{window[1]:.2f}"
         if self.blocks is not None:
             inside = in_blocks(to, self.blocks)
             if inside is False:
-                return self._delegate(self._outside_blocks, func, q, k, v, heads, mask, attn_precision, skip_reshape,
-                                      skip_output_reshape, kwargs, plan.site)
+                return plan, self._outside_blocks
             if inside is not True and plan.site not in self.block_notes:  # the range cannot apply: noted once
                 self.block_notes[plan.site] = inside
-        if plan.reason is not None:
-            return self._delegate(plan.reason, func, q, k, v, heads, mask, attn_precision, skip_reshape,
-                                  skip_output_reshape, kwargs, plan.site)
-        sparse = self.sparse
-        if sparse is not None:  # ComfyUI's sparse node decides these before attention: dense means delegated
+        if plan.reason is None and self.sparse is not None:
+            # ComfyUI's sparse node decides these before attention: dense means passed on
             position = block_position(to)
-            dense = sparse.dense_reason(q.shape[2] if skip_reshape else q.shape[1], None if position is None else position[0])
+            dense = self.sparse.dense_reason(q.shape[2] if skip_reshape else q.shape[1],
+                                             None if position is None else position[0])
             if dense is not None:
-                return self._delegate(dense, func, q, k, v, heads, mask, attn_precision, skip_reshape,
-                                      skip_output_reshape, kwargs, plan.site)
+                return plan, dense
+        return plan, plan.reason
 
+    def _serve(self, plan, q, k, v, heads, mask, skip_reshape, skip_output_reshape):
+        """Run a planned call through the dispatcher and shape its output the way ComfyUI expects."""
         views = plan.views
         if views is None:
             qs, ks, vs = q, k, v
@@ -277,7 +369,11 @@ class AttentionOverride:
             qs, ks, vs = qs.float(), ks.float(), vs.float()
         if mask is not None and mask.dim() == 2:  # ComfyUI's 2-D mask is (Lq, Lk): say so (a view), since the
             mask = mask[None, None]                # dispatcher refuses a bare 2-D mask with B == Lq as ambiguous
+        if plan.exact is not None:  # low_precision_attention=False: counted for the report
+            key = (plan.site, plan.exact)
+            self.precision_notes[key] = self.precision_notes.get(key, 0) + 1
         attend = plan.attend or self._unkept_attend(plan)
+        sparse = self.sparse
         if self.trust or self.checks or sparse is not None:  # scopes only when asked for: ~1 us each per call
             with contextlib.ExitStack() as stack:
                 if self.trust:
@@ -341,19 +437,73 @@ class AttentionOverride:
         return out
 
     def _delegate(self, reason, func, q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs,
-                  site, to_func=False):
+                  site, containers=False):
+        """Pass a call on: to `previous` (unless this node asked for ComfyUI's own attention), else to ComfyUI's
+        attention. A call that comes back here while it is being passed on is a loop: a clear error, not a
+        RecursionError (or a hang, with a chain that never ends)."""
+        if _dynamo_compiling():  # traced code: no thread-local bookkeeping; a loop would not trace either
+            return self._pass_on(reason, func, q, k, v, heads, mask, attn_precision, skip_reshape,
+                                 skip_output_reshape, kwargs, site, containers)
+        active = getattr(_passing_on, "ids", None)
+        if active is None:
+            active = _passing_on.ids = set()
+        if id(self) in active:
+            raise OverrideChainError(
+                f"the attention override chain loops: {describe(self)} passed a call on to "
+                f"{self.previous_label or 'ComfyUI attention'} and got the same call back. An override in the chain "
+                "calls a wrapped ComfyUI attention function without `_inside_attn_wrapper` (ComfyUI then calls the "
+                "installed override again), or two overrides name each other as the previous one. Remove one of "
+                "the attention nodes on this model, or update the pack whose override drops the flag.")
+        active.add(id(self))
+        try:
+            return self._pass_on(reason, func, q, k, v, heads, mask, attn_precision, skip_reshape,
+                                 skip_output_reshape, kwargs, site, containers)
+        finally:
+            active.discard(id(self))
+
+    def _default_func(self):
+        try:
+            return self.default_attention()
+        except ImportError as error:
+            raise RuntimeError(
+                "a ComfyUI 0.38 container call (it comes without func) is passed on to ComfyUI's attention, and "
+                f"ComfyUI's default attention function cannot be imported here ({error}); outside ComfyUI, make the "
+                "override with default_attention=<a function returning the attention to run>") from error
+
+    def _pass_on(self, reason, func, q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs,
+                 site, containers):
         previous = self.previous
-        target_is_previous = previous is not None and not to_func
-        served = "previous override" if target_is_previous else f"comfy:{getattr(func, '__name__', 'func')}"
+        to_previous = previous is not None and self.backend != COMFY_DEFAULT
+        seen = (q, k, v)  # what checks and compare read; a container call is read by peeking, only when they run
+        if containers:
+            seen = _peek_containers(q, k, v) if (self.checks or self.compare is not None) else (None, None, None)
+        target = previous if to_previous else None
+        call = None
+        if containers:  # a container_function down the chain takes the containers itself; else they are taken here
+            call = None if target is None else getattr(target, "container_function", None)
+            if call is None:
+                func = self._default_func()  # a plain override, or ComfyUI's attention itself, needs func
+                if target is None:
+                    call = getattr(func, "container_function", None)
+            if call is None:
+                q, k, v = q.take(), k.take(), v.take()
+        if call is None:
+            call = (lambda *a, **kw: target(func, *a, **kw)) if target is not None else func
+        served = self.previous_label if target is not None else f"comfy:{getattr(func, '__name__', 'func')}"
         # "comfy default" asked for ComfyUI's attention: that is what served it, not a fallback.
         self._record(site, served if self.backend == COMFY_DEFAULT else self.backend, served,
                      (reason,) if reason else ())
+        if kwargs.get("low_precision_attention", True) is False:  # the flag goes with the call; counted
+            key = (site, f"passed on to {served} with the flag (it decides the kernel)")
+            self.precision_notes[key] = self.precision_notes.get(key, 0) + 1
         if self.checks:
-            _checks.check_values({"query": q, "key": k, "value": v, "attn_mask": mask}, self.checks, served)
-        call = (lambda *a, **kw: previous(func, *a, **kw)) if target_is_previous else func
+            _checks.check_values({"query": seen[0], "key": seen[1], "value": seen[2], "attn_mask": mask}, self.checks,
+                                 served)
         out = call(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
                    skip_output_reshape=skip_output_reshape, **kwargs)
-        return self._finish(out, site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, kwargs.get("scale"),
+        if seen[0] is None:
+            return out
+        return self._finish(out, site, *seen, mask, heads, skip_reshape, skip_output_reshape, kwargs.get("scale"),
                             bool(kwargs.get("enable_gqa", False)), served)
 
     def _relabel(self, name, notes):
@@ -379,12 +529,16 @@ class AttentionOverride:
         plan.name, plan.notes = backend, ()
         if kwargs.get("low_precision_attention", True) is False:  # the model asked for full precision here
             if backend == AUTO_FAST or backend == AUTO:
-                plan.name = AUTO_EXACT
-            elif backend not in AUTOS and not get_backend_spec(backend).exact:
-                replacement = _non_quantised(backend)
-                plan.notes = (f"low_precision_attention=False: {get_backend_spec(backend).precision} '{backend}' "
-                              f"replaced by '{replacement}'",)
+                plan.name, plan.exact = AUTO_EXACT, f"{backend} kept to exact kernels (auto_exact)"
+            elif backend == AUTO_EXACT:
+                plan.exact = "auto_exact picks exact kernels only"
+            elif not get_backend_spec(backend).exact:
+                replacement = _exact_fallback(backend)
+                plan.exact = f"{get_backend_spec(backend).precision} '{backend}' replaced by '{replacement}'"
+                plan.notes = (f"low_precision_attention=False: {plan.exact}",)
                 plan.name = replacement
+            else:
+                plan.exact = f"'{backend}' is exact"
         if skip_reshape:  # (B, H, L, D), possibly non-contiguous: strides are kept, the dispatcher copes
             plan.layout = "BHSD"
             plan.output = "keep" if skip_output_reshape else "transpose_flatten"
@@ -411,7 +565,7 @@ class AttentionOverride:
 
 def make_override(backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
                   compare=None, previous=None, model=None, guard=None, guard_every=None, blocks=None,
-                  block_notes=None, sparse=None) -> AttentionOverride:
+                  block_notes=None, default_attention=None, precision_notes=None, sparse=None) -> AttentionOverride:
     """An `optimized_attention_override` for one Set Attention Backend node (see `AttentionOverride`)."""
     return AttentionOverride(backend, policy, recorder, window, trust, checks, compare, previous, model, guard,
-                             guard_every, blocks, block_notes, sparse)
+                             guard_every, blocks, block_notes, default_attention, precision_notes, sparse)

@@ -11,7 +11,7 @@ from ..dispatcher.auto import FAST_BOUND
 from ..dispatcher.backends import kitchen as _kitchen
 from ..dispatcher.guard import DEFAULT_EVERY
 from . import blocks as _blocks
-from . import reports
+from . import comfy_names, overrides, reports
 from . import validation as v
 from .adapter import AUTO, AUTO_EXACT, AUTO_FAST, AUTOS, COMFY_DEFAULT, PASS_THROUGH, make_override
 from .clip_patch import patch_clip
@@ -48,7 +48,12 @@ def backend_options() -> list[str]:
 
 
 def unavailable_message(backend: str, policy: str) -> str | bool:
-    """queue-time check: True, or why this backend cannot be used here (with the install command)."""
+    """queue-time check: True, or why this backend cannot be used here (with the install command). ComfyUI's own
+    attention names resolve here (nodes/comfy_names.py), or say what they are."""
+    explained = comfy_names.not_offered(backend)
+    if explained:
+        return explained
+    backend = comfy_names.resolve(backend)
     if backend in AUTOS or backend == COMFY_DEFAULT:
         return True
     if not isinstance(backend, str) or backend not in backend_names():
@@ -73,13 +78,16 @@ def unavailable_message(backend: str, policy: str) -> str | bool:
 
 def _backend_field(tooltip: str) -> v.Field:
     return v.Field("backend", "combo", options=backend_options, default=AUTO_EXACT, noun="attention backend",
-                   tooltip=tooltip, accepted=(AUTO,))
+                   tooltip=tooltip + COMFY_NAMES_TOOLTIP, accepted=(AUTO, *comfy_names.COMFY_NAMES))
 
 
 def _policy_field(tooltip: str) -> v.Field:
     return v.Field("policy", "combo", options=POLICIES, default="fallback", noun="policy", tooltip=tooltip)
 
 
+COMFY_NAMES_TOOLTIP = (" ComfyUI's own names are accepted where the pack runs the same kernel (pytorch = native, "
+                       "sage3 = sage_blackwell_hub); sub_quad and split are ComfyUI's own attention: use 'comfy "
+                       "default'.")
 AUTOS_TOOLTIP = ("auto_exact (default): the fastest exact kernel for each call, judged on this model's own "
                  "activations; never a quantised kernel. auto_fast: also quantised kernels such as SageAttention "
                  f"whose error on this model's activations stays within {FAST_BOUND:.0e}, and approximate ones "
@@ -265,15 +273,75 @@ def _chain_notes(kind: str, node_id, chain) -> dict:
     return {"replaced_by": winner, "no_calls": True, "notes": [note]}
 
 
-def _run_wrapper(kind: str, node_id, recorder=None, compare=None, info=None, block_notes=None):
+def _installed_override(executor):
+    """The override on the model this sampling run uses (None when the executor does not say)."""
+    options = getattr(getattr(executor, "class_obj", None), "model_options", None)
+    to = options.get("transformer_options") if isinstance(options, dict) else None
+    return to.get(OVERRIDE_KEY) if isinstance(to, dict) else None
+
+
+def _foreign_notes(own, top, calls: int) -> dict:
+    """What the report says about overrides that are not this pack's, installed after this node (nearer the
+    sampler): one that never passes calls on to it (it then serves none: 'overridden_by'), or one that gets each
+    call first (Model Sparse Attention re-installs itself on top every step)."""
+    if own is None or top is None or top is own:
+        return {}
+    try:
+        order, known = overrides.chain(top)
+    except overrides.OverrideChainError as error:
+        return {"notes": [str(error)]}
+    recorder = getattr(own, "recorder", None)
+
+    def mine(o):  # this node's override, or Attention Checks' rebuild of it (same recorder)
+        config = getattr(o, "attention_dispatch", None)
+        return o is own or (recorder is not None and isinstance(config, dict) and config.get("recorder") is recorder)
+
+    above = []
+    for o in order:
+        if mine(o):
+            break
+        above.append(o)
+    foreign = [o for o in above if overrides.kind(o) not in ("ours", "context_parallel")]
+    if not foreign:
+        return {}  # only this pack's nodes after this one: _chain_notes says who took over
+    first = overrides.describe(foreign[0])
+    if len(above) == len(order):  # not reached
+        if known:
+            last = overrides.describe(foreign[-1])
+            return {"overridden_by": {"node": None, "label": last, "short": overrides.short_name(foreign[-1]),
+                                      "backend": last},
+                    "notes": [f"Overridden: {last} was installed after this node and does not pass attention calls on "
+                              f"to it, so this node's backend served {calls} calls. ComfyUI has one override key and "
+                              f"the last writer wins: put Set Attention Backend after {last} (nearer the sampler); it "
+                              "then passes the calls it does not take to it."]}
+        if not calls:
+            return {"notes": [f"No attention call reached this node: {first} is installed after it and does not say "
+                              "whether it passes calls on. Put Set Attention Backend after it (nearer the sampler)."]}
+        return {}
+    if overrides.kind(foreign[0]) == "core_sparse":
+        return {"notes": [f"{first} gets each attention call before this node (it re-installs itself on top every "
+                          "step): the calls it runs sparse never reach this node; the calls it keeps dense do."]}
+    return {"notes": [f"{first} was installed after this node and gets each attention call first; this node serves "
+                      "the calls it passes on."]}
+
+
+def _precision_notes(notes: dict) -> dict:
+    results = reports.full_precision_results(notes)
+    if not results:
+        return {}
+    total = sum(r["calls"] for r in results)
+    return {"full_precision": results,
+            "notes": [f"Kept exact: {total} calls with low_precision_attention=False (the model asks for full "
+                      "precision there; quantised kernels can give NaN): " + "; ".join(r["text"] for r in results)]}
+
+
+def _run_wrapper(kind: str, node_id, recorder=None, compare=None, info=None, block_notes=None, override=None,
+                 precision_notes=None):
     """WrappersMP.OUTER_SAMPLE: wraps one sampling run; resets the counters and publishes the report."""
     def wrapper(executor, *args, **kwargs):
-        if recorder is not None:
-            recorder.clear()
-        if compare is not None:
-            compare.clear()
-        if block_notes is not None:
-            block_notes.clear()
+        for counters in (recorder, compare, block_notes, precision_notes):
+            if counters is not None:
+                counters.clear()
         try:
             return executor(*args, **kwargs)
         finally:
@@ -287,6 +355,11 @@ def _run_wrapper(kind: str, node_id, recorder=None, compare=None, info=None, blo
                 data["fallback_every_call"] = reports.every_call_fallbacks(snapshot)
             if block_notes is not None and data.get("blocks"):
                 data["blocks"] = reports.block_results(data["blocks"], dict(block_notes))
+            for extra in (_precision_notes(dict(precision_notes or {})),
+                          _foreign_notes(override, _installed_override(executor),
+                                         recorder.total_calls if recorder is not None else 0)):
+                data["notes"] += extra.pop("notes", [])
+                data.update(extra)
             chained = _chain_notes(kind, node_id, _chain_of_run(executor))
             data["notes"] += chained.pop("notes", [])
             data.update(chained)
@@ -312,6 +385,30 @@ def _add_to_chain(model, entry: dict):
 def _add_outer_sample_wrapper(model, wrapper) -> None:
     import comfy.patcher_extension  # ComfyUI's own module, imported only when a node runs
     model.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, wrapper)
+
+
+def _setup_notes(asked: str, previous, model) -> list[str]:
+    """What the report says from the start: a ComfyUI name resolved, an override of another kind taken over, a
+    checkpoint's embedded attention method that the override hides."""
+    notes = []
+    alias = comfy_names.alias_note(asked)
+    if alias:
+        notes.append(alias)
+    what = overrides.kind(previous)
+    if what == "core_sparse":
+        notes.append(f"{overrides.describe(previous)} comes before this node, and re-installs itself on top of this "
+                     "node's override every step: it still gets each call first and passes the calls it keeps dense "
+                     "to this node; this node passes on to it only the calls it does not take (outside its step "
+                     "window or block range).")
+    elif what not in ("none", "ours"):
+        notes.append(f"Takes over from {overrides.describe(previous)} upstream: it serves only the calls this node "
+                     "passes on (outside its step window or block range, or every call with 'comfy default'); the "
+                     "report counts them as 'previous override: ...'.")
+    for method, modules in sorted(overrides.embedded_methods(model).items()):
+        notes.append(f"This checkpoint embeds the attention method '{method}' in {modules} modules. ComfyUI uses it "
+                     "only when no attention override is installed and does not show it to an override, so this "
+                     "node's backend serves those calls; remove Set Attention Backend to use the embedded method.")
+    return notes
 
 
 class SetAttentionBackend(io.ComfyNode):
@@ -350,6 +447,7 @@ class SetAttentionBackend(io.ComfyNode):
     def execute(cls, model, backend, policy, start_percent, end_percent, trust=None, block_start=0, block_end=-1,
                 quality_guard=DEFAULT_GUARD, guard_every=DEFAULT_EVERY, sparse=None) -> io.NodeOutput:
         node_id = cls.hidden.unique_id
+        asked, backend = backend, comfy_names.resolve(backend)
         m = model.clone()
         to = m.model_options.setdefault("transformer_options", {})
         previous = to.get(OVERRIDE_KEY)
@@ -359,20 +457,23 @@ class SetAttentionBackend(io.ComfyNode):
         block_notes: dict = {}
         key = model_key(model)
         guard = GUARD_MODES[quality_guard]
-        to[OVERRIDE_KEY] = make_override(backend, policy, recorder, window=window, trust=tuple(trust or ()),
-                                         previous=previous, model=key, guard=guard, guard_every=guard_every,
-                                         blocks=blocks, block_notes=block_notes, sparse=sparse)
+        precision_notes: dict = {}
+        override = make_override(backend, policy, recorder, window=window, trust=tuple(trust or ()),
+                                 previous=previous, model=key, guard=guard, guard_every=guard_every, blocks=blocks,
+                                 block_notes=block_notes, precision_notes=precision_notes, sparse=sparse)
+        to[OVERRIDE_KEY] = override
         info = {"backend": backend, "policy": policy, "window": [start_percent, end_percent],
                 "chained_previous": previous is not None, "model": key,
-                "quality_guard": {"mode": guard, "every": guard_every}}
-        notes = []
+                "quality_guard": {"mode": guard, "every": guard_every}, "notes": _setup_notes(asked, previous, model)}
+        if previous is not None:
+            info["previous_override"] = overrides.describe(previous)
         if backend == _kitchen.SOL_ATTN_NAME:
-            options = to[OVERRIDE_KEY].sparse
+            options = override.sparse
             info["sparse"] = {"tau": options.tau, "min_tokens": options.min_tokens,
                               "dense_blocks": sorted(options.dense_blocks)}
         elif sparse is not None:
-            notes.append(f"Sparse Attention Options apply to backend sol_attn only; this node's backend is {backend}: "
-                         "they are ignored.")
+            info["notes"].append(f"Sparse Attention Options apply to backend sol_attn only; this node's backend is "
+                                 f"{backend}: they are ignored.")
         if blocks is not None:
             info["blocks"] = {"range": list(blocks)}
         entry = {"kind": "model", "node": str(node_id), "backend": backend, "window": [start_percent, end_percent],
@@ -382,11 +483,11 @@ class SetAttentionBackend(io.ComfyNode):
             info["replaces"] = replaces
             upstream = f"Set Attention Backend #{replaces['node']} ({replaces.get('backend')})"
             scope = _scope_text(entry)
-            notes.append(f"Takes over from {upstream} upstream: the node nearest the sampler wins"
-                         + (f"; outside this node's {scope} #{replaces['node']}'s backend runs." if scope else "."))
-        if notes:
-            info["notes"] = notes
-        _add_outer_sample_wrapper(m, _run_wrapper("model", node_id, recorder, info=info, block_notes=block_notes))
+            info["notes"].append(f"Takes over from {upstream} upstream: the node nearest the sampler wins"
+                                 + (f"; outside this node's {scope} #{replaces['node']}'s backend runs." if scope
+                                    else "."))
+        _add_outer_sample_wrapper(m, _run_wrapper("model", node_id, recorder, info=info, block_notes=block_notes,
+                                                  override=override, precision_notes=precision_notes))
         return io.NodeOutput(m)
 
 
@@ -414,6 +515,7 @@ class SetClipAttentionBackend(io.ComfyNode):
     @classmethod
     def execute(cls, clip, backend, policy) -> io.NodeOutput:
         node_id = cls.hidden.unique_id
+        backend = comfy_names.resolve(backend)
         c = clip.clone()
         recorder = Recorder(label=f"Set CLIP Attention Backend #{node_id}: {backend}")
         paths = patch_clip(c, make_override(backend, policy, recorder, model=model_key(getattr(clip, "patcher", clip))))

@@ -64,7 +64,7 @@ def publish(kind: str, node_id, data: dict) -> dict:
 
 def _delegated(served: str) -> bool:
     """A call the override handed on (step window, block range, ComfyUI's own attention): no kernel fallback."""
-    return served == "previous override" or served.startswith("comfy:")
+    return served.startswith("previous override") or served.startswith("comfy:")
 
 
 def every_call_fallbacks(snapshot: dict) -> list[dict]:
@@ -136,6 +136,14 @@ def block_results(blocks: dict, notes: dict) -> dict:
                                  f"{', '.join(map(str, sites))}: {reason}; every block used the backend"}
                         for reason, sites in unapplied.items()]
     return out
+
+
+def full_precision_results(notes: dict) -> list[dict]:
+    """Calls that came with low_precision_attention=False, per (site, what kept them exact): the override's
+    `precision_notes`, each with a `text`."""
+    return [{"site": site, "calls": calls, "reason": what,
+             "text": f"{site}: {calls} call{'' if calls == 1 else 's'} with low_precision_attention=False: {what}"}
+            for (site, what), calls in sorted(notes.items(), key=lambda kv: tuple(map(str, kv[0])))]
 
 
 def track_live(key: str, recorder) -> None:

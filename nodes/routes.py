@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from ..dispatcher import current_machine, list_backends, loaded_kernels
-from . import reports
+from . import comfy_names, reports
 
 _registered = False
 
@@ -26,8 +26,12 @@ def backends_payload() -> dict:
         rows.append(row)
     machine = asdict(current_machine())
     # reasons quote import errors and lock files, which name paths: scrubbed like the reports
+    # ComfyUI's own attention names: the backend each one runs here, or why it is refused
+    names = {name: {"backend": comfy_names.resolve(name) if comfy_names.not_offered(name) is None else None,
+                    "what": what, "refused": comfy_names.not_offered(name)}
+             for name, (_, what) in comfy_names.COMFY_NAMES.items()}
     return reports.scrub({"backends": rows, "loaded_kernels": [_without_path(k.as_dict()) for k in loaded_kernels()],
-                          "machine": machine})
+                          "machine": machine, "comfy_names": names})
 
 
 def register() -> None:

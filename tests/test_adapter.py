@@ -186,7 +186,8 @@ def test_step_window_chains_previous_outside():
     assert len(seen) == 1 and float(seen[0]) == 1.0
     r = rows(rec)
     assert r[("self", "flex", "flex")]["calls"] == 3
-    assert "outside the step window" in r[("self", "flex", "previous override")]["reasons"][0]
+    label = f"previous override: {__name__}.test_step_window_chains_previous_outside.<locals>.previous"
+    assert "outside the step window" in r[("self", "flex", label)]["reasons"][0]
     # without a previous override, out-of-window calls go to ComfyUI's own func
     fn2 = adapter.make_override("flex", window=(0.6, 1.0))
     fn2(comfy_func, *qkv(), 2, **to_opts(sample_sigmas=schedule, sigmas=schedule[0:1]))

@@ -250,7 +250,8 @@ export function summarizeReport(report) {
   const top = order.length ? order[0][0] : "";
   const names = order.map(([n]) => n);
   let badge = calls ? `${names.length > 1 ? `${top} +${names.length - 1}` : top} \u00b7 ${plural(calls, "call")}`
-    : overriddenBy ? `overridden by #${overriddenBy.node}` : "no attention calls";
+    : overriddenBy ? `overridden by ${overriddenBy.node != null ? `#${overriddenBy.node}` : overriddenBy.short ?? overriddenBy.label}`
+      : "no attention calls";
   // What needs a look comes first on the badge: a kernel the guard caught, a backend that never ran, a block
   // range that could not apply.
   if (caught.length) {

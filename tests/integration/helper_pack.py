@@ -10,6 +10,8 @@ Models the loader cannot detect at a tiny size are built in-process with ComfyUI
   `enable_gqa=True` with fewer key/value heads, `low_precision_attention=False`, `skip_output_reshape=True`).
   ComfyUI 0.3.64's wrapper hands every keyword argument to the override unchanged, but its own backends drop
   `scale`/`enable_gqa`, so the reference is the same model with exact SDPA (`reference=True`).
+- TestOtherOverride: another pack's override on the same key (it runs self-attention itself and passes the rest to
+  the override it found), or a stand-in for newer ComfyUI's Model Attention Backend (one backend, passes nothing on).
 - TestAttentionMask: adds Flux's `attention_mask` conditioning (an additive (B, L, L) bias over text+image
   tokens), which reaches the attention calls as `mask=`.
 """
@@ -206,9 +208,49 @@ class TestKwargsDiT:
         return (_patcher(model),)
 
 
+def other_pack_override(previous):
+    """Another pack's override on the same key: it runs self-attention itself and passes cross-attention on to the
+    override it found (or to ComfyUI's func)."""
+    def override(func, q, k, v, *args, **kwargs):
+        if q.shape == k.shape:
+            return func(q, k, v, *args, **kwargs)
+        return func(q, k, v, *args, **kwargs) if previous is None else previous(func, q, k, v, *args, **kwargs)
+    return override
+
+
+def core_backend_override(optimized_attention):
+    """A stand-in for ComfyUI 0.38's Model Attention Backend (ModelPatcher.set_model_optimized_attention, which 0.3.64
+    lacks), with the identity the real one has: one backend for every call, never passing a call on."""
+    def optimized_attention_override(_, *args, **kwargs):
+        return optimized_attention(*args, **kwargs)
+    optimized_attention_override.__module__ = "comfy.model_patcher"
+    optimized_attention_override.__qualname__ = \
+        "ModelPatcher.set_model_optimized_attention.<locals>.optimized_attention_override"
+    return optimized_attention_override
+
+
+class TestOtherOverride:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "kind": (["other pack", "core backend"],)}}
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "testing"
+
+    def patch(self, model, kind):
+        import comfy.ldm.modules.attention as attention
+        m = model.clone()
+        to = m.model_options.setdefault("transformer_options", {})
+        previous = to.get("optimized_attention_override")
+        to["optimized_attention_override"] = (other_pack_override(previous) if kind == "other pack" else
+                                              core_backend_override(attention.get_attention_function("pytorch")))
+        return (m,)
+
+
 NODE_CLASS_MAPPINGS = {"TestRandomConditioning": TestRandomConditioning, "TestTinyClip": TestTinyClip,
                        "TestConditioningStats": TestConditioningStats, "TestTinyFlux": TestTinyFlux,
-                       "TestAttentionMask": TestAttentionMask, "TestKwargsDiT": TestKwargsDiT}
+                       "TestAttentionMask": TestAttentionMask, "TestKwargsDiT": TestKwargsDiT,
+                       "TestOtherOverride": TestOtherOverride}
 '''
 
 MAKE_MODELS = r'''

@@ -160,6 +160,59 @@ def test_step_window_uses_comfy_attention_outside(comfy):
     assert counts.get("flex") == 8 and counts.get("comfy:attention_sub_quad") == 8, report  # steps 2,3 vs 0,1
 
 
+def _with_other_override(prompt, kind, before_set: bool):
+    """Insert TestOtherOverride between the loader and Set Attention Backend (before_set) or between Set Attention
+    Backend and the sampler (node 101 feeds on node 100)."""
+    if before_set:
+        prompt["90"] = {"class_type": "TestOtherOverride", "inputs": {"model": ["1", 0], "kind": kind}}
+        prompt["100"]["inputs"]["model"] = ["90", 0]
+    else:
+        prompt["90"] = {"class_type": "TestOtherOverride", "inputs": {"model": ["100", 0], "kind": kind}}
+        prompt["101"]["inputs"]["model"] = ["90", 0]
+    return prompt
+
+
+def test_another_packs_override_after_the_node_passes_calls_on_to_it(comfy):
+    """Another pack's override installed after Set Attention Backend: it runs self-attention itself and passes
+    cross-attention on; the node serves those, and its report says the other override sees each call first."""
+    prompt, _ = wan_prompt(["flex"], steps=2)
+    entry = comfy.run(_with_other_override(prompt, "other pack", before_set=False))
+    report = model_report(comfy, entry, "100")
+    assert served(report) == {"flex": 4}, report  # the cross-attention calls: 2 blocks x 2 steps
+    assert any("gets each attention call first" in n for n in report["notes"]), report["notes"]
+
+
+def test_another_packs_override_before_the_node_serves_what_it_passes_on(comfy):
+    prompt, _ = wan_prompt(["flex"], steps=4, window=(0.5, 1.0))
+    entry = comfy.run(_with_other_override(prompt, "other pack", before_set=True))
+    report = model_report(comfy, entry, "100")
+    counts = served(report)
+    (label,) = [name for name in counts if name != "flex"]
+    assert counts["flex"] == 8 and counts[label] == 8, report
+    assert label.startswith("previous override: ") and "other_pack_override" in label
+    assert report["previous_override"] == label[len("previous override: "):]
+
+
+def test_a_core_backend_override_after_the_node_is_reported_as_replacing_it(comfy):
+    prompt, _ = wan_prompt(["flex"], steps=2)
+    entry = comfy.run(_with_other_override(prompt, "core backend", before_set=False))
+    report = model_report(comfy, entry, "100")
+    assert report["recorder"]["calls"] == 0
+    assert report["overridden_by"]["short"] == "Model Attention Backend"
+    assert any(n.startswith("Overridden: ComfyUI Model Attention Backend (attention_pytorch)") for n in report["notes"])
+
+
+def test_comfy_names_at_queue_time(comfy):
+    """ComfyUI's own attention names: an alias runs the pack's kernel, a name of ComfyUI's own attention is refused
+    with what it is."""
+    prompt, _ = wan_prompt(["pytorch"], steps=1)
+    report = model_report(comfy, comfy.run(prompt), "100")
+    assert served(report) == {"native": 4} and "ComfyUI's name for torch" in report["notes"][0]
+    prompt, _ = wan_prompt(["sub_quad"], steps=1)
+    status, body = comfy.post_prompt(prompt)
+    assert status == 400 and "ComfyUI's own sub-quadratic chunked attention" in json.dumps(body), body
+
+
 def test_sd15_unet_with_flex(comfy):
     base = comfy.run(sd15_prompt("comfy default"))
     run = comfy.run(sd15_prompt("flex"))

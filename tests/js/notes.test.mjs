@@ -18,6 +18,17 @@ test("an overridden Set node names the node that took over, not 'no attention ca
   assert.equal(summarizeReport(mergeReports([report, report])).badge, "\u26a0 overridden by #51");
 });
 
+test("a Set node replaced by a core node's override (ComfyUI 0.38 Model Attention Backend) names it", () => {
+  const label = "ComfyUI Model Attention Backend (attention_pytorch)";
+  const text = `Overridden: ${label} was installed after this node and does not pass attention calls on to it`;
+  const s = summarizeReport({ kind: "model", node: "50", backend: "native", recorder: { calls: 0, rows: [], errors: [] },
+                              overridden_by: { node: null, label, short: "Model Attention Backend", backend: label },
+                              notes: [text] });
+  assert.equal(s.badge, "\u26a0 overridden by Model Attention Backend");
+  assert.equal(s.level, "warn");
+  assert.deepEqual(s.lines, [text]);
+});
+
 test("a Set node that took over says so under its usual summary", () => {
   const rows = [{ site: "self", requested: "flex", served: "flex", calls: 8, fell_back: false, reasons: [] }];
   const s = summarizeReport({ kind: "model", backend: "flex", recorder: { calls: 8, rows, errors: [] },
