@@ -106,23 +106,43 @@ def every_call_fallbacks(snapshot: dict) -> list[dict]:
     return out
 
 
+def site_kind(site) -> str:
+    """A call site without its block: "self #5" -> "self" (nodes/blocks.py names blocks "#N" or "#N.M")."""
+    return re.sub(r" #[\d.]+$", "", site) if isinstance(site, str) else str(site)
+
+
 def guard_results(snapshot: dict) -> list[dict]:
-    """The quality guard's results per (site, kernel): the recorder's entries with a `text` each."""
-    out = []
+    """The quality guard's results, each with a `text`: one entry per block where it caught a kernel ("self #5"),
+    and one per (kind of site, kernel) for the blocks where it passed ("self", with `blocks`: how many), so a model
+    of 30 blocks reads as one line, not 30."""
+    out, passed = [], {}
     for entry in snapshot.get("guard", ()) or ():
         backend, site, checks = entry.get("backend"), entry.get("site"), int(entry.get("checks") or 0)
         failures = list(entry.get("failures") or ())
+        if failures:
+            out.append({**entry, "checks": checks, "failures": failures, "blocks": 1})
+            continue
+        folded = passed.setdefault((site_kind(site), backend), {"site": site_kind(site), "backend": backend,
+                                                                 "checks": 0, "max_error": None, "failures": [],
+                                                                 "blocks": 0})
+        folded["checks"] += checks
+        folded["blocks"] += 1
         error = entry.get("max_error")
-        text = f"quality guard: {backend} at {site}: {checks} check{'' if checks == 1 else 's'}"
-        if isinstance(error, (int, float)):
-            text += f", max error {error:.1e}"
-        for failure in failures:
+        if isinstance(error, (int, float)) and (folded["max_error"] is None or error > folded["max_error"]):
+            folded["max_error"] = error
+    for entry in [*out, *passed.values()]:
+        backend, site, checks = entry["backend"], entry["site"], entry["checks"]
+        where = f"{site} ({entry['blocks']} blocks)" if entry["blocks"] > 1 else site
+        text = f"quality guard: {backend} at {where}: {checks} check{'' if checks == 1 else 's'}"
+        if isinstance(entry.get("max_error"), (int, float)):
+            text += f", max error {entry['max_error']:.1e}"
+        for failure in entry["failures"]:
             replacement = failure.get("replacement")
             text += (f"; FAILED ({failure.get('reason')}): " +
-                     (f"that call was recomputed with {replacement} and {backend} is demoted for this model and call "
-                      "shape" if replacement else "no exact backend was left to recompute it"))
-        out.append({**entry, "failures": failures, "text": text})
-    return out
+                     (f"that call was recomputed with {replacement} and {backend} is demoted for this block of this "
+                      "model" if replacement else "no exact backend was left to recompute it"))
+        entry["text"] = text
+    return [*out, *passed.values()]
 
 
 def block_results(blocks: dict, notes: dict) -> dict:
