@@ -96,14 +96,27 @@ def every_call_fallbacks(snapshot: dict) -> list[dict]:
         group["calls"] += sum(entry["served"].values())
     out = []
     for group in groups.values():
-        group["sites"].sort(key=str)
         group["every_site"] = set(group["sites"]) == sites_of[group["requested"]]
+        group["sites"] = _folded(group["sites"], sites_of[group["requested"]])
         where = "" if group["every_site"] else " at " + ", ".join(map(str, group["sites"]))
         why = "; ".join(group["reasons"])
         group["text"] = (f"{group['requested']} fell back to {' / '.join(group['served'])} on every call{where}"
                          + (f": {why}" if why else ""))
         out.append(group)
     return out
+
+
+def _folded(sites, all_sites) -> list:
+    """Sites, sorted, with the blocks of a kind named once by the kind when every block of it is there
+    (["self #0", "self #1"] of those two -> ["self"])."""
+    kinds: dict = {}
+    for site in all_sites:
+        kinds.setdefault(site_kind(site), set()).add(site)
+    out = set()
+    for site in sites:
+        kind = site_kind(site)
+        out.add(kind if kinds[kind] <= set(sites) else site)
+    return sorted(out, key=str)
 
 
 def site_kind(site) -> str:

@@ -453,6 +453,18 @@ def test_every_call_fallbacks():
     assert demoted["every_site"] and demoted["text"] == "k fell back to native on every call: guard at cross; guard at self"
 
 
+def test_every_call_fallbacks_name_a_kind_of_site_once_when_all_its_blocks_fell_back():
+    rows = [(f"self #{i}", "flash", "native", 4, ["no flash-attn"]) for i in range(3)]
+    (every,) = reports.every_call_fallbacks(_snapshot(rows + [("cross #0", "flash", "native", 4, ["no flash-attn"])]))
+    assert every["sites"] == ["cross", "self"] and every["every_site"]
+    # the guard demoted the kernel on one block of three: that block alone, by name
+    rows = [("self #0", "sage", "sage", 4, []), ("self #1", "sage", "fa3", 4, ["quality guard at self #1"]),
+            ("self #2", "sage", "sage", 4, [])]
+    (every,) = reports.every_call_fallbacks(_snapshot(rows))
+    assert every["sites"] == ["self #1"] and not every["every_site"]
+    assert every["text"] == "sage fell back to fa3 on every call at self #1: quality guard at self #1"
+
+
 def test_guard_results_and_block_results():
     out = reports.guard_results(_snapshot([], guard=[
         {"site": "self", "backend": "sage", "checks": 4, "max_error": 0.012, "failures": []},
