@@ -141,6 +141,13 @@ def _non_finite_problem(call, out) -> str | None:
     return f"its output has {non_finite(out)} NaN/Inf values from finite inputs"
 
 
+def _phase(n: int, every: int) -> int:
+    """Where in [0, every) the n-th block's checks fall: the golden-ratio sequence, so the blocks seen so far (their
+    number is not known in advance) are spread evenly over the interval and each forward checks about
+    blocks / every of them, never a burst of consecutive ones."""
+    return int((n * 0.6180339887498949) % 1.0 * every)
+
+
 class Watch:
     """What the guard keeps for one decision (one signature of one model): when each block's next check of each
     guarded kernel falls, and the blocks a kernel failed on. The eager path asks `unchecked` on its fast lane and
@@ -181,7 +188,7 @@ class Watch:
                 if left is None:  # the block's first call: its next check is staggered among the blocks
                     seen = self.sites.get(candidate.name, 0)
                     self.sites[candidate.name] = seen + 1
-                    self.left[key] = (seen % every or every) - 1
+                    self.left[key] = (_phase(seen, every) or every) - 1
                 else:
                     self.left[key] = every - 1
                 why, error = problem(call, out[0] if call.return_lse else out, candidate.spec)

@@ -401,3 +401,13 @@ def test_a_guarded_kernel_returning_lse_is_recomputed_in_both():
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse)
 
+
+
+def test_blocks_first_re_checks_are_spread_over_the_interval():
+    """SDXL's 140 blocks with an interval of 1200 calls: no forward re-checks more than two of them, and the
+    first 20 forwards at most four (consecutive phases would check one a forward, 20 in 20 forwards)."""
+    phases = [guard._phase(n, 1200) or 1200 for n in range(140)]
+    per_forward = {p: phases.count(p) for p in phases}
+    assert max(per_forward.values()) <= 2
+    assert sum(p <= 20 for p in phases) <= 4
+    assert all(0 <= guard._phase(n, e) < e for n in range(50) for e in (1, 2, 3, 7))
