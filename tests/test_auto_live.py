@@ -258,3 +258,21 @@ def test_model_must_be_a_name():
             pass
     with pytest.raises(ValueError, match="non-empty string"):
         Tuner(cache_path=None).tune(*qkv(), model=3)
+
+
+def test_a_new_process_starts_the_next_block_and_auto_exact_from_what_the_disk_had(tuner, tmp_path):
+    """Block 0 of model a from disk in a new process: block 5 (never judged) judges only the quantised kernel, and
+    auto_exact's choice for the signature (what replaces a failing quantised pick) times nothing."""
+    quantised = register("t_int8", int8_like, quantised=True)
+    exactly = register("t_exact", slow_exact)
+    fine = qkv(1, 64, h=2, d=16, seed=3)
+    Tuner(cache_path=tmp_path / "tune.json", backends=(quantised, exactly)).tune(*fine, model="model-a",
+                                                                                  block="self #0")
+    again = Tuner(cache_path=tmp_path / "tune.json", backends=(quantised, exactly))
+    assert again.tune(*fine, model="model-a", block="self #0").source == "disk"
+    new = again.tune(*fine, model="model-a", block="self #5")
+    assert new.source == "judged" and again.timing_calls == 0
+    assert {c.name: c.status for c in new.candidates} == {quantised: "chosen", exactly: "valid"}
+    assert new.reason.startswith("judged and timed earlier") or new.judged_on == "live values"
+    exact_record = again.tune(*fine, model="model-a", exact=True)
+    assert exact_record.chosen == exactly and again.timing_calls == 0

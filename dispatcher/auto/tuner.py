@@ -327,6 +327,8 @@ class Tuner:
             record.source, record.judged_on = ("disk", DISK) if from_disk and not from_memory else ("judged", LIVE)
             if from_memory:
                 record.reason = "judged and timed earlier in this process (another block or the other auto)"
+            else:
+                self._to_memory(record)  # the next block and the other auto start from these
             record.chosen = pick([c for c in record.candidates if c.status == "valid"], self.tie_margin).name
         elif not timing:
             record.reason = "decided while torch.compile traces, which cannot time kernels: preference order"
@@ -529,7 +531,7 @@ class Tuner:
         key = record.signature.key()
         self._timings.setdefault(key, {}).update(
             {c.name: (c.median_ms, list(c.times_ms)) for c in record.candidates if c.median_ms is not None})
-        if record.judged_on == LIVE:
+        if record.judged_on in (LIVE, DISK):
             self._exact_verdicts.setdefault((key, record.model), {}).update(
                 {c.name: ("valid" if c.status == "chosen" else c.status, c.rel_error, c.reason)
                  for c in record.candidates
