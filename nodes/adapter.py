@@ -60,12 +60,10 @@ def call_site(transformer_options: dict | None, len_q: int, len_k: int) -> str:
     return f"{block}.{kind}" if block else kind
 
 
-def _site(transformer_options, q, k, skip_reshape: bool, block: str | None = None) -> str:
-    """`call_site` of a call in either of ComfyUI's layouts ((B, H, L, D) with skip_reshape, else (B, L, H*D)),
-    with its block when known ("self #5")."""
+def _site(transformer_options, q, k, skip_reshape: bool) -> str:
+    """`call_site` of a call in either of ComfyUI's layouts ((B, H, L, D) with skip_reshape, else (B, L, H*D))."""
     axis = 2 if skip_reshape else 1
-    site = call_site(transformer_options, q.shape[axis], k.shape[axis])
-    return f"{site} {block}" if block else site
+    return call_site(transformer_options, q.shape[axis], k.shape[axis])
 
 
 class _Relabel:

@@ -37,17 +37,20 @@ def block_name(transformer_options: dict, ordinals: "Ordinals | None", is_self: 
         return None
     index = to.get("block_index")
     if type(index) is int and type(to.get("total_blocks")) is int:
-        return f"#{index}"
+        return _number(index)
     unet = to.get("transformer_index")
     if type(unet) is int:
-        return f"#{unet}.{index}" if type(index) is int else f"#{unet}"
+        return f"#{unet}.{index}" if type(index) is int else _number(unet)
     if ordinals is None:
         return None
-    n = ordinals.next(to, (to.get("block_type"), is_self))
-    return _NUMBERS[n] if n < len(_NUMBERS) else f"#{n}"
+    return _number(ordinals.next(to, (to.get("block_type"), is_self)))
 
 
-_NUMBERS = tuple(f"#{n}" for n in range(256))  # made once: a call's block name costs no formatting
+_NUMBERS = tuple(f"#{n}" for n in range(256))  # made once: most calls' block names cost no formatting
+
+
+def _number(n: int) -> str:
+    return _NUMBERS[n] if 0 <= n < 256 else f"#{n}"
 
 
 class Ordinals:
