@@ -179,7 +179,7 @@ class Watch:
         every, finite = candidate.guard
         site = call.call_site
         why = error = None
-        if every and checkable(call):
+        if every:
             key = (candidate.name, site)
             left = self.left.get(key)
             if left:
@@ -191,9 +191,10 @@ class Watch:
                     self.left[key] = (_phase(seen, every) or every) - 1
                 else:
                     self.left[key] = every - 1
-                why, error = problem(call, out[0] if call.return_lse else out, candidate.spec)
-                if why is None and recorder is not None and hasattr(recorder, "record_guard"):
-                    recorder.record_guard(site, candidate.name, error=error)
+                if checkable(call):  # dropout or a BlockMask: nothing to compare with (counted all the same)
+                    why, error = problem(call, out[0] if call.return_lse else out, candidate.spec)
+                    if why is None and recorder is not None and hasattr(recorder, "record_guard"):
+                        recorder.record_guard(site, candidate.name, error=error)
         if why is None and finite:
             why = finite_problem(call, out[0] if call.return_lse else out)
         if why is None:
