@@ -43,9 +43,13 @@ def block_name(transformer_options: dict, ordinals: "Ordinals | None", is_self: 
         return f"#{unet}.{index}" if type(index) is int else _number(unet)
     if ordinals is None:
         return None
-    return _number(ordinals.next(to, (to.get("block_type"), is_self)))
+    n = ordinals.next(to, (to.get("block_type"), is_self))
+    return _number(n) if n < MAX_ORDINAL else None
 
 
+# Past this many calls of one kind in one "forward", the options that mark forwards are not new for each one (a
+# caller that keeps one dict): the calls are no longer numbered (a plan and a verdict per call would pile up).
+MAX_ORDINAL = 1024
 _NUMBERS = tuple(f"#{n}" for n in range(256))  # made once: most calls' block names cost no formatting
 
 

@@ -601,3 +601,15 @@ def test_chained_block_ranges_name_the_scope(nodes, monkeypatch):
     q, k, v = qkv()
     b.override(comfy_func, q, k, v, 2, transformer_options={"block_index": 7, "total_blocks": 10})
     assert rec_up.served_by("native") == 1
+
+
+def test_options_that_never_mark_a_new_forward_stop_being_numbered(spy):
+    """A caller that passes the same options dict forever (no cond_or_uncond): past MAX_ORDINAL calls the calls are
+    no longer numbered, so plans and verdicts do not pile up one per call."""
+    fn = adapter.make_override("native")
+    q, k, v = qkv()
+    options = {"sigmas": torch.ones(1)}
+    for _ in range(blocks.MAX_ORDINAL + 3):
+        fn(comfy_func, q, k, v, 2, transformer_options=options)
+    assert sites_of(spy)[:2] == ["self #0", "self #1"] and sites_of(spy)[-3:] == ["self"] * 3
+    assert len(fn._plans) == blocks.MAX_ORDINAL + 1
