@@ -10,8 +10,9 @@ cfg batch 2 (kernels of 0.03-0.2 ms, where the per-call cost of the Python aroun
 `sage:guard=all/10` (mode/every; without one, the guard's default: quantised kernels, the interval sized by each
 call's cost). Each guarded configuration reports the guard's checks in the warm-up step (every block's first
 call) and per timed step, the blocks it checked and its failures with their blocks (`guard_summary`), so the
-guard's cost reads side by side: `--backends auto_fast,auto_fast:guard=off`. `--steps N` also runs N Euler steps of a sampling run from the same start for
-every configuration and reports how far each final latent is from `auto_exact`'s and from ComfyUI's default.
+guard's cost reads side by side: `--backends auto_fast,auto_fast:guard=off`.
+`--steps N` also runs N Euler steps of a sampling run from the same start for every configuration and reports
+how far each final latent is from `auto_exact`'s and from ComfyUI's default.
 `--compile` times the model under torch.compile (inductor) instead and counts its graph breaks.
 
 It imports ComfyUI from COMFYUI_PATH at run time (nothing of ComfyUI lives in this repository) and

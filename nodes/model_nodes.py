@@ -118,8 +118,9 @@ SET_FIELDS = (
             tooltip="After its first call, each block is checked again once in this many of its calls (the blocks "
                     "take turns, so a few are checked each step). 0 (the default): sized by each call's cost, so "
                     "the checks take at most 1% of the attention time (a video model's long calls are checked "
-                    "every few steps, SDXL's short ones far less often). On a failed check the call is recomputed "
-                    "exactly, the kernel demoted for that block of this model, and this node's report says so."),
+                    "every 10 steps or so, SDXL's short ones far less often). On a failed check the call is "
+                    "recomputed exactly, the kernel demoted for that block of this model, and this node's report "
+                    "says so."),
 )
 CLIP_FIELDS = (
     _backend_field("Attention backend for the text encoder. " + AUTOS_TOOLTIP + "'comfy default' = unchanged."),

@@ -247,7 +247,8 @@ class Tuner:
             kind = "auto_exact" if r.exact else "auto_fast"
             judged = f", judged on {r.judged_on}" if r.judged_on else ""
             lines.append(f"  {r.signature.describe()}")
-            lines.append(f"    {kind} for model {r.model}{' at ' + r.block if r.block else ''} -> {r.chosen} ({r.source}{judged}"
+            at = f" at {r.block}" if r.block else ""
+            lines.append(f"    {kind} for model {r.model}{at} -> {r.chosen} ({r.source}{judged}"
                          f"{': ' + r.reason if r.reason else ''}; {r.seconds:.2f} s)")
             for c in r.candidates:
                 timing = f"{c.median_ms:.3f} ms" if c.median_ms is not None else "not timed"
