@@ -7,8 +7,12 @@ cfg batch 2 (kernels of 0.03-0.2 ms, where the per-call cost of the Python aroun
     (--model tiny for a CPU smoke run)
 
 --backends takes backend names, each optionally with a quality-guard setting: `auto_fast:guard=off`,
-`sage:guard=all/10` (mode/every). `--steps N` also runs N Euler steps of a sampling run from the same start for
-every configuration and reports how far each final latent is from `auto_exact`'s and from ComfyUI's default.
+`sage:guard=all/10` (mode/every; without one, the guard's default: quantised kernels, the interval sized by each
+call's cost). Each guarded configuration reports the guard's checks in the warm-up step (every block's first
+call) and per timed step, the blocks it checked and its failures with their blocks (`guard_summary`), so the
+guard's cost reads side by side: `--backends auto_fast,auto_fast:guard=off`.
+`--steps N` also runs N Euler steps of a sampling run from the same start for every configuration and reports
+how far each final latent is from `auto_exact`'s and from ComfyUI's default.
 `--compile` times the model under torch.compile (inductor) instead and counts its graph breaks.
 
 It imports ComfyUI from COMFYUI_PATH at run time (nothing of ComfyUI lives in this repository) and
@@ -128,6 +132,7 @@ def main() -> int:
     # One warm-up step each (`auto` tunes, flex compiles), then rounds that run every configuration once in
     # turn: drift of the host or the GPU clock hits all of them alike (the SDXL step is partly CPU-bound).
     outputs = {name: forward(options).float() for name, (options, _) in configs.items()}
+    warmup_checks = {name: _checks(recorder) for name, (_, recorder) in configs.items()}
     times = {name: [] for name in configs}
     for _ in range(args.runs):
         for name, (options, _) in configs.items():
@@ -150,6 +155,8 @@ def main() -> int:
         recorder = configs[row["attention"]][1]
         if recorder is not None:
             row["guard"] = recorder.snapshot()["guard"]
+            row["guard_summary"] = guard_summary(row["guard"], warmup_checks[row["attention"]], args.runs)
+            print(f"{row['attention']:16} guard: {row['guard_summary']['text']}")
     report = None
     if any(name.split(":")[0] in dispatcher.auto.PSEUDO_BACKENDS for name in configs):
         report = dispatcher.auto.report()  # per signature: every candidate's error on the model's own values
@@ -161,6 +168,26 @@ def main() -> int:
             "torch": torch.__version__, "dtype": str(dtype), "runs": args.runs, "rows": rows, "tuning": report,
             "sampling": sampling, "packages": dispatcher.current_machine().packages}, indent=1, default=str))
     return 0
+
+
+def _checks(recorder) -> int:
+    return 0 if recorder is None else sum(g["checks"] for g in recorder.snapshot()["guard"])
+
+
+def guard_summary(entries: list, warmup_checks: int, runs: int) -> dict:
+    """What the guard did: checks in the warm-up step (each block's first call) and per timed step, how many
+    blocks it checked, its failures with their blocks."""
+    checks = sum(g["checks"] for g in entries)
+    failures = [{"site": g["site"], "backend": g["backend"], **f} for g in entries for f in g["failures"]]
+    errors = [g["max_error"] for g in entries if g["max_error"] is not None]
+    summary = {"warmup_checks": warmup_checks, "checks_per_timed_step": round((checks - warmup_checks) / runs, 3),
+               "blocks_checked": len({g["site"] for g in entries}), "max_error": max(errors, default=None),
+               "failures": failures}
+    summary["text"] = (f"{warmup_checks} checks in the warm-up step, {summary['checks_per_timed_step']} per timed "
+                       f"step, {summary['blocks_checked']} blocks" +
+                       (f", max error {summary['max_error']:.1e}" if errors else "") +
+                       "".join(f"; FAILED at {f['site']}: {f['reason']}" for f in failures))
+    return summary
 
 
 def sampling_run(steps: int, forward_args, configs) -> dict:

@@ -1,14 +1,30 @@
-"""What the quality guard adds to a sampling step, measured on the attention calls of an SDXL step.
+"""What the quality guard adds to a sampling step, and what it lets through, measured on attention calls alone.
 
-    python bench/guard_cost.py [--backend native] [--guard all] [--every 200] [--rounds 40] [--json PATH]
+    python bench/guard_cost.py [--backend native] [--guard all] [--every 0] [--rounds 40] [--json PATH]
+    python bench/guard_cost.py --scenario one-bad-block [--backend auto_fast] [--blocks 30] [--steps 20]
+                               [--bad-block 7] [--bad-from-step 0] [--outlier 100] [--json PATH]
 
-One "step" is the 140 attention calls of SDXL's UNet at 1024x1024 with cfg batch 2, in the model's order and
-with its call sites: 10 blocks at 4096 tokens and 60 at 1024, each a self-attention and a cross-attention on
-77 text tokens. Steps with the guard off and on (`--guard`, every `--every`-th call per call site) alternate,
-each sample timing `--steps` steps with CUDA events; the medians give the guard's cost per step, in ms and as a
-share of a whole SDXL step (`--step-ms`, the model's measured step time: bench/comfy_model_step.py --model sdxl).
-The model's other layers are left out on purpose: the guard adds host and GPU work only to attention calls, and
-timed alone they show that added work without the noise of a 60 ms step.
+Cost (the default scenario, `sdxl-cost`): one "step" is the 140 attention calls of SDXL's UNet at 1024x1024 with
+cfg batch 2, in the model's order and with its call sites, each block named as the ComfyUI node names it
+("output.self #21"): 10 blocks at 4096 tokens and 60 at 1024, each a self-attention and a cross-attention on 77
+text tokens. Steps with the guard off and on (`--guard`, `--every`: one call in N of each block after its first;
+0, the default, sizes N by the call's cost) alternate, each sample timing `--steps` steps with CUDA events; the
+medians give the guard's cost per step, in ms and as a share of a whole SDXL step (`--step-ms`, the model's
+measured step time: bench/comfy_model_step.py --model sdxl). The model's other layers are left out on purpose:
+the guard adds host and GPU work only to attention calls, and timed alone they show that added work without the
+noise of a 60 ms step. The first step (every block's first-call check) is run before the timed ones and reported
+apart (`first_step_checks`).
+
+Spoiled calls (`one-bad-block`): `--blocks` self-attention blocks of WAN 2.1 1.3B's shape (32760 tokens, 12
+heads of 128; `--tokens` to change it) share one signature; block `--bad-block` has keys with a large random-sign
+outlier channel the queries ignore (`--outlier` times the keys' scale), so exact attention is unchanged there and
+quantised kernels go far off (every Sage kernel 0.49 on the H200, FA3 2.3e-3). `--steps` forwards of all blocks,
+with the guard at its default (or `--every`); from step `--bad-from-step` on (0: from the start) the bad block has
+the outlier. Every output is compared with exact attention: a call past `--spoiled-at` (relative error) that the
+caller got is a spoiled call. Reports the spoiled calls (the goal: 0 from the start; within the rotation bound
+when the block turns bad mid-run), the guard's checks and failures with their blocks, and who served each block.
+`--kernel int8-sim` registers a quantised int8 kernel written here (per-tensor int8 q and k) that fails on the
+outlier block the same way, for a CPU run (`--device cpu --tokens 256 --heads 2 --head-dim 32`) or to compare.
 """
 
 from __future__ import annotations
@@ -42,45 +58,70 @@ def sdxl_step_calls(device, dtype):
         return tensors[lq, lk, heads]
 
     calls = []
-    for blocks, tokens, heads, where in SDXL_BLOCKS:
+    index = 0  # the UNet's transformer_index: the node names a block "output.self #21.0" (the index, then the
+    for blocks, tokens, heads, where in SDXL_BLOCKS:  # block inside its spatial transformer; here one each)
         for _ in range(blocks):
-            calls.append((*qkv(tokens, tokens, heads), f"{where}.self"))
-            calls.append((*qkv(tokens, 77, heads), f"{where}.cross"))
+            calls.append((*qkv(tokens, tokens, heads), f"{where}.self #{index}.0"))
+            calls.append((*qkv(tokens, 77, heads), f"{where}.cross #{index}.0"))
+            index += 1
     return calls
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", default="native")
-    parser.add_argument("--guard", default="all", choices=("all", "quantised"))
-    parser.add_argument("--every", type=int, default=dispatcher.guard.DEFAULT_EVERY)
+    parser.add_argument("--scenario", default="sdxl-cost", choices=("sdxl-cost", "one-bad-block"))
+    parser.add_argument("--backend", default=None, help="default: native (sdxl-cost), auto_fast (one-bad-block)")
+    parser.add_argument("--guard", default=None, choices=("all", "quantised"),
+                        help="default: all (sdxl-cost, to guard an exact kernel), quantised (one-bad-block)")
+    parser.add_argument("--every", type=int, default=dispatcher.guard.DEFAULT_EVERY,
+                        help="one call in N of each block after its first (0: sized by the call's cost)")
     parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--steps", type=int, default=5, help="steps per timed sample")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per timed sample (sdxl-cost, default 5); forwards (one-bad-block, default 20)")
     parser.add_argument("--step-ms", type=float, default=60.0, help="a whole SDXL step on this GPU, for the share")
+    parser.add_argument("--blocks", type=int, default=30)
+    parser.add_argument("--bad-block", type=int, default=7)
+    parser.add_argument("--bad-from-step", type=int, default=0)
+    parser.add_argument("--outlier", type=float, default=100.0)
+    parser.add_argument("--spoiled-at", type=float, default=dispatcher.guard.QUANTISED_BOUND)
+    parser.add_argument("--tokens", type=int, default=32760)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--kernel", choices=("int8-sim",), default=None,
+                        help="register the simulated int8 kernel (and use it as --backend unless one is given)")
+    parser.add_argument("--device", default="cuda")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.scenario == "one-bad-block":
+        return one_bad_block(args)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    args.backend = args.backend or "native"
+    args.guard = args.guard or "all"
+    args.steps = args.steps or 5
     calls = sdxl_step_calls("cuda", torch.bfloat16)
     recorder = dispatcher.Recorder()
     settings = {"off": dict(guard="off"), "on": dict(guard=args.guard, guard_every=args.every)}
 
-    def steps(setting):
-        for _ in range(args.steps):
+    def steps(setting, n=args.steps):
+        for _ in range(n):
             for q, k, v, site in calls:
                 dispatcher.dispatch_attention_fn(q, k, v, backend=args.backend, call_site=site, recorder=recorder,
                                                  model="bench-guard", **settings[setting])
 
-    for setting in settings:  # decide every signature, make the first checks
-        steps(setting)
+    for setting in settings:  # decide every signature, make every block's first-call check
+        steps(setting, 1)
     torch.cuda.synchronize()
+    first_checks = sum(g["checks"] for g in recorder.snapshot()["guard"])
     med = {name: ms / args.steps for name, ms in
            interleaved_ms({name: (lambda name=name: steps(name)) for name in settings}, args.rounds).items()}
-    checks = sum(g["checks"] for g in recorder.snapshot()["guard"])
-    total_steps = args.steps * (args.rounds + 1)
+    checks = sum(g["checks"] for g in recorder.snapshot()["guard"]) - first_checks
+    total_steps = args.steps * args.rounds
     added = med["on"] - med["off"]
-    result = {"backend": args.backend, "guard": args.guard, "every": args.every, "calls_per_step": len(calls),
+    result = {"scenario": args.scenario, "backend": args.backend, "guard": args.guard, "every": args.every,
+              "calls_per_step": len(calls), "first_step_checks": first_checks,
+              "intervals": _intervals(calls, args.every),
               "attention_ms_per_step": {k: round(v, 4) for k, v in med.items()},
               "checks_per_step": round(checks / total_steps, 3), "added_ms_per_step": round(added, 4),
               "added_ms_per_check": round(added / max(checks / total_steps, 1e-9), 4),
@@ -88,6 +129,90 @@ def main(argv=None) -> int:
               "failures": sum(len(g["failures"]) for g in recorder.snapshot()["guard"]),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": args.rounds,
               "steps_per_sample": args.steps}
+    emit(result, args.json)
+    return 0
+
+
+def _intervals(calls, every) -> dict:
+    """The interval each kind of call gets (every > 0: that; 0: sized by its cost, guard.interval)."""
+    out = {}
+    for q, k, v, site in calls:
+        kind = site.split(" #")[0]
+        if kind not in out:
+            inputs = dispatcher.AttentionInputs.of(q.shape[0], q.shape[2], q.shape[1], q.shape[3], len_kv=k.shape[1],
+                                                   dtype=q.dtype, device=q.device)
+            out[kind] = every or dispatcher.guard.interval(inputs)
+    return out
+
+
+def int8_sim(q, k, v, *, attn_mask=None, scale=None, **_):
+    """A quantised kernel for the bench (BSHD): q and k rounded to int8 with one scale per tensor, as a naive int8
+    attention does (SageAttention smooths k and scales per block, and still fails on the outlier block)."""
+    def quant(t):
+        s = t.abs().amax().float().clamp_min(1e-6) / 127
+        return ((t.float() / s).round() * s).to(t.dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(quant(q).transpose(1, 2), quant(k).transpose(1, 2),
+                                                           v.transpose(1, 2), attn_mask=attn_mask, scale=scale)
+    return out.transpose(1, 2)
+
+
+def one_bad_block(args) -> int:
+    """Spoiled calls with one bad block of `args.blocks` sharing a signature (see the module's docstring)."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --device cpu with --kernel int8-sim and small --tokens)", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.kernel == "int8-sim" and "bench_int8_sim" not in dispatcher.backend_names():
+        dispatcher.register_backend("bench_int8_sim", int8_sim, devices=(device.type,), quantised=True,
+                                    description="bench: per-tensor int8 q and k")
+    backend = args.backend or ("bench_int8_sim" if args.kernel else "auto_fast")
+    guard_mode = args.guard or "quantised"
+    steps = args.steps or 20
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (1, args.tokens, args.heads, args.head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(3))
+    channel = 0
+    q[..., channel] = 0  # the queries ignore the outlier channel: exact attention is the same with and without it
+    signs = torch.randint(0, 2, shape[:3], device=device, generator=gen).to(dtype) * 2 - 1
+    k_bad = k.clone()
+    k_bad[..., channel] = signs * args.outlier
+    exact = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                             v.transpose(1, 2)).transpose(1, 2).float()
+    exact_norm = exact.norm()
+    recorder = dispatcher.Recorder("one-bad-block")
+    spoiled, errors = [], {}
+    with dispatcher.model_scope("bench-one-bad-block"), dispatcher.recording(recorder):
+        for step in range(steps):
+            for block in range(args.blocks):
+                bad = block == args.bad_block and step >= args.bad_from_step
+                out = dispatcher.dispatch_attention_fn(q, k_bad if bad else k, v, backend=backend,
+                                                       call_site=f"self #{block}", guard=guard_mode,
+                                                       guard_every=args.every)
+                error = float((out.float() - exact).norm() / exact_norm)
+                if not error <= args.spoiled_at:
+                    spoiled.append({"step": step, "block": block, "rel_error": error})
+                key = "bad" if bad else "good"
+                errors[key] = max(errors.get(key, 0.0), error)
+    snapshot = recorder.snapshot()
+    inputs = dispatcher.AttentionInputs.of(*shape[:1], args.heads, args.tokens, args.head_dim, dtype=dtype,
+                                           device=device)
+    result = {"scenario": args.scenario, "backend": backend, "guard": guard_mode, "every": args.every,
+              "interval": args.every or dispatcher.guard.interval(inputs), "blocks": args.blocks, "steps": steps,
+              "calls": steps * args.blocks, "bad_block": args.bad_block, "bad_from_step": args.bad_from_step,
+              "outlier": args.outlier, "spoiled_at": args.spoiled_at, "spoiled_calls": len(spoiled),
+              "spoiled": spoiled[:50], "max_rel_error_served": errors,
+              "guard_checks": sum(g["checks"] for g in snapshot["guard"]),
+              "guard_failures": [{"site": g["site"], "backend": g["backend"], **f}
+                                 for g in snapshot["guard"] for f in g["failures"]],
+              "served": {f"{r['site']}": r["served"] for r in snapshot["rows"]
+                         if r["site"] == f"self #{args.bad_block}" or r["served"] != backend},
+              "served_calls": {name: sum(r["calls"] for r in snapshot["rows"] if r["served"] == name)
+                               for name in {r["served"] for r in snapshot["rows"]}},
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "shape_bshd": list(shape), "dtype": str(dtype)}
+    if backend in dispatcher.auto.PSEUDO_BACKENDS:
+        result["auto_blocks"] = {r.block: r.chosen for r in dispatcher.auto.default_tuner().records() if r.block}
     emit(result, args.json)
     return 0
 

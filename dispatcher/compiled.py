@@ -76,7 +76,7 @@ def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial,
     if attention_kwargs_keys:
         candidate = checks.candidates_for_attention_kwargs(decision.requested, policy, decision.candidates,
                                                            dict.fromkeys(attention_kwargs_keys))[0]
-    if candidate.guard_every:  # the guard compares and may recompute: host work a graph cannot hold
+    if candidate.guard:  # the guard compares and may recompute: host work a graph cannot hold
         _runtime_op()
         return RUNTIME, state.active_checks(), False
     name = candidate.name

@@ -44,7 +44,7 @@ class Candidate(NamedTuple):
     runner: Callable
     transpose: bool  # the kernel's layout is not the call's: swap the sequence and head axes (views)
     convert_mask: bool  # the mask needs converting to the kernel's format (False: it takes it as given)
-    guard_every: int = 0  # the quality guard checks every Nth call of it (0: unguarded)
+    guard: tuple | None = None  # the quality guard's rules for it here (guard.rules_for), None: unguarded
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Decision:
     trust_sensitive: bool = False  # a Hub backend in the chain: the decision depends on trust settings
     shapes_only: bool = False  # every backend in the chain is `universal`: dtypes, devices, grad cannot change it
     lane: Any = None  # the first candidate when it is the requested one: what eager.py's fast lane runs
-    guard_counts: dict = field(default_factory=dict, repr=False, compare=False)  # (name, site) -> calls seen
+    watch: guard.Watch = field(default_factory=guard.Watch, repr=False, compare=False)  # the guard's counts, per block
     _reasons: dict = field(default_factory=dict, repr=False, compare=False)  # served -> reasons_for(served)
 
     def reasons_for(self, served: str) -> tuple[str, ...]:
@@ -114,9 +114,14 @@ def _reasons(name: str, spec, inputs: AttentionInputs) -> list[str]:
     return reasons
 
 
-def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, quality_guard: tuple) -> Decision:
+def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, quality_guard: tuple,
+           exact: str | None = None) -> Decision:
+    """exact: the fastest exact backend for these inputs where the caller knows it (`auto_fast`, from its timings):
+    it comes second, so a kernel that fails (or fails the guard) is replaced by it rather than by its own chain."""
     checks.check_structure(inputs)
     chain = fallback_order(requested) if policy == "fallback" else [requested]
+    if exact is not None and policy == "fallback" and exact != requested and registry.is_known(exact):
+        chain = [requested, exact] + [n for n in chain[1:] if n != exact]
     specs = [registry.get(n) for n in chain]
     decision = Decision(requested, [], trust_sensitive=any(s.hub is not None for s in specs),
                         shapes_only=all(s.universal for s in specs))
@@ -132,7 +137,7 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, qu
                 convert = inputs.mask_kind not in ("none", "blockmask") and not (
                     plain_mask and spec.mask_format == "native")
                 decision.candidates.append(Candidate(name, spec, runner, spec.layout != layout, convert,
-                                                     guard.every_for(spec, quality_guard)))
+                                                     guard.rules_for(spec, quality_guard, inputs)))
                 continue
         decision.skipped.append((name, reasons))
     if not decision.candidates:
@@ -147,14 +152,14 @@ def _lane(decision: Decision):
 
 
 def decision_for(requested: str, policy: str, inputs: AttentionInputs, layout: str, model: str,
-                 quality_guard: tuple) -> Decision:
+                 quality_guard: tuple, exact: str | None = None) -> Decision:
     """The decision for a signature, per model (demotions by the quality guard belong to the model they were
-    seen on) and guard setting."""
+    seen on) and guard setting; exact: see `decide`."""
     machine = current_machine()  # a simulated machine (use_machine) gets its own decisions
-    key = (requested, policy, inputs, layout, trust.scope_key(), id(machine), model, quality_guard)
+    key = (requested, policy, inputs, layout, trust.scope_key(), id(machine), model, quality_guard, exact)
     decision = _decisions.get(key)
     if decision is None:
-        decision = decide(requested, policy, inputs, layout, quality_guard)
+        decision = decide(requested, policy, inputs, layout, quality_guard, exact)
         decision.machine = machine
         with _lock:  # a thread that decided the same call first wins: one Decision, one set of demotions
             decision = _decisions.setdefault(key, decision)

@@ -38,10 +38,13 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     (B, Sq, H) for BSHD or (B, H, Sq) for BHSD, float32.
     recorder: count this call in it (anything with Recorder's `record`/`record_error`) instead of in the
     active `recording()` block's, without a context manager per call.
+    call_site: where in the model the call comes from, its block included ("self #5"): `auto_fast` judges quantised
+    kernels and the quality guard checks and demotes per call site.
     model: whose activations these are (default: the active `model_scope`); `auto`'s accuracy verdicts and the
     quality guard's demotions are kept per model.
-    guard / guard_every: the quality guard for this call ('quantised' | 'all' | 'off', every Nth call per call
-    site; default: the active `quality_guard` setting); a (mode, every) tuple from `guard.settings` is taken as is.
+    guard / guard_every: the quality guard for this call ('quantised' | 'all' | 'off'; each call site's first call
+    checked, then one in guard_every of its calls, 0 = sized by the call's cost; default: the active
+    `quality_guard` setting); a (mode, every) tuple from `guard.settings` is taken as is.
     """
     if guard is not None or guard_every is not None:
         if type(guard) is not tuple:

@@ -1,4 +1,5 @@
-"""The eager path: decide (a dict lookup once a signature is decided), run, fall back, record.
+"""The eager path: decide (a dict lookup once a signature is decided), run, fall back, record; a guarded kernel's
+served calls go to the quality guard of their decision (`decision.watch`, guard.py) once each.
 
 The first call of a signature validates everything and builds its `AttentionInputs`; repeat calls look
 the decision up by a key of shapes, dtypes, devices and flags read straight off the tensors, and pay for
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, decisions, guard, registry, state, trust
+from . import checks, decisions, registry, state, trust
 from .call import AttentionCall
 from .execute import run
 from .inputs import describe_call
@@ -56,7 +57,8 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
         try:
             if requested in _shapes_only:
                 shapes_key = (requested, policy, layout, q_shape, k_shape, v_shape, mask_dtype, mask_shape, is_causal,
-                              dropout_p > 0, scale is None, enable_gqa, return_lse, machine_id, model, quality_guard)
+                              dropout_p > 0, scale is None, enable_gqa, return_lse, machine_id, model, quality_guard,
+                              call_site)
                 decision = _fast.get(shapes_key)
         except TypeError:  # an unhashable backend name or mask: the full path below raises the real error
             shapes_key = None
@@ -67,7 +69,7 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
                     None if type(m) is not _Tensor else m.device, is_causal, dropout_p > 0, scale is None,
                     enable_gqa, return_lse,
                     _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
-                    machine_id, model, quality_guard)
+                    machine_id, model, quality_guard, call_site)  # the block: `auto_fast` judges each one
         try:
             decision = _fast.get(fast_key)
             if decision is _TRUST_SENSITIVE:
@@ -90,7 +92,7 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
         # The common call: its first candidate serves it (a guarded one unless this call is one the guard checks:
         # that goes the long way) and is counted as the loop below would count it (the requested backend served).
         candidate = decision.lane
-        if candidate is not None and (not candidate.guard_every or _not_checked(decision, candidate, call_site)):
+        if candidate is not None and (not candidate.guard or decision.watch.unchecked(candidate, call_site)):
             try:
                 out = run(candidate, call)
             except Exception as exc:
@@ -108,17 +110,25 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
         checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, requested)
     if attention_kwargs:  # only backends that pass every key on to their kernel may run it
         candidates = checks.candidates_for_attention_kwargs(decision.requested, policy, candidates, attention_kwargs)
+    watch = decision.watch
+    guard_notes = ()  # a kernel the guard demoted for this block: why another serves it
     last_index = len(candidates) - 1
     for index in range(first, last_index + 1):
         candidate = candidates[index]
+        if candidate.guard and not watch.serves(candidate, call_site):
+            guard_notes += (f"{candidate.name}: {watch.demoted[(candidate.name, call_site)]}",)
+            continue
         try:
             out = run(candidate, call)
         except Exception as exc:
             failed.append(_raised(candidate, exc, policy, index == last_index))
             continue
         name = candidate.name
-        if candidate.guard_every:
-            out, name = _guarded(decision, candidate, call, out, recorder, policy)
+        if candidate.guard:
+            replacement = watch.after(decision, candidate, call, out, recorder, policy)
+            if replacement is not None:
+                out, name = run(replacement, call), replacement.name
+                guard_notes += (f"{candidate.name}: {watch.demoted[(candidate.name, call_site)]}",)
         if mode != "off":
             try:  # a non-finite output from finite inputs: this backend is broken for them, like one that raises
                 checks.check_values({"output": out[0] if return_lse else out}, mode, name)
@@ -128,7 +138,7 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
                 failed.append((name, str(exc), str(exc)))
                 continue
         if failed or name != decision.requested or recorder is not None:
-            _account(decision, name, failed, recorder, call_site, requested)
+            _account(decision, name, failed, recorder, call_site, requested, guard_notes)
         return out
     raise AssertionError("unreachable: a decision always has a candidate")
 
@@ -151,8 +161,9 @@ def _raised(candidate, exc, policy, last: bool) -> tuple:
     return candidate.name, f"raised {error}", error
 
 
-def _account(decision, name, failed, recorder, call_site, requested) -> None:
-    """What a served call leaves behind: demotions, the fallback log line, the recorder's count."""
+def _account(decision, name, failed, recorder, call_site, requested, guard_notes=()) -> None:
+    """What a served call leaves behind: demotions, the fallback log line, the recorder's count. guard_notes: why
+    the guard's demotion for this block moved the call on (logged once by the guard)."""
     for failed_name, why, error in failed:
         decisions.demote(decision, failed_name, why)
         if recorder is not None:
@@ -160,48 +171,9 @@ def _account(decision, name, failed, recorder, call_site, requested) -> None:
     reasons = decision.reasons_for(name) if name != decision.requested else ()
     if reasons:
         decisions.log_once(decision.requested, name, reasons)
+    reasons = guard_notes + reasons
     if recorder is not None:
         recorder.record(call_site, requested, name, reasons)  # requested may be a pseudo-backend ("auto")
-
-
-def _not_checked(decision, candidate, call_site) -> bool:
-    """Whether this call of a guarded kernel is not one the guard checks; it is counted then (a checked one is
-    counted by `_guarded`, on the long path)."""
-    counts = decision.guard_counts
-    key = (candidate.name, call_site)
-    seen = counts.get(key, 0)
-    if seen % candidate.guard_every:
-        counts[key] = seen + 1
-        return True
-    return False
-
-
-def _guarded(decision, candidate, call, out, recorder, policy):
-    """The quality guard after `candidate` served `call` (see guard.py): on a check call compare it with exact
-    attention; on a failure demote the kernel, recompute the call with the next exact backend, report.
-    Returns (the result the caller gets, the backend that served it)."""
-    counts = decision.guard_counts
-    key = (candidate.name, call.call_site)
-    seen = counts.get(key, 0)
-    counts[key] = seen + 1
-    if seen % candidate.guard_every or not guard.checkable(call):
-        return out, candidate.name
-    why, error = guard.problem(call, out[0] if call.return_lse else out, candidate.spec)
-    if why is None:
-        if recorder is not None and hasattr(recorder, "record_guard"):
-            recorder.record_guard(call.call_site, candidate.name, error=error)
-        return out, candidate.name
-    replacement = next((c for c in decision.candidates if c.name != candidate.name and c.spec.exact), None)
-    if recorder is not None and hasattr(recorder, "record_guard_failure"):
-        recorder.record_guard_failure(call.call_site, candidate.name, why, replacement.name if replacement else "")
-    if policy == "strict" or replacement is None:
-        raise guard.AttentionQualityError(
-            f"attention backend '{candidate.name}' failed the quality guard at {call.call_site}: {why}. "
-            + ("Policy 'strict' lets no other backend serve the call: use policy 'fallback' to recompute such calls "
-               "exactly, or pick an exact backend." if policy == "strict" else "No exact backend can serve it."))
-    decisions.demote(decision, candidate.name, f"quality guard at {call.call_site}: {why}; from then on "
-                                               f"'{replacement.name}' serves these inputs for this model")
-    return run(replacement, call), replacement.name
 
 
 def _first_call(fast_key, requested, policy, model, quality_guard, call: AttentionCall):
@@ -214,12 +186,16 @@ def _first_call(fast_key, requested, policy, model, quality_guard, call: Attenti
     inputs = describe_call(query, key, value, attn_mask, call.dropout_p, call.is_causal, call.scale, call.enable_gqa,
                            call.return_lse, call.layout)
     sensitive = False
-    name = requested
+    name, exact = requested, None
     resolve = registry.resolver(requested)
     if resolve is not None:
         checks.check_structure(inputs)
         name, sensitive = resolve(inputs, call, model=model, timing=True)
-    decision = decisions.decision_for(name, policy, inputs, call.layout, model, quality_guard)
+        twin = registry.exact_twin(requested)
+        if twin is not None and not registry.get(name).exact:  # what replaces it where it fails: the fastest exact
+            exact, twin_sensitive = registry.resolver(twin)(inputs, call, model=model, timing=True)
+            sensitive = sensitive or twin_sensitive
+    decision = decisions.decision_for(name, policy, inputs, call.layout, model, quality_guard, exact)
     if fast_key is not None:
         if sensitive or decision.trust_sensitive:
             _fast[fast_key] = _TRUST_SENSITIVE

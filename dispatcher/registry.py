@@ -25,6 +25,7 @@ _priority: dict[str, int] = {}
 # settings). Registered by their wing. `_live` names those whose choice needs the call's live values (a
 # traced call then runs as an opaque op, deciding at run time).
 _resolvers: dict[str, Callable] = {}
+_twins: dict[str, str | None] = {}  # pseudo-backend -> its exact twin (add_resolver)
 _live: set[str] = set()
 
 
@@ -90,16 +91,23 @@ def builtin_names() -> tuple[str, ...]:
     return tuple(n for n in names() if not _specs[n].custom)
 
 
-def add_resolver(name: str, resolve: Callable, *, needs_live_values: bool = False) -> None:
+def add_resolver(name: str, resolve: Callable, *, needs_live_values: bool = False, exact_twin: str | None = None
+                 ) -> None:
     """A pseudo-backend: `resolve(inputs, call, *, model, timing)` -> (backend name, trust-sensitive), decided per
-    signature and model; needs_live_values: its choice cannot be made from a signature alone (in a trace)."""
+    signature, model and block (`call.call_site`); needs_live_values: its choice cannot be made from a signature
+    alone (in a trace); exact_twin: the pseudo-backend whose choice replaces a quantised pick where it fails."""
     with _lock:
         _resolvers[name] = resolve
+        _twins[name] = exact_twin
         if needs_live_values:
             _live.add(name)
         else:
             _live.discard(name)
     caches.forget()
+
+
+def exact_twin(name: str) -> str | None:
+    return _twins.get(name)
 
 
 def needs_live_values(name: str) -> bool:

@@ -213,7 +213,8 @@ def model_scope(model: str):
 
 
 def set_quality_guard(mode: str = guard.DEFAULT_MODE, every: int | None = None) -> None:
-    """Process default of the quality guard (see dispatcher.guard): 'quantised' | 'all' | 'off', every Nth call."""
+    """Process default of the quality guard (see dispatcher.guard): 'quantised' | 'all' | 'off'; every: one call in
+    N of each call site after its first (0 / None: sized by the call's cost)."""
     global _default_guard
     _default_guard = guard.settings(mode, every)
     _defaults_changed()
@@ -224,5 +225,6 @@ def active_guard() -> tuple:
 
 
 def quality_guard(mode: str = "all", every: int | None = None):
-    """The quality guard for the calls inside the block (mode 'quantised' | 'all' | 'off', every Nth call)."""
+    """The quality guard for the calls inside the block (mode 'quantised' | 'all' | 'off'; every: one call in N of
+    each call site after its first, 0 / None: sized by the call's cost)."""
     return _scoped(None, guard=guard.settings(mode, every))

@@ -33,6 +33,8 @@ Decisions, documented once:
   code: Hub kernels count once fetched and trusted.
 - model: the model's identity (nodes/model_identity.py), passed with every call: `auto_fast`'s verdicts and the
   quality guard's demotions are kept per model. guard: (mode, every) for the quality guard, worked out once here.
+- block identity: each call's call site names its block ("self #5", nodes/blocks.py `block_name`), so `auto_fast`
+  judges and the quality guard checks and demotes per block.
 - blocks: (start, end) of the block range (nodes/blocks.py); calls from other blocks are delegated like calls
   outside the step window. When a call says no usable block position, the backend serves it and the site is
   noted once (in `block_notes`, which the node's report reads).
@@ -57,7 +59,7 @@ from ..dispatcher.backends.kitchen import SolAttnOptions, sol_attn_options
 from ..dispatcher.auto import PSEUDO_BACKENDS as AUTOS  # "auto" is auto_exact (older workflows)
 from ..dispatcher.guard import settings as guard_settings
 from ..dispatcher.report import register as register_recorder
-from .blocks import block_position, blocks_text, in_blocks, is_default
+from .blocks import Ordinals, block_name, block_position, blocks_text, in_blocks, is_default
 from .overrides import OverrideChainError, chain, comfy_default_attention, describe
 from .window import in_window
 
@@ -222,7 +224,7 @@ class _Plan:
     the views to take, the backend name to pass and how to shape the output. Plain attributes, read per call."""
 
     __slots__ = ("reason", "views", "layout", "upcast", "name", "notes", "recorder", "site", "scale", "gqa", "output",
-                 "attend", "exact")
+                 "attend", "exact", "kind")  # site: with the block ("self #5"); kind: without ("self")
 
     def __init__(self, reason=None, **fields):
         self.reason = reason
@@ -248,7 +250,9 @@ class AttentionOverride:
     backend).
 
     Per call signature (shapes, dtype, mask kind, flags, block) the first call validates and plans; repeat
-    calls cost a dict lookup, the views and the dispatcher's own lookup (see `_Plan`).
+    calls cost a dict lookup, the views and the dispatcher's own lookup (see `_Plan`). The block (nodes/blocks.py
+    `block_name`: the position ComfyUI passes, else the call's ordinal in the forward) names the call site the
+    dispatcher gets ("self #5"): `auto_fast` judges and the quality guard checks and demotes per block.
     """
 
     def __init__(self, backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
@@ -275,6 +279,7 @@ class AttentionOverride:
         self.precision_notes = {} if precision_notes is None else precision_notes
         self._outside_blocks = None if self.blocks is None else f"outside the block range {blocks_text(self.blocks)}"
         self._plans: dict[tuple, _Plan] = {}
+        self._ordinals = Ordinals()
         # Made here, not in a traced call (torch.compile cannot trace registering one); others on first use.
         # (`auto_fast` asking `auto_exact` where the model wants full precision records as `auto_fast`.)
         self._relabels: dict[tuple, _Relabel] = {} if recorder is None else {(): _Relabel(recorder, backend)}
@@ -321,19 +326,25 @@ class AttentionOverride:
         if backend == COMFY_DEFAULT or backend == PASS_THROUGH:
             _check_call(q, k, v, mask, skip_reshape)
             return _Plan("", site=_site(to, q, k, skip_reshape)), ""
-        if _dynamo_compiling():  # traced once per graph; hashing symbolic sizes would specialise them
-            signature = plan = None
-        else:
+        block = signature = plan = None
+        compiling = _dynamo_compiling()
+        try:  # the block first: every call is counted, passed on or not, so ordinals stay block numbers
+            axis = 2 if skip_reshape else 1
+            block = block_name(to, None if compiling else self._ordinals, q.shape[axis] == k.shape[axis])
+        except (AttributeError, IndexError, TypeError):  # not tensors: _plan says why
+            pass
+        if not compiling:  # traced once per graph; hashing symbolic sizes would specialise them
             try:  # everything a plan depends on; not tensors or unhashable options: no plan (_plan says why)
                 signature = (q.shape, k.shape, v.shape, q.dtype, heads, None if mask is None else mask.dtype,
                              attn_precision, skip_reshape, skip_output_reshape, kwargs.get("scale"),
                              kwargs.get("enable_gqa", False), kwargs.get("low_precision_attention", True),
-                             to.get("block_type"), to.get("block"))
+                             to.get("block_type"), to.get("block"), block)
                 plan = self._plans.get(signature)
             except (AttributeError, TypeError):
                 signature = plan = None
         if plan is None:
-            plan = self._plan(q, k, v, heads, mask, skip_reshape, skip_output_reshape, attn_precision, kwargs, to)
+            plan = self._plan(q, k, v, heads, mask, skip_reshape, skip_output_reshape, attn_precision, kwargs, to,
+                              block)
             if signature is not None:
                 if plan.reason is None:
                     plan.attend = self._prepared(plan)
@@ -345,8 +356,8 @@ class AttentionOverride:
             inside = in_blocks(to, self.blocks)
             if inside is False:
                 return plan, self._outside_blocks
-            if inside is not True and plan.site not in self.block_notes:  # the range cannot apply: noted once
-                self.block_notes[plan.site] = inside
+            if inside is not True and plan.kind not in self.block_notes:  # the range cannot apply: noted once
+                self.block_notes[plan.kind] = inside
         if plan.reason is None and self.sparse is not None:
             # ComfyUI's sparse node decides these before attention: dense means passed on
             position = block_position(to)
@@ -514,16 +525,18 @@ class AttentionOverride:
             self._relabels[notes] = _Relabel(self.recorder, self.backend, notes)
         return self._relabels[notes]
 
-    def _plan(self, q, k, v, heads, mask, skip_reshape, skip_output_reshape, attn_precision, kwargs, to) -> _Plan:
-        """The first call of a signature: validate, then decide the delegation or the dispatch."""
+    def _plan(self, q, k, v, heads, mask, skip_reshape, skip_output_reshape, attn_precision, kwargs, to,
+              block=None) -> _Plan:
+        """The first call of a signature (of a block): validate, then decide the delegation or the dispatch."""
         _check_call(q, k, v, mask, skip_reshape)
-        site = _site(to, q, k, skip_reshape)
+        kind = _site(to, q, k, skip_reshape)
+        site = f"{kind} {block}" if block else kind
         if mask is not None and not (mask.dtype == torch.bool or mask.is_floating_point()):
             return _Plan(f"attn_mask has dtype {str(mask.dtype).replace('torch.', '')}, which ComfyUI's own "
-                         "backend interprets; passed through unchanged", site=site)
+                         "backend interprets; passed through unchanged", site=site, kind=kind)
         if not skip_reshape and not heads:
-            return _Plan("heads was not given for (B, L, H*D) inputs", site=site)
-        plan = _Plan(site=site, scale=kwargs.get("scale"), gqa=bool(kwargs.get("enable_gqa", False)),
+            return _Plan("heads was not given for (B, L, H*D) inputs", site=site, kind=kind)
+        plan = _Plan(site=site, kind=kind, scale=kwargs.get("scale"), gqa=bool(kwargs.get("enable_gqa", False)),
                      upcast=attn_precision == torch.float32 and q.dtype in _HALF)
         backend = self.backend
         plan.name, plan.notes = backend, ()

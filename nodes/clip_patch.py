@@ -30,17 +30,20 @@ def attention_module_paths(root: torch.nn.Module) -> list[str]:
     return [n for n in takers if not any(other.startswith(n + ".") for other in takers)]
 
 
-def patched_forward(module: torch.nn.Module, override):
-    """A forward for `module` that swaps the attention function it is given for `override`."""
+def patched_forward(module: torch.nn.Module, override, index: int | None = None, total: int | None = None):
+    """A forward for `module` that swaps the attention function it is given for `override`; index / total: the
+    layer's place among the encoder's attention layers, which names its call site ("text_encoder.self #3": the
+    encoder's calls carry no forward a count could restart at)."""
     original = type(module).forward
     signature = inspect.signature(original)
+    options = TE_OPTIONS if index is None else {**TE_OPTIONS, "block_index": index, "total_blocks": total}
 
     def forward(*args, **kwargs):
         bound = signature.bind(module, *args, **kwargs)
         core = bound.arguments.get("optimized_attention")
         if core is not None:
             def attention(q, k, v, heads, mask=None, **kw):
-                kw.setdefault("transformer_options", TE_OPTIONS)
+                kw.setdefault("transformer_options", options)
                 return override(core, q, k, v, heads, mask, **kw)
             bound.arguments["optimized_attention"] = attention
         return original(*bound.args, **bound.kwargs)
@@ -53,6 +56,6 @@ def patch_clip(clip, override) -> list[str]:
     root = clip.patcher.model
     modules = dict(root.named_modules())
     paths = attention_module_paths(root)
-    for path in paths:
-        clip.patcher.add_object_patch(f"{path}.forward", patched_forward(modules[path], override))
+    for index, path in enumerate(paths):
+        clip.patcher.add_object_patch(f"{path}.forward", patched_forward(modules[path], override, index, len(paths)))
     return paths

@@ -117,15 +117,20 @@ SET_FIELDS = (
                     "end). " + BLOCKS_TOOLTIP),
     v.Field("quality_guard", "combo", options=list(GUARD_MODES), default=DEFAULT_GUARD, noun="quality guard mode",
             optional=True,
-            tooltip="While sampling, compare a sample of calls with exact attention on a few query rows. 'quantised "
-                    "kernels': only quantised kernels such as SageAttention (also those auto_fast picks); 'every "
-                    "kernel': all of them (for a custom or new kernel); 'off': no checks. On a failed check (NaN/Inf, "
-                    "or an error past the kernel's bound) that call is recomputed with an exact kernel, the kernel is "
-                    "demoted for this model and call shape until ComfyUI restarts, and this node's report says so."),
-    v.Field("guard_every", "int", default=DEFAULT_EVERY, min=1, max=100000, optional=True,
-            tooltip="The quality guard checks one call in this many per call site (and always the first). On a "
-                    "failed check the call is recomputed exactly, the kernel demoted for this model and call shape, "
-                    "and this node's report says so."),
+            tooltip="While sampling, compare calls with exact attention on a few query rows: the first call of "
+                    "every transformer block, then each block again in turn. 'quantised kernels': only quantised "
+                    "kernels such as SageAttention (also those auto_fast picks), plus a NaN/Inf check on every output "
+                    "of a custom kernel; 'every kernel': all of them (for a custom or new kernel); 'off': no checks. "
+                    "On a failed check (NaN/Inf, or an error past the kernel's bound) that call is recomputed with "
+                    "the fastest exact kernel, the kernel is demoted for that block of this model until ComfyUI "
+                    "restarts, and this node's report and badge name the block."),
+    v.Field("guard_every", "int", default=DEFAULT_EVERY, min=0, max=100000, optional=True,
+            tooltip="After its first call, each block is checked again once in this many of its calls (the blocks "
+                    "take turns, so a few are checked each step). 0 (the default): sized by each call's cost, so "
+                    "the checks take at most 1% of the attention time (a video model's long calls are checked "
+                    "every 10 steps or so, SDXL's short ones far less often). On a failed check the call is "
+                    "recomputed exactly, the kernel demoted for that block of this model, and this node's report "
+                    "says so."),
 )
 SPARSE_FIELDS = (
     v.Field("tau", "float", default=_kitchen.DEFAULT_TAU, min=_kitchen.TAU_RANGE[0], max=_kitchen.TAU_RANGE[1],

@@ -96,8 +96,8 @@ def every_call_fallbacks(snapshot: dict) -> list[dict]:
         group["calls"] += sum(entry["served"].values())
     out = []
     for group in groups.values():
-        group["sites"].sort(key=str)
         group["every_site"] = set(group["sites"]) == sites_of[group["requested"]]
+        group["sites"] = _folded(group["sites"], sites_of[group["requested"]])
         where = "" if group["every_site"] else " at " + ", ".join(map(str, group["sites"]))
         why = "; ".join(group["reasons"])
         group["text"] = (f"{group['requested']} fell back to {' / '.join(group['served'])} on every call{where}"
@@ -106,23 +106,56 @@ def every_call_fallbacks(snapshot: dict) -> list[dict]:
     return out
 
 
+def _folded(sites, all_sites) -> list:
+    """Sites, sorted, with the blocks of a kind named once by the kind when every block of it is there
+    (["self #0", "self #1"] of those two -> ["self"])."""
+    kinds: dict = {}
+    for site in all_sites:
+        kinds.setdefault(site_kind(site), set()).add(site)
+    out = set()
+    for site in sites:
+        kind = site_kind(site)
+        out.add(kind if kinds[kind] <= set(sites) else site)
+    return sorted(out, key=str)
+
+
+def site_kind(site) -> str:
+    """A call site without its block: "self #5" -> "self" (nodes/blocks.py names blocks "#N" or "#N.M")."""
+    return re.sub(r" #[\d.]+$", "", site) if isinstance(site, str) else str(site)
+
+
 def guard_results(snapshot: dict) -> list[dict]:
-    """The quality guard's results per (site, kernel): the recorder's entries with a `text` each."""
-    out = []
+    """The quality guard's results, each with a `text`: one entry per block where it caught a kernel ("self #5"),
+    and one per (kind of site, kernel) for the blocks where it passed ("self", with `blocks`: how many), so a model
+    of 30 blocks reads as one line, not 30."""
+    out, passed = [], {}
     for entry in snapshot.get("guard", ()) or ():
         backend, site, checks = entry.get("backend"), entry.get("site"), int(entry.get("checks") or 0)
         failures = list(entry.get("failures") or ())
+        if failures:
+            out.append({**entry, "checks": checks, "failures": failures, "blocks": 1})
+            continue
+        folded = passed.setdefault((site_kind(site), backend), {"site": site_kind(site), "backend": backend,
+                                                                 "checks": 0, "max_error": None, "failures": [],
+                                                                 "blocks": 0})
+        folded["checks"] += checks
+        folded["blocks"] += 1
         error = entry.get("max_error")
-        text = f"quality guard: {backend} at {site}: {checks} check{'' if checks == 1 else 's'}"
-        if isinstance(error, (int, float)):
-            text += f", max error {error:.1e}"
-        for failure in failures:
+        if isinstance(error, (int, float)) and (folded["max_error"] is None or error > folded["max_error"]):
+            folded["max_error"] = error
+    for entry in [*out, *passed.values()]:
+        backend, site, checks = entry["backend"], entry["site"], entry["checks"]
+        where = f"{site} ({entry['blocks']} blocks)" if entry["blocks"] > 1 else site
+        text = f"quality guard: {backend} at {where}: {checks} check{'' if checks == 1 else 's'}"
+        if isinstance(entry.get("max_error"), (int, float)):
+            text += f", max error {entry['max_error']:.1e}"
+        for failure in entry["failures"]:
             replacement = failure.get("replacement")
             text += (f"; FAILED ({failure.get('reason')}): " +
-                     (f"that call was recomputed with {replacement} and {backend} is demoted for this model and call "
-                      "shape" if replacement else "no exact backend was left to recompute it"))
-        out.append({**entry, "failures": failures, "text": text})
-    return out
+                     (f"that call was recomputed with {replacement} and {backend} is demoted for this block of this "
+                      "model" if replacement else "no exact backend was left to recompute it"))
+        entry["text"] = text
+    return [*out, *passed.values()]
 
 
 def block_results(blocks: dict, notes: dict) -> dict:
@@ -139,11 +172,15 @@ def block_results(blocks: dict, notes: dict) -> dict:
 
 
 def full_precision_results(notes: dict) -> list[dict]:
-    """Calls that came with low_precision_attention=False, per (site, what kept them exact): the override's
-    `precision_notes`, each with a `text`."""
+    """Calls that came with low_precision_attention=False, per (kind of site, what kept them exact): the
+    override's `precision_notes` (kept per block, "cross #5"), folded by kind, each with a `text`."""
+    folded: dict = {}
+    for (site, what), calls in notes.items():
+        key = (site_kind(site), what)
+        folded[key] = folded.get(key, 0) + calls
     return [{"site": site, "calls": calls, "reason": what,
              "text": f"{site}: {calls} call{'' if calls == 1 else 's'} with low_precision_attention=False: {what}"}
-            for (site, what), calls in sorted(notes.items(), key=lambda kv: tuple(map(str, kv[0])))]
+            for (site, what), calls in sorted(folded.items(), key=lambda kv: tuple(map(str, kv[0])))]
 
 
 def track_live(key: str, recorder) -> None:

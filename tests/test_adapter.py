@@ -59,7 +59,7 @@ def test_flat_layout_heads_positional_and_keyword(backend):
     assert not CALLS  # ComfyUI's own backend was not used
     assert rec.total_calls == 2
     (site, requested, served), = rows(rec)
-    assert site == "cross" and requested == backend
+    assert site == "cross #0" and requested == backend  # each call here is a forward of its own: block 0
     if backend != "auto":
         assert served == backend
 
@@ -185,9 +185,9 @@ def test_step_window_chains_previous_outside():
         fn(comfy_func, *qkv(), 2, **to_opts(sample_sigmas=schedule, sigmas=sigma.reshape(1)))
     assert len(seen) == 1 and float(seen[0]) == 1.0
     r = rows(rec)
-    assert r[("self", "flex", "flex")]["calls"] == 3
+    assert r[("self #0", "flex", "flex")]["calls"] == 3  # each call a forward of its own: block 0
     label = f"previous override: {__name__}.test_step_window_chains_previous_outside.<locals>.previous"
-    assert "outside the step window" in r[("self", "flex", label)]["reasons"][0]
+    assert "outside the step window" in r[("self #0", "flex", label)]["reasons"][0]
     # without a previous override, out-of-window calls go to ComfyUI's own func
     fn2 = adapter.make_override("flex", window=(0.6, 1.0))
     fn2(comfy_func, *qkv(), 2, **to_opts(sample_sigmas=schedule, sigmas=schedule[0:1]))
@@ -235,7 +235,7 @@ def test_checks_raise_on_nan_and_compare_reports_error():
     for _ in range(4):
         fn(comfy_func, q, k, v, 2, **to_opts())
     snap = cmp.snapshot()
-    assert snap["samples"] == 2 and snap["max_rel_error"] < 1e-4 and snap["worst_site"] == "self"
+    assert snap["samples"] == 2 and snap["max_rel_error"] < 1e-4 and snap["worst_site"] == "self #0"
 
 
 def test_closure_survives_deepcopy_like_model_patcher_clone():
@@ -271,7 +271,7 @@ def test_private_kwargs_never_reach_the_dispatcher(monkeypatch):
     for _ in range(2):
         override(comfy_func, *qkv(), 2, **to_opts())  # to_opts() has _inside_attn_wrapper
     assert fixed and "transformer_options" not in fixed and "_inside_attn_wrapper" not in fixed
-    assert fixed["backend"] == "native" and fixed["call_site"] == "self"
+    assert fixed["backend"] == "native" and fixed["call_site"] == "self #0"  # the block, as the forward's first
     assert passed == [(4, {}), (4, {})]  # the tensors and the mask, twice through the one prepared call
 
 

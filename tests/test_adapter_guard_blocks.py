@@ -251,15 +251,102 @@ def test_calls_outside_the_block_range_go_to_the_previous_override_with_the_reas
         out = fn(comfy_func, q, k, v, 2, **opts(block_index=i, total_blocks=4))
         torch.testing.assert_close(out, ref(q, k, v), atol=2e-5, rtol=1e-4)
     assert seen == [0, 3]
-    rows = {(r["served"].split(":")[0]): r for r in rec.snapshot()["rows"]}  # "previous override: <its name>"
-    assert rows["native"]["calls"] == 2
-    assert rows["previous override"]["calls"] == 2
-    assert rows["previous override"]["reasons"] == ["outside the block range 1..-2"]
+    # one row per block; "previous override: <its name>"
+    rows = {(r["site"], r["served"].split(":")[0]): r for r in rec.snapshot()["rows"]}
+    assert {site: served for site, served in rows} == {"self #0": "previous override", "self #1": "native",
+                                                        "self #2": "native", "self #3": "previous override"}
+    assert rows[("self #0", "previous override")]["reasons"] == ["outside the block range 1..-2"]
     assert not fn.block_notes
     # without a previous override: ComfyUI's own attention
     fn2 = adapter.make_override("native", blocks=(0, 0))
     fn2(comfy_func, q, k, v, 2, **opts(transformer_index=1))
     assert len(CALLS) == 3
+
+
+# ------------------------------------------------------------------------------------------------ block identity
+
+
+def sites_of(spy, start=0):
+    return [kw["call_site"] for kw in spy[start:]]
+
+
+@pytest.mark.parametrize("to, site", [
+    ({"block_index": 5, "total_blocks": 30}, "self #5"),  # newer ComfyUI's WAN, Lumina, Qwen
+    ({"block_index": 3, "total_blocks": 19, "block_type": "double"}, "double.self #3"),  # newer Flux
+    ({"transformer_index": 4, "block_index": 1, "block": ("input", 7)}, "input.self #4.1"),  # the SD/SDXL UNet
+    ({"transformer_index": 2}, "self #2"),
+])
+def test_call_sites_name_the_block_comfyui_passes(spy, to, site):
+    fn = adapter.make_override("native")
+    fn(comfy_func, *qkv(), 2, **opts(**to))
+    assert sites_of(spy) == [site]
+
+
+def wan_forward(fn, n_blocks, **to):
+    """One forward of a model that passes no block position (ComfyUI 0.3.64's WAN): each block calls self- then
+    cross-attention with the same options dict, which ComfyUI makes anew for each forward (its cond_or_uncond)."""
+    q, k, v = qkv()
+    _, k2, v2 = qkv(lk=8)
+    options = {"cond_or_uncond": [0, 1], "sigmas": torch.ones(1), **to}
+    for _ in range(n_blocks):
+        fn(comfy_func, q, k, v, 2, transformer_options=options)
+        fn(comfy_func, q, k2, v2, 2, transformer_options=options)
+
+
+def test_without_positions_a_call_is_named_by_its_ordinal_in_the_forward(spy):
+    """Counted per kind of call and reset at each forward: cond and uncond batched (one forward) or run one after
+    the other (two forwards, each its own cond_or_uncond list) number the blocks the same way."""
+    fn = adapter.make_override("native")
+    wan_forward(fn, 3)
+    expected = ["self #0", "cross #0", "self #1", "cross #1", "self #2", "cross #2"]
+    assert sites_of(spy) == expected
+    for start in (6, 12, 18):  # three more forwards: cond, uncond run apart, then batched again
+        wan_forward(fn, 3)
+        assert sites_of(spy, start) == expected
+    # a copy of the options made inside the forward (a patch) still counts as the same forward: it shares the list
+    options = {"cond_or_uncond": [0], "sigmas": torch.ones(1)}
+    q, k, v = qkv()
+    fn(comfy_func, q, k, v, 2, transformer_options=options)
+    fn(comfy_func, q, k, v, 2, transformer_options=dict(options))
+    assert sites_of(spy, 24) == ["self #0", "self #1"]
+
+
+def test_delegated_calls_are_counted_too_so_ordinals_stay_block_numbers(spy):
+    fn = adapter.make_override("native", window=(0.0, 1.0))
+    wan_forward(fn, 2)
+    assert sites_of(spy) == ["self #0", "cross #0", "self #1", "cross #1"]
+
+
+def test_calls_without_transformer_options_name_no_block(spy):
+    fn = adapter.make_override("native")
+    q, k, v = qkv()
+    fn(comfy_func, q, k, v, 2)
+    fn(comfy_func, q, k, v, 2)
+    assert sites_of(spy) == ["self", "self"]
+
+
+def test_a_quantised_kernel_wrong_on_one_block_is_caught_there_through_the_override(custom_backend):
+    """Three WAN-like blocks without positions share one signature; the kernel is wrong where the queries are
+    large (block 1 only). Its first call there is compared and recomputed: every output is exact, the kernel is
+    demoted for "self #1" only, and the report names that block."""
+    def kernel(q, k, v, **_):  # (B, S, H, D)
+        out = tensors.sdpa(q, k, v)
+        return out + torch.randn_like(out) if q.abs().amax() > 20 else out
+
+    name = custom_backend("t_one_block_int8", kernel)
+    rec = dispatcher.Recorder()
+    fn = adapter.make_override(name, recorder=rec, model="t29:one-block")
+    q, k, v = qkv()
+    for step in range(3):
+        options = {"cond_or_uncond": [0], "sigmas": torch.ones(1)}
+        for block in range(3):
+            qb = q * 30 if block == 1 else q
+            out = fn(comfy_func, qb, k, v, 2, transformer_options=options)
+            torch.testing.assert_close(out, ref(qb, k, v), atol=1e-4, rtol=1e-4)
+    served = {(r["site"], r["served"]) for r in rec.snapshot()["rows"]}
+    assert served == {("self #0", name), ("self #1", "native"), ("self #2", name)}, served
+    failed = [g for g in reports.guard_results(rec.snapshot()) if g["failures"]]
+    assert [g["site"] for g in failed] == ["self #1"] and "self #1" in failed[0]["text"]
 
 
 def test_no_block_position_uses_the_backend_everywhere_and_notes_each_site_once():
@@ -367,13 +454,36 @@ def test_every_call_fallbacks():
     assert demoted["every_site"] and demoted["text"] == "k fell back to native on every call: guard at cross; guard at self"
 
 
+def test_every_call_fallbacks_name_a_kind_of_site_once_when_all_its_blocks_fell_back():
+    rows = [(f"self #{i}", "flash", "native", 4, ["no flash-attn"]) for i in range(3)]
+    (every,) = reports.every_call_fallbacks(_snapshot(rows + [("cross #0", "flash", "native", 4, ["no flash-attn"])]))
+    assert every["sites"] == ["cross", "self"] and every["every_site"]
+    # the guard demoted the kernel on one block of three: that block alone, by name
+    rows = [("self #0", "sage", "sage", 4, []), ("self #1", "sage", "fa3", 4, ["quality guard at self #1"]),
+            ("self #2", "sage", "sage", 4, [])]
+    (every,) = reports.every_call_fallbacks(_snapshot(rows))
+    assert every["sites"] == ["self #1"] and not every["every_site"]
+    assert every["text"] == "sage fell back to fa3 on every call at self #1: quality guard at self #1"
+
+
 def test_guard_results_and_block_results():
     out = reports.guard_results(_snapshot([], guard=[
         {"site": "self", "backend": "sage", "checks": 4, "max_error": 0.012, "failures": []},
         {"site": "cross", "backend": "sage", "checks": 2, "max_error": None,
          "failures": [{"reason": "its output has 3 NaN/Inf values", "replacement": "native"}]}]))
-    assert out[0]["text"] == "quality guard: sage at self: 4 checks, max error 1.2e-02"
-    assert "FAILED (its output has 3 NaN/Inf values): that call was recomputed with native" in out[1]["text"]
+    assert out[1]["text"] == "quality guard: sage at self: 4 checks, max error 1.2e-02"  # failures first
+    assert "FAILED (its output has 3 NaN/Inf values): that call was recomputed with native" in out[0]["text"]
+    # blocks: the ones that passed fold into one entry per kind of site, a failed one keeps its block
+    out = reports.guard_results(_snapshot([], guard=[
+        *({"site": f"self #{i}", "backend": "sage", "checks": 2, "max_error": 0.001 * i, "failures": []}
+          for i in range(30) if i != 5),
+        {"site": "self #5", "backend": "sage", "checks": 1, "max_error": None,
+         "failures": [{"reason": "relative error 4.9e-01", "replacement": "fa3"}]}]))
+    assert [(g["site"], g["blocks"], g["checks"]) for g in out] == [("self #5", 1, 1), ("self", 29, 58)]
+    assert out[0]["text"].startswith("quality guard: sage at self #5: 1 check; FAILED (relative error 4.9e-01)")
+    assert "demoted for this block of this model" in out[0]["text"]
+    assert out[1]["text"] == "quality guard: sage at self (29 blocks): 58 checks, max error 2.9e-02"
+    assert reports.site_kind("input.self #4.1") == "input.self" and reports.site_kind("cross") == "cross"
     b = reports.block_results({"range": [2, -1]}, {"self": blocks.NO_POSITION, "cross": blocks.NO_POSITION})
     assert b["range"] == [2, -1] and b["unapplied"][0]["sites"] == ["cross", "self"]
     assert b["unapplied"][0]["text"].startswith("block range 2..-1 not applied at cross, self: this model tells")
@@ -426,7 +536,7 @@ def test_dropdown_lists_the_two_autos_first_and_still_accepts_auto(nodes):
     ({"quality_guard": "sometimes"}, "quality_guard: unknown quality guard mode 'sometimes'. Valid: quantised kernels, "
                                      "every kernel, off"),
     ({"quality_guard": "Off"}, "Did you mean 'off'?"),
-    ({"guard_every": 0}, "guard_every: 0 is below the minimum 1"),
+    ({"guard_every": -1}, "guard_every: -1 is below the minimum 0"),
     ({"guard_every": 2.5}, "guard_every: 2.5 is not a whole number"),
     ({"block_start": 5, "block_end": 2}, "block_start 5 is after block_end 2"),
     ({"block_start": -1, "block_end": -4}, "block_start -1 is after block_end -4"),
@@ -492,3 +602,15 @@ def test_chained_block_ranges_name_the_scope(nodes, monkeypatch):
     q, k, v = qkv()
     b.override(comfy_func, q, k, v, 2, transformer_options={"block_index": 7, "total_blocks": 10})
     assert rec_up.served_by("native") == 1
+
+
+def test_options_that_never_mark_a_new_forward_stop_being_numbered(spy):
+    """A caller that passes the same options dict forever (no cond_or_uncond): past MAX_ORDINAL calls the calls are
+    no longer numbered, so plans and verdicts do not pile up one per call."""
+    fn = adapter.make_override("native")
+    q, k, v = qkv()
+    options = {"sigmas": torch.ones(1)}
+    for _ in range(blocks.MAX_ORDINAL + 3):
+        fn(comfy_func, q, k, v, 2, transformer_options=options)
+    assert sites_of(spy)[:2] == ["self #0", "self #1"] and sites_of(spy)[-3:] == ["self"] * 3
+    assert len(fn._plans) == blocks.MAX_ORDINAL + 1

@@ -152,14 +152,93 @@ def test_verdicts_belong_to_their_model_timings_are_shared(tuner, tmp_path):
     saved = json.loads((tmp_path / "tune.json").read_text())
     (entry,) = saved["machines"].values()
     (decision,) = entry["decisions"].values()
-    assert decision["verdicts"]["model-a"][quantised]["status"] == "valid"
-    assert decision["verdicts"]["model-b"][quantised]["status"] == "rejected"
+    assert decision["verdicts"]["model-a"]["attention"][quantised]["status"] == "valid"  # per model and block
+    assert decision["verdicts"]["model-b"]["attention"][quantised]["status"] == "rejected"
     assert set(decision["timings"]) == {quantised, exactly}
     # A new process for model a reads its verdict from disk; for an unknown model it judges again.
     again = Tuner(cache_path=tmp_path / "tune.json", backends=(quantised, exactly))
     assert again.tune(*fine, model="model-a").source == "disk"
     other = again.tune(*fine, model="model-c")
     assert other.source == "judged" and other.judged_on == "live values" and again.timing_calls == 0
+
+
+def hostile_block(seed=3):
+    """One block's activations where int8_like is off by more than FAST_BOUND (one channel of v 40x the rest)."""
+    q, k, v = qkv(1, 64, h=2, d=16, seed=seed)
+    v = v.clone()
+    v[..., 0] *= 40
+    return q, k, v
+
+
+def test_auto_fast_judges_every_block_on_its_own_activations(tuner, tmp_path):
+    """Three blocks share one signature; the quantised kernel is wrong on block 1's activations only. auto_fast
+    judges it on each block's first call: blocks 0 and 2 get it, block 1 the exact kernel, and no output of the
+    quantised kernel on block 1 ever reaches the caller. Timing is per signature: blocks 1 and 2 time nothing."""
+    quantised = register("t_int8", int8_like, quantised=True)
+    exactly = register("t_exact", slow_exact)
+    fine = qkv(1, 64, h=2, d=16, seed=3)
+    blocks = [fine, hostile_block(), tuple(t * 1.01 for t in fine)]
+    rec = Recorder()
+    with tuner(quantised, exactly) as t, model_scope("model-a"), recording(rec):
+        outs = [dispatch_attention_fn(*blocks[0], backend="auto_fast", call_site="self #0")]
+        timed = t.timing_calls
+        outs += [dispatch_attention_fn(*b, backend="auto_fast", call_site=f"self #{i}") for i, b in
+                 enumerate(blocks[1:], 1)]
+        assert t.timing_calls == timed
+        for _ in range(2):  # later forwards: the choices are kept per block
+            outs += [dispatch_attention_fn(*b, backend="auto_fast", call_site=f"self #{i}") for i, b in
+                     enumerate(blocks)]
+        records = {r.block: r for r in t.records()}
+    served = {(r["site"], r["served"]): r["calls"] for r in rec.snapshot()["rows"]}
+    assert served == {("self #0", quantised): 3, ("self #1", exactly): 3, ("self #2", quantised): 3}, served
+    for i, out in enumerate(outs):
+        if i % 3 == 1:
+            torch.testing.assert_close(out, exact(*blocks[1]))  # the exact kernel's output, never int8_like's
+    assert records["self #1"].chosen == exactly and records["self #1"].judged_on == "live values"
+    assert {c.name: c.status for c in records["self #1"].candidates}[quantised] == "rejected"
+    saved = json.loads((tmp_path / "tune.json").read_text())
+    (entry,) = saved["machines"].values()
+    (decision,) = entry["decisions"].values()
+    verdicts = decision["verdicts"]["model-a"]
+    assert {b: verdicts[b][quantised]["status"] for b in verdicts} == {"self #0": "valid", "self #1": "rejected",
+                                                                        "self #2": "valid"}
+    # a new process reads each block's verdict from disk and judges a block it never saw
+    again = Tuner(cache_path=tmp_path / "tune.json", backends=(quantised, exactly))
+    assert again.tune(*hostile_block(), model="model-a", block="self #1").source == "disk"
+    assert again.tune(*hostile_block(), model="model-a", block="self #1").chosen == exactly
+    new = again.tune(*fine, model="model-a", block="self #7")
+    assert new.source == "judged" and new.chosen == quantised and again.timing_calls == 0
+
+
+def test_a_block_where_the_quantised_kernel_fails_later_is_recomputed_with_auto_exacts_choice(tuner):
+    """auto_fast tells the decision of its quantised pick the fastest exact kernel (auto_exact's choice for the
+    signature): when the guard catches the kernel on a block, that kernel recomputes the call, not the next one
+    of the quantised kernel's own chain (here 'native'), and only that block moves."""
+    state = {"calls": 0}
+
+    def drifting(q, k, v, **_):
+        state["calls"] += 1
+        out = exact(q, k, v)
+        return out + torch.randn_like(out) if state["calls"] > 4 and q.abs().amax() > 20 else out
+
+    quantised = register("t_drift8", drifting, quantised=True, fallback=("native",))
+    exactly = register("t_exact", slow_exact)
+    q, k, v = qkv(1, 64, h=2, d=16, seed=3)
+    blocks = [(q, k, v), (q * 1.5, k, v)]
+    rec = Recorder()
+    with tuner(quantised, exactly), model_scope("model-g"), recording(rec):
+        for _ in range(2):
+            for i, b in enumerate(blocks):
+                dispatch_attention_fn(*b, backend="auto_fast", call_site=f"self #{i}", guard_every=1)
+        loud = (q * 30, k, v)  # the same signature, now with activations the kernel gets wrong
+        out = dispatch_attention_fn(*loud, backend="auto_fast", call_site="self #1", guard_every=1)
+        torch.testing.assert_close(out, exact(*loud))
+        after = dispatch_attention_fn(*blocks[0], backend="auto_fast", call_site="self #0", guard_every=1)
+        torch.testing.assert_close(after, exact(*blocks[0]))
+    (failure,) = [f for g in rec.snapshot()["guard"] for f in g["failures"]]
+    assert failure["replacement"] == exactly
+    served = {(r["site"], r["served"]): r["calls"] for r in rec.snapshot()["rows"]}
+    assert served[("self #1", exactly)] == 1 and served[("self #0", quantised)] == 3, served
 
 
 def test_unscoped_verdicts_stay_in_memory(tuner, tmp_path):
@@ -179,3 +258,21 @@ def test_model_must_be_a_name():
             pass
     with pytest.raises(ValueError, match="non-empty string"):
         Tuner(cache_path=None).tune(*qkv(), model=3)
+
+
+def test_a_new_process_starts_the_next_block_and_auto_exact_from_what_the_disk_had(tuner, tmp_path):
+    """Block 0 of model a from disk in a new process: block 5 (never judged) judges only the quantised kernel, and
+    auto_exact's choice for the signature (what replaces a failing quantised pick) times nothing."""
+    quantised = register("t_int8", int8_like, quantised=True)
+    exactly = register("t_exact", slow_exact)
+    fine = qkv(1, 64, h=2, d=16, seed=3)
+    Tuner(cache_path=tmp_path / "tune.json", backends=(quantised, exactly)).tune(*fine, model="model-a",
+                                                                                  block="self #0")
+    again = Tuner(cache_path=tmp_path / "tune.json", backends=(quantised, exactly))
+    assert again.tune(*fine, model="model-a", block="self #0").source == "disk"
+    new = again.tune(*fine, model="model-a", block="self #5")
+    assert new.source == "judged" and again.timing_calls == 0
+    assert {c.name: c.status for c in new.candidates} == {quantised: "chosen", exactly: "valid"}
+    assert new.reason.startswith("judged and timed earlier") or new.judged_on == "live values"
+    exact_record = again.tune(*fine, model="model-a", exact=True)
+    assert exact_record.chosen == exactly and again.timing_calls == 0

@@ -245,3 +245,22 @@ def test_local_video_inputs_have_the_locality_block_sparse_routing_needs():
     noise = torch.randn(2, 1, 2048, 2, 128, generator=torch.Generator().manual_seed(0))
     assert mass_in_top_blocks(noise[0], noise[1]) < 0.5
     assert bench.video_grid(32760) == (21, 30, 52) and bench.video_grid(4608) == (1, 64, 72)
+
+
+@pytest.mark.parametrize("bad_from_step, every, most", [(0, 0, 0), (2, 3, 2)])
+def test_guard_bench_one_bad_block_of_many_counts_spoiled_calls(tmp_path, bad_from_step, every, most):
+    """bench/guard_cost.py --scenario one-bad-block on the CPU with its simulated int8 kernel: one bad block of
+    six sharing a signature. Bad from the start: caught at its first call, 0 spoiled calls, the others keep the
+    kernel. Bad from step 2 with every = 3: at most 2 spoiled calls (the rotation bound) before the check."""
+    out = tmp_path / "bad.json"
+    cmd = [sys.executable, "bench/guard_cost.py", "--scenario", "one-bad-block", "--device", "cpu", "--kernel",
+           "int8-sim", "--tokens", "256", "--heads", "2", "--head-dim", "32", "--blocks", "6", "--bad-block", "2",
+           "--steps", "8", "--bad-from-step", str(bad_from_step), "--every", str(every), "--json", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["spoiled_calls"] <= most and (most == 0 or result["spoiled_calls"] >= 1), result["spoiled"]
+    assert {f["site"] for f in result["guard_failures"]} == {"self #2"}
+    assert result["served"] == {"self #2": "native"} if bad_from_step == 0 else "self #2" in result["served"]
+    assert result["served_calls"]["bench_int8_sim"] >= 5 * 8  # the five good blocks keep it

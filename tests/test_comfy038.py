@@ -129,8 +129,8 @@ def test_low_precision_false_is_kept_exact_and_counted(as_containers, backend, n
                             low_precision_attention=False)
         torch.testing.assert_close(out, ref(q, k, v), atol=2e-5, rtol=1e-4)
     c38.call_site(c38.attention_pytorch, q, k, v, 2, options(fn), as_containers)  # not counted
-    (site, what), = fn.precision_notes
-    assert site == "cross" and what.startswith(note) and fn.precision_notes[(site, what)] == 3
+    (site, what), = fn.precision_notes  # kept per block (each call here is a forward of its own: block 0)
+    assert site == "cross #0" and what.startswith(note) and fn.precision_notes[(site, what)] == 3
     served_by = set(served(fn.recorder))
     assert not any(registry.get(name).quantised for name in served_by if name in registry.names())
 

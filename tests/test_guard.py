@@ -1,5 +1,7 @@
-"""The quality guard: kernels that go wrong during sampling are caught within the interval, the call is
-recomputed exactly, the kernel demoted for that signature and model, and the report says so."""
+"""The quality guard: every block of the model is checked on its first call and again within the interval (the
+blocks' checks staggered), a kernel that goes wrong is caught there, the call is recomputed with the fastest exact
+kernel the decision knows, the kernel demoted for that block of that model only, and the report names the block.
+A block is its call site ("self #5"; nodes/adapter.py names them in ComfyUI); here the tests pass it themselves."""
 
 from __future__ import annotations
 
@@ -7,8 +9,11 @@ import pytest
 import torch
 
 import dispatcher
-from dispatcher import eager
+from dispatcher import decisions
 from dispatcher import AttentionQualityError, Recorder, dispatch_attention_fn, guard, recording
+from dispatcher.call import AttentionCall
+from dispatcher.execute import run
+from dispatcher.inputs import AttentionInputs, describe_call
 from dispatcher.reference import exact_attention
 from helpers.tensors import qkv, sdpa as exact
 
@@ -49,46 +54,234 @@ def run_calls(name, n, inputs=None, site="self", rec=None, **kw):
     return outs, exact(q, k, v)
 
 
-@pytest.mark.parametrize("every", [1, 4, 7])
-@pytest.mark.parametrize("sites", [("self",), ("self", "cross")])
-def test_checks_fall_on_the_first_and_every_nth_call_per_site_and_the_rest_take_the_fast_lane(every, sites, monkeypatch):
-    """Calls the guard does not check are counted in the eager path's fast lane, checked ones on its long way:
-    together they keep one count per call site (the first call and every `every`-th after it are checked)."""
+class Scaled:
+    """Exact attention times (1 + r): a relative error of exactly r on every row (pins the guard's bound)."""
+
+    def __init__(self, r):
+        self.r, self.calls = r, 0
+
+    def __call__(self, q, k, v, **_):
+        self.calls += 1
+        return exact(q, k, v) * (1 + self.r)
+
+
+def blocks_inputs(n, loud=(), seed=0):
+    """(q, k, v) for n blocks sharing one signature; the blocks in `loud` have queries 30x larger (a kernel made
+    with Drifting(over=20) is wrong on those only)."""
+    q, k, v = qkv(1, 32, h=2, d=16, seed=seed)
+    return [((q * 30 if i in loud else q + 0.01 * i), k, v) for i in range(n)]
+
+
+def forwards(name, inputs, steps, rec, **kw):
+    """`steps` forwards of a model whose blocks are `inputs` (block i is call site "self #i"): the outputs per
+    forward and the exact ones."""
+    outs = []
+    with recording(rec):
+        for _ in range(steps):
+            outs.append([dispatch_attention_fn(q, k, v, backend=name, call_site=f"self #{i}", **kw)
+                         for i, (q, k, v) in enumerate(inputs)])
+    return outs, [exact(q, k, v) for q, k, v in inputs]
+
+
+def spoiled(outs, refs, atol=1e-5):
+    """(forward, block) of every output that is not exact attention."""
+    return [(f, b) for f, step in enumerate(outs) for b, (o, r) in enumerate(zip(step, refs))
+            if not torch.allclose(o, r, atol=atol)]
+
+
+@pytest.fixture
+def compares(monkeypatch):
+    """The call site of every comparison with exact attention the guard makes, in order."""
+    seen = []
+    real = guard.problem
+    monkeypatch.setattr(guard, "problem", lambda call, out, spec: seen.append(call.call_site) or real(call, out, spec))
+    return seen
+
+
+@pytest.mark.parametrize("every", [1, 3, 4, 7])
+def test_every_block_is_checked_first_then_again_within_the_interval_staggered(every, compares):
+    """The first call of each block is compared; then one call in `every` of each block, the blocks' checks
+    spread over the forwards (about n / every a forward) and never more than `every` calls of a block apart."""
     name = register("t_count", Drifting(good_calls=10**9))  # always right: nothing is demoted
+    n, steps = 10, 15
+    inputs = blocks_inputs(n)
+    checked = {}  # site -> forwards it was compared in
+    for f in range(steps):
+        before = len(compares)
+        forwards(name, inputs, 1, Recorder(), guard="quantised", guard_every=every)
+        for site in compares[before:]:
+            checked.setdefault(site, []).append(f)
+    for i in range(n):
+        fs = checked[f"self #{i}"]
+        gaps = [b - a for a, b in zip(fs, fs[1:] + [steps])]
+        assert fs[0] == 0 and max(gaps) <= every, (i, fs)
+    per_forward = [sum(f in fs for fs in checked.values()) for f in range(steps)]
+    assert per_forward[0] == n  # the first forward checks every block
+    assert all(n // every <= c <= -(-n // every) for c in per_forward[1:]), per_forward
+
+
+def test_the_fast_lane_counts_unchecked_calls_and_never_serves_a_demoted_block():
+    """Watch.unchecked: a block's first call and a due check take the long way; the calls between are counted
+    on the fast lane; a demoted block never takes it again."""
+    name = register("t_lane", Drifting(good_calls=10**9))
+    spec = dispatcher.get_backend_spec(name)
+    candidate = decisions.Candidate(name, spec, None, False, False, (3, False))
+    watch = guard.Watch()
+    assert not watch.unchecked(candidate, "self #0")  # first call: the long way
+    watch.left[(name, "self #0")] = 2  # what `after` leaves after a check with every = 3
+    assert [watch.unchecked(candidate, "self #0") for _ in range(3)] == [True, True, False]
+    watch.demoted[(name, "self #1")] = "bad"
+    watch.left[(name, "self #1")] = 0
+    assert not watch.unchecked(candidate, "self #1") and not watch.serves(candidate, "self #1")
+    assert watch.serves(candidate, "self #0")
+
+
+def test_a_model_whose_block_1_only_is_wrong_is_caught_at_that_blocks_first_call():
+    """Three blocks share one signature and one kind of site; the kernel is wrong on block 1's activations only.
+    With an interval far longer than the run, block 1 is still compared on its first call: no output is
+    spoiled, the kernel is demoted for block 1 only and keeps serving blocks 0 and 2."""
+    kernel = Drifting(over=20)
+    name = register("t_block1", kernel)
     rec = Recorder()
-    long_way = []
-    real = eager._guarded
-    monkeypatch.setattr(eager, "_guarded", lambda *a, **kw: long_way.append(1) or real(*a, **kw))
-    calls = 15
-    for _ in range(calls):
-        for site in sites:
-            run_calls(name, 1, site=site, rec=rec, guard="quantised", guard_every=every)
-    checks = {g["site"]: g["checks"] for g in rec.snapshot()["guard"]}
-    assert checks == {site: -(-calls // every) for site in sites}
-    assert len(long_way) == sum(checks.values())  # only the checked calls went the long way
+    outs, refs = forwards(name, blocks_inputs(3, loud={1}), 5, rec, guard_every=1000)
+    assert spoiled(outs, refs, atol=1e-4) == []
     served = {(r["site"], r["served"]): r["calls"] for r in rec.snapshot()["rows"]}
-    assert served == {(site, name): calls for site in sites}
+    assert served == {("self #0", name): 5, ("self #1", "native"): 5, ("self #2", name): 5}, served
+    (failed,) = [g for g in rec.snapshot()["guard"] if g["failures"]]
+    assert failed["site"] == "self #1" and failed["backend"] == name
+    assert "self #1" in rec.summary()
+    reasons = [r for r in rec.snapshot()["rows"] if r["site"] == "self #1"][0]["reasons"]
+    assert any("quality guard at self #1" in r for r in reasons), reasons
 
 
 @pytest.mark.parametrize("how", ["noise", "nan"])
-def test_a_kernel_that_goes_wrong_after_k_calls_is_caught_within_the_interval(how):
-    kernel = Drifting(good_calls=7, how=how)
-    name = register("t_drift", kernel)
+def test_a_kernel_wrong_from_its_first_call_spoils_nothing(how):
+    kernel = Drifting(good_calls=0, how=how)
+    name = register("t_first", kernel)
     rec = Recorder()
-    every = 5
-    outs, ref = run_calls(name, 30, rec=rec, guard="quantised", guard_every=every)
-    # calls 1..7 are good; the first check after call 7 is call 11 (checks on calls 1, 6, 11): calls 8..10 are
-    # wrong (the guard samples, it does not check every call), call 11 is recomputed, and the rest run exactly
-    bad = [i for i, out in enumerate(outs, 1) if not torch.allclose(out, ref, atol=1e-5)]
-    assert bad == [8, 9, 10]
-    snap = rec.snapshot()
-    (g,) = snap["guard"]
-    assert g["backend"] == name and g["checks"] == 3 and len(g["failures"]) == 1
-    assert g["failures"][0]["replacement"] == "native"
-    assert ("NaN" in g["failures"][0]["reason"]) == (how == "nan")
-    assert {row["served"]: row["calls"] for row in snap["rows"]} == {name: 10, "native": 20}
-    assert "quality guard" in rec.summary() and "FAILED" in rec.summary()
-    assert kernel.calls == 11  # demoted: never called again for this signature and model
+    outs, refs = forwards(name, blocks_inputs(4), 3, rec, guard_every=1000)
+    assert spoiled(outs, refs) == []
+    assert kernel.calls == 4  # each block's first call, compared and recomputed; never called again
+    assert {g["site"] for g in rec.snapshot()["guard"] if g["failures"]} == {f"self #{i}" for i in range(4)}
+
+
+@pytest.mark.parametrize("how", ["noise", "nan"])
+def test_a_kernel_that_goes_wrong_after_n_calls_is_caught_within_the_rotation_bound(how):
+    """Exact for its first 9 calls (3 forwards of 3 blocks), then wrong everywhere. every = 4: each block is
+    compared again within 4 of its calls, so each spoils at most 3 outputs before its check catches it (a NaN
+    from a custom kernel is caught on the call that makes it)."""
+    kernel = Drifting(good_calls=9, how=how)
+    name = register("t_after", kernel)
+    rec = Recorder()
+    every = 4
+    outs, refs = forwards(name, blocks_inputs(3), 12, rec, guard_every=every)
+    bad = spoiled(outs, refs)
+    assert all(f >= 3 for f, _ in bad)  # nothing before the kernel went wrong
+    for block in range(3):
+        mine = [f for f, b in bad if b == block]
+        assert len(mine) <= (every - 1 if how == "noise" else 0) and mine == list(range(3, 3 + len(mine))), mine
+    if how == "noise":
+        assert bad  # the guard samples: between checks a block's calls are not compared
+    assert sum(len(g["failures"]) for g in rec.snapshot()["guard"]) == 3
+    assert spoiled(outs[3 + every:], refs) == []  # after its check, each block is served exactly
+
+
+@pytest.mark.parametrize("ratio, caught", [(1.05, True), (0.95, False)])
+def test_the_guard_bound_itself_is_pinned(ratio, caught):
+    """A quantised kernel off by just past its guard bound is caught; one just inside is not."""
+    r = guard.QUANTISED_BOUND * ratio
+    kernel = Scaled(r)
+    name = register(f"t_bound_{int(ratio * 100)}", kernel)
+    rec = Recorder()
+    outs, refs = forwards(name, blocks_inputs(2), 2, rec, guard_every=1)
+    failures = [f for g in rec.snapshot()["guard"] for f in g["failures"]]
+    assert bool(failures) == caught, failures
+    if caught:
+        assert spoiled(outs, refs) == [] and f"{r:.2e}" in failures[0]["reason"]
+    else:
+        assert max(g["max_error"] for g in rec.snapshot()["guard"]) == pytest.approx(r, rel=1e-3)
+        assert kernel.calls == 4
+
+
+@pytest.mark.parametrize("ratio, caught", [(1.05, True), (0.95, False)])
+def test_the_exact_bound_is_pinned_too(ratio, caught):
+    """'every kernel' holds an exact kernel to twice its spec's error_bound."""
+    probe = register("t_exact_probe", Scaled(0), quantised=False)
+    bound = 2 * dispatcher.get_backend_spec(probe).error_bound
+    name = register(f"t_exact_{int(ratio * 100)}", Scaled(bound * ratio), quantised=False)
+    rec = Recorder()
+    forwards(name, blocks_inputs(1), 1, rec, guard="all", guard_every=1)
+    assert bool([f for g in rec.snapshot()["guard"] for f in g["failures"]]) == caught
+
+
+def test_a_demoted_block_skips_the_kernel_on_its_next_call():
+    kernel = Drifting(over=20)
+    name = register("t_demote", kernel)
+    rec = Recorder()
+    inputs = blocks_inputs(2, loud={1})
+    forwards(name, inputs, 1, rec, guard_every=1000, model="model-a")
+    calls = kernel.calls
+    assert calls == 2
+    q, k, v = inputs[1]
+    with recording(rec):
+        out = dispatch_attention_fn(q, k, v, backend=name, call_site="self #1", guard_every=1000, model="model-a")
+    assert kernel.calls == calls  # the demoted block's next call never ran the kernel
+    torch.testing.assert_close(out, exact(q, k, v))
+    with recording(rec):  # block 0 keeps it; another model tries it on block 1 again (and catches it)
+        dispatch_attention_fn(*inputs[0], backend=name, call_site="self #0", guard_every=1000, model="model-a")
+        dispatch_attention_fn(q, k, v, backend=name, call_site="self #1", guard_every=1000, model="model-b")
+    assert kernel.calls == calls + 2
+
+
+def test_a_custom_kernel_returning_nan_is_caught_by_default():
+    """Exact and not quantised, so never compared by default: its NaN is caught on whichever call makes it."""
+    kernel = Drifting(good_calls=5, how="nan")
+    name = register("t_custom_nan", kernel, quantised=False)
+    rec = Recorder()
+    outs, refs = forwards(name, blocks_inputs(2), 6, rec)
+    assert spoiled(outs, refs) == []
+    failed = [g for g in rec.snapshot()["guard"] if g["failures"]]
+    assert {g["site"] for g in failed} == {"self #0", "self #1"}  # wrong from its 6th call on, in both blocks
+    assert all("NaN" in g["failures"][0]["reason"] for g in failed) and kernel.calls == 7
+    outs, _ = run_calls(register("t_custom_nan_off", Drifting(how="nan"), quantised=False), 1, guard="off")
+    assert outs[0].isnan().any()  # off is off
+
+
+def test_the_replacement_is_the_fastest_exact_kernel_the_decision_knows():
+    """A decision told its fastest exact kernel (auto_fast tells it auto_exact's choice) recomputes with it, not
+    with the next one of the kernel's own chain."""
+    name = register("t_replaced", Drifting(good_calls=0))
+    rec = Recorder()
+    q, k, v = qkv(1, 32, h=2, d=16)
+    inputs = describe_call(q, k, v, None, 0.0, False, None, False, False, "BSHD")
+    plain = decisions.decide(name, "fallback", inputs, "BSHD", guard.DEFAULT)
+    told = decisions.decide(name, "fallback", inputs, "BSHD", guard.DEFAULT, exact="flex")
+    assert [c.name for c in plain.candidates][:2] == [name, "native"]
+    assert [c.name for c in told.candidates][:2] == [name, "flex"]
+    call = AttentionCall(q, k, v, call_site="self #3")
+    out = run(told.candidates[0], call)
+    replacement = told.watch.after(told, told.candidates[0], call, out, rec, "fallback")
+    assert replacement.name == "flex"
+    assert told.watch.demoted[(name, "self #3")].startswith("quality guard at self #3")
+    assert not told.watch.serves(told.candidates[0], "self #3") and told.watch.serves(told.candidates[0], "self #2")
+
+
+def test_the_interval_is_sized_by_the_calls_cost():
+    """every = 0 sizes the interval so checks cost at most BUDGET of the calls (the cost model in guard.py): a
+    video model's long calls are checked far more often than SDXL's short ones; an explicit interval stands."""
+    wan = AttentionInputs.of(2, 12, 32760, 128)  # WAN 1.3B at 480p, 81 frames: self-attention
+    sdxl = AttentionInputs.of(2, 20, 1024, 64)
+    sdxl_cross = AttentionInputs.of(2, 20, 1024, 64, len_kv=77)
+    spec = dispatcher.get_backend_spec(register("t_sized", Drifting(good_calls=10**9)))
+    intervals = [guard.rules_for(spec, guard.DEFAULT, sig)[0] for sig in (wan, sdxl, sdxl_cross)]
+    assert intervals == [guard.interval(sig) for sig in (wan, sdxl, sdxl_cross)]
+    assert intervals[0] < 20 < 500 < intervals[1] < intervals[2], intervals
+    for sig, every in zip((wan, sdxl, sdxl_cross), intervals):
+        call_s = guard.CALL_HOST_S + 4.0 * sig.batch * sig.heads_q * sig.len_q * sig.len_kv * sig.head_dim \
+            / guard.KERNEL_FLOPS
+        assert guard.CHECK_HOST_S / (every * call_s) <= guard.BUDGET  # at least the host part fits the budget
+    assert guard.rules_for(spec, ("quantised", 7), sdxl) == (7, True)  # custom: the NaN check on every call too
+    assert guard.rules_for(spec, ("off", 0), sdxl) is None
 
 
 def test_the_first_call_is_always_checked():
@@ -161,8 +354,9 @@ def test_strict_policy_fails_the_call_with_the_reason():
 def test_bad_settings_are_refused_with_the_valid_ones():
     with pytest.raises(ValueError, match="quantised, all, off"):
         guard.settings("sometimes")
-    with pytest.raises(ValueError, match=">= 1"):
-        guard.settings("all", 0)
+    with pytest.raises(ValueError, match=">= 1, or 0"):
+        guard.settings("all", -1)
+    assert guard.settings("all", 0) == ("all", 0) and guard.settings() == ("quantised", 0)
     with pytest.raises(ValueError, match="quantised, all, off"):
         dispatch_attention_fn(*qkv(), guard="explode")
 
@@ -207,3 +401,13 @@ def test_a_guarded_kernel_returning_lse_is_recomputed_in_both():
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse)
 
+
+
+def test_blocks_first_re_checks_are_spread_over_the_interval():
+    """SDXL's 140 blocks with an interval of 1200 calls: no forward re-checks more than two of them, and the
+    first 20 forwards at most four (consecutive phases would check one a forward, 20 in 20 forwards)."""
+    phases = [guard._phase(n, 1200) or 1200 for n in range(140)]
+    per_forward = {p: phases.count(p) for p in phases}
+    assert max(per_forward.values()) <= 2
+    assert sum(p <= 20 for p in phases) <= 4
+    assert all(0 <= guard._phase(n, e) < e for n in range(50) for e in (1, 2, 3, 7))

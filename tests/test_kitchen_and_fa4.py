@@ -18,7 +18,7 @@ from dispatcher import Machine, Recorder, availability_reasons, dispatch_attenti
 from dispatcher import auto, guard, recording, use_machine
 from dispatcher.auto import Tuner
 from dispatcher.backends import kitchen
-from dispatcher.inputs import describe_call
+from dispatcher.inputs import AttentionInputs, describe_call
 from dispatcher.tools import doctor
 from helpers.tensors import qkv, sdpa as exact
 
@@ -59,8 +59,9 @@ def test_the_classes():
     # the approximate kernel is judged and guarded by its own declared bound, the quantised one by auto_fast's
     assert auto.tuner.admission_bound(sol) == kitchen.SOL_ATTN_BOUND and guard.bound_for(sol) == 2 * kitchen.SOL_ATTN_BOUND
     assert auto.tuner.admission_bound(int8) == auto.FAST_BOUND and guard.bound_for(int8) == guard.QUANTISED_BOUND
-    assert guard.every_for(sol, guard.DEFAULT) and guard.every_for(int8, guard.DEFAULT)  # watched by default
-    assert not guard.every_for(fa4, guard.DEFAULT)
+    inputs = AttentionInputs.of(1, 2, 4096, 128)
+    assert guard.rules_for(sol, guard.DEFAULT, inputs)[0] and guard.rules_for(int8, guard.DEFAULT, inputs)[0]
+    assert guard.rules_for(fa4, guard.DEFAULT, inputs) is None  # watched by default: the two that are not exact
 
 
 def test_what_each_needs_on_a_cpu_and_on_a_gpu_without_the_packages():

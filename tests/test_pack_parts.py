@@ -58,12 +58,15 @@ def test_clip_patch_finds_innermost_attention_and_redirects_it():
     expected = enc(x)
     rec = dispatcher.Recorder()
     override = adapter.make_override("native", recorder=rec)
-    for path in clip_patch.attention_module_paths(enc):
+    paths = clip_patch.attention_module_paths(enc)
+    for index, path in enumerate(paths):
         module = dict(enc.named_modules())[path]
-        module.forward = clip_patch.patched_forward(module, override)  # what add_object_patch does on a clone
+        # what add_object_patch does on a clone (patch_clip), each layer named by its place
+        module.forward = clip_patch.patched_forward(module, override, index, len(paths))
     torch.testing.assert_close(enc(x), expected, atol=1e-5, rtol=1e-4)
-    row, = rec.snapshot()["rows"]
-    assert row["site"] == "text_encoder.self" and row["served"] == "native" and row["calls"] == 2
+    torch.testing.assert_close(enc(x), expected, atol=1e-5, rtol=1e-4)  # a second encode: the same blocks
+    rows = {(r["site"], r["served"]): r["calls"] for r in rec.snapshot()["rows"]}
+    assert rows == {("text_encoder.self #0", "native"): 2, ("text_encoder.self #1", "native"): 2}
 
 
 def test_reports_store_outside_comfyui():

@@ -173,19 +173,22 @@ def test_a_backend_that_raises_propagates_under_strict():
 def test_nan_output_is_caught_when_checks_are_on():
     register_backend("nans", Calls("nan"), devices=("cpu",))
     q, k, v = qkv()
-    assert torch.isnan(dispatch_attention_fn(q, k, v, backend="nans")).all()  # checks off: nothing reads values
+    # checks off and the quality guard off: nothing reads values (by default the guard checks a custom kernel's
+    # outputs for NaN/Inf and recomputes: tests/test_guard.py)
+    assert torch.isnan(dispatch_attention_fn(q, k, v, backend="nans", guard="off")).all()
+    torch.testing.assert_close(dispatch_attention_fn(q, k, v, backend="nans"), sdpa_bshd(q, k, v))
     with attention_checks("raise"), pytest.raises(AttentionInputError) as err:
-        dispatch_attention_fn(q, k, v, backend="nans", policy="strict")
+        dispatch_attention_fn(q, k, v, backend="nans", policy="strict", guard="off")
     assert "output" in str(err.value) and "NaN" in str(err.value) and "'nans'" in str(err.value)
     # fallback: a NaN output from finite inputs is a broken backend, like one that raises (tests/test_faults.py)
     with attention_checks("raise"):
-        torch.testing.assert_close(dispatch_attention_fn(q, k, v, backend="nans"), sdpa_bshd(q, k, v))
+        torch.testing.assert_close(dispatch_attention_fn(q, k, v, backend="nans", guard="off"), sdpa_bshd(q, k, v))
 
 
 def test_nan_output_is_logged_in_warn_mode(caplog):
     register_backend("nans", Calls("nan"), devices=("cpu",))
     with caplog.at_level(logging.WARNING, logger=LOGGER), attention_checks("warn"):
-        out = dispatch_attention_fn(*qkv(), backend="nans")
+        out = dispatch_attention_fn(*qkv(), backend="nans", guard="off")
     assert torch.isnan(out).all()
     assert any("output" in r.getMessage() and "NaN" in r.getMessage() for r in warnings_of(caplog))
 

@@ -193,7 +193,7 @@ export function summarizeReport(report) {
   const rec = report.recorder && typeof report.recorder === "object" ? report.recorder : {};
   const rows = Array.isArray(rec.rows) ? rec.rows : [];
   const errors = Array.isArray(rec.errors) ? rec.errors : [];
-  const served = new Map(); // backend -> {calls, sites: Map(site -> calls)}
+  const served = new Map(); // backend -> {calls, sites: Map(kind of site -> {calls, blocks: Set})}
   const fallbacks = new Map(); // "requested -> served" -> {requested, served, calls, reasons:Set}
   let calls = 0;
   for (const row of rows) {
@@ -201,7 +201,11 @@ export function summarizeReport(report) {
     calls += n;
     const entry = served.get(row.served) ?? { calls: 0, sites: new Map() };
     entry.calls += n;
-    entry.sites.set(row.site, (entry.sites.get(row.site) ?? 0) + n);
+    const kind = siteKind(row.site);  // "self #5" -> "self": a model of 30 blocks is one entry
+    const site = entry.sites.get(kind) ?? { calls: 0, blocks: new Set() };
+    site.calls += n;
+    site.blocks.add(String(row.site));
+    entry.sites.set(kind, site);
     served.set(row.served, entry);
     if (row.fell_back) {
       const key = `${row.requested}\u0000${row.served}`;
@@ -222,7 +226,9 @@ export function summarizeReport(report) {
   }
   const order = [...served.entries()].sort((a, b) => b[1].calls - a[1].calls);
   for (const [name, e] of order) {
-    const sites = [...e.sites.entries()].map(([s, n]) => `${s} ${n}`).join(", ");
+    const sites = [...e.sites.entries()].map(([s, { calls: n, blocks }]) =>
+      `${s} ${n}${blocks.size > 1 ? ` in ${blocks.size} blocks` : blocks.has(s) ? "" : ` at ${[...blocks][0]}`}`)
+      .join(", ");
     lines.push(`Ran: ${name} \u2014 ${plural(e.calls, "call")}${sites ? ` (${sites})` : ""}`);
   }
   // A fallback on every call (the backend never ran at those sites) says so in its line; one the rows do not show
@@ -257,7 +263,7 @@ export function summarizeReport(report) {
   if (caught.length) {
     const g = caught[0];
     const to = g.failures.map((f) => f.replacement).filter(Boolean)[0];
-    badge = `guard caught ${g.backend}${to ? ` \u2192 ${to}` : ""}`;
+    badge = `guard caught ${g.backend} at ${g.site}${to ? ` \u2192 ${to}` : ""}`;
   } else if (everyCall.length) {
     const e = everyCall[0];
     badge = `${e.requested} \u2192 ${e.served.join("/")} every call`;
@@ -281,12 +287,19 @@ function strings(list) {
   return Array.isArray(list) ? list.map(String) : [];
 }
 
-/** The report's quality-guard results ({site, backend, checks, max_error, failures: [{reason, replacement}]}). */
+/** A call site without its block: "self #5" -> "self" (nodes/reports.py site_kind). */
+export function siteKind(site) {
+  return String(site ?? "").replace(/ #[\d.]+$/, "");
+}
+
+/** The report's quality-guard results ({site, backend, checks, max_error, failures: [{reason, replacement}],
+ * blocks?: how many blocks a passed entry folds, nodes/reports.py guard_results}). */
 export function guardOf(report) {
   const list = Array.isArray(report?.guard) ? report.guard
     : Array.isArray(report?.recorder?.guard) ? report.recorder.guard : [];
   return list.filter((g) => g && typeof g === "object").map((g) => ({
     site: String(g.site ?? ""), backend: String(g.backend ?? ""), checks: Number(g.checks) || 0,
+    ...(Number(g.blocks) > 1 ? { blocks: Number(g.blocks) } : {}),
     max_error: Number.isFinite(g.max_error) ? g.max_error : null,
     failures: (Array.isArray(g.failures) ? g.failures : []).filter((f) => f && typeof f === "object")
       .map((f) => ({ reason: String(f.reason ?? ""), replacement: String(f.replacement ?? "") })),
@@ -295,10 +308,11 @@ export function guardOf(report) {
 
 function guardLines(g) {
   const err = g.max_error != null ? `, max error ${g.max_error.toExponential(1)}` : "";
-  const lines = [`Quality guard: ${g.backend} at ${g.site} \u2014 ${plural(g.checks, "check")}${err}`];
+  const where = g.blocks > 1 ? `${g.site} (${g.blocks} blocks)` : g.site;
+  const lines = [`Quality guard: ${g.backend} at ${where} \u2014 ${plural(g.checks, "check")}${err}`];
   for (const f of g.failures) {
     lines.push(`${MARK_WARNING} Quality guard caught ${g.backend} at ${g.site}: ${f.reason}; ` + (f.replacement
-      ? `that call was recomputed with ${f.replacement}, and ${g.backend} is demoted for this model and call shape`
+      ? `that call was recomputed with ${f.replacement}, and ${g.backend} is demoted for this block of this model`
       : "no exact backend was left to recompute it"));
   }
   return lines;
@@ -394,6 +408,7 @@ export function mergeReports(reports) {
     const prev = guard.get(key);
     if (!prev) { guard.set(key, { ...g, failures: [...g.failures] }); continue; }
     prev.checks += g.checks;
+    if (g.blocks) prev.blocks = Math.max(prev.blocks ?? 1, g.blocks);
     if (g.max_error != null && (prev.max_error == null || g.max_error > prev.max_error)) prev.max_error = g.max_error;
     prev.failures.push(...g.failures);
   }

@@ -3,8 +3,10 @@
 - `auto_exact`: exact kernels only (error at bf16 rounding level; never a quantised kernel).
 - `auto_fast`: also quantised kernels (SageAttention's int8/fp8) whose relative error on the model's own
   activations is at most `FAST_BOUND` (docs/auto.md says why that number), and approximate ones (block-sparse
-  sol_attn) within their own declared `error_bound`; the quality guard
-  (dispatcher/guard.py) then watches them while sampling.
+  sol_attn) within their own declared `error_bound`, judged for each block (the call's `call_site`, "self #5") on
+  that block's own activations: the first step judges every block, timings stay per signature; the quality guard
+  (dispatcher/guard.py) then watches them while sampling, and a block where one fails is served by `auto_exact`'s
+  choice.
 - `auto`: the name older workflows and callers use, the same as `auto_exact`.
 
 For a call signature met for the first time, the tuner
@@ -45,7 +47,8 @@ from .cache import CACHE_FORMAT, ENV_CACHE, default_cache_path  # noqa: F401  (p
 from .fingerprint import cpu_model, fingerprint_key, machine_fingerprint  # noqa: F401
 from .measure import QUADRATIC_MEMORY  # noqa: F401
 from ..reference import exact_attention, first_line, non_finite, relative_error, sample_rows  # noqa: F401
-from .tuner import (DEFAULT_BUDGET_S, DEFAULT_MAX_SIGNATURES, ENV_BUDGET, ENV_MAX_SIGNATURES,  # noqa: F401
+from .tuner import (DEFAULT_BLOCK, DEFAULT_BUDGET_S, DEFAULT_MAX_SIGNATURES, ENV_BUDGET,  # noqa: F401
+                    ENV_MAX_SIGNATURES,
                     FAST_BOUND, CandidateResult, Tuner, TuneRecord, pick)
 
 AUTO_EXACT = "auto_exact"
@@ -115,12 +118,13 @@ def clear_cache(disk: bool = True) -> None:
 def _resolver(exact: bool):
     def resolve(inputs: AttentionInputs, call, *, model: str, timing: bool) -> tuple[str, bool]:
         return default_tuner().choose(inputs, layout=call.layout if call is not None else "BSHD", live=call,
-                                      timing=timing, exact=exact, model=model)
+                                      timing=timing, exact=exact, model=model,
+                                      block=call.call_site if call is not None else DEFAULT_BLOCK)
     return resolve
 
 
 # Inside torch.compile both decide at run time in one opaque op (their verdicts need the live values; measured on
 # the H200, the op costs nothing in a compiled WAN step and keeps it free of graph breaks).
 registry.add_resolver(AUTO_EXACT, _resolver(exact=True), needs_live_values=True)
-registry.add_resolver(AUTO_FAST, _resolver(exact=False), needs_live_values=True)
+registry.add_resolver(AUTO_FAST, _resolver(exact=False), needs_live_values=True, exact_twin=AUTO_EXACT)
 registry.add_resolver(AUTO, _resolver(exact=True), needs_live_values=True)  # the older name: the same as auto_exact

@@ -20,7 +20,7 @@ from .fingerprint import fingerprint_key, machine_fingerprint
 logger = logging.getLogger("attention_dispatch")
 
 ENV_CACHE = "ATTN_DISPATCH_TUNE_CACHE"
-CACHE_FORMAT = 3  # 3: per signature, timings shared by every model and accuracy verdicts per model
+CACHE_FORMAT = 4  # 4: per signature, timings shared by every model and accuracy verdicts per model and block
 _OFF = frozenset({"", "0", "off", "no", "none", "false"})
 _MACHINES_KEPT = 16
 

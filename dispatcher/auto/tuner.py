@@ -46,6 +46,7 @@ FINAL_ROUNDS = 3  # at least, side by side; more while the budget lasts (up to 2
 # balanced order (`measure.balanced_order`) it ranked first in both runs (bench/results, seventh session).
 FINAL_SAMPLE_MS = 200.0
 LIVE, NOISE, DISK = "live values", "noise", "disk"
+DEFAULT_BLOCK = "attention"  # the call site of a call that names no block (AttentionCall's default)
 
 
 def pick(valid: list, tie_margin: float):
@@ -94,6 +95,7 @@ class TuneRecord:
     trust_sensitive: bool = False
     exact: bool = False  # decided for auto_exact (no quantised kernel)
     model: str = state.UNSCOPED_MODEL  # whose activations the verdicts were made on
+    block: str = ""  # which block's (auto_fast: its call site); "" for auto_exact, whose verdicts hold for every block
     judged_on: str = ""  # live values | noise (provisional, judged again on the first live call) | disk
 
     @property
@@ -102,7 +104,7 @@ class TuneRecord:
 
     def as_dict(self) -> dict[str, Any]:
         return {"signature": self.signature.as_dict(), "description": self.signature.describe(), "exact": self.exact,
-                "model": self.model, "judged_on": self.judged_on, "chosen": self.chosen,
+                "model": self.model, "block": self.block, "judged_on": self.judged_on, "chosen": self.chosen,
                 "source": self.source, "reason": self.reason, "seconds": round(self.seconds, 4),
                 "layout": self.layout, "timed_shape": self.timed_shape,
                 "candidates": [asdict(c) for c in self.candidates],
@@ -136,7 +138,11 @@ class Tuner:
         self.tie_margin = float(tie_margin)
         self._lock = threading.RLock()
         self._choices: dict[tuple, tuple[str, bool]] = {}  # (signature, exact, trust, machine) -> (name, sensitive)
-        self._records: dict[tuple, TuneRecord] = {}  # (signature, exact) -> record
+        self._records: dict[tuple, TuneRecord] = {}  # (signature, exact, model, block) -> record
+        # What one block's tuning leaves for the next block of the same signature (`_from_memory`): the timings
+        # (disk key -> (candidates, {name: (median_ms, times_ms)})) and the exact kernels' verdicts per model.
+        self._timings: dict[str, tuple] = {}
+        self._exact_verdicts: dict[tuple, dict] = {}
         self._timed = 0
         self.timing_calls = 0  # candidate timings actually run (tests: a disk hit runs none)
 
@@ -160,32 +166,39 @@ class Tuner:
 
     # -- the dispatcher's entry
     def choose(self, inputs: AttentionInputs, *, layout: str = "BSHD", live: AttentionCall | None = None,
-               timing: bool = True, exact: bool = False, model: str = state.UNSCOPED_MODEL) -> tuple[str, bool]:
+               timing: bool = True, exact: bool = False, model: str = state.UNSCOPED_MODEL,
+               block: str = DEFAULT_BLOCK) -> tuple[str, bool]:
         """(backend name, whether the choice depends on trust settings) for these inputs of `model`; live: the
-        call itself (its tensors judge accuracy); exact=True: never a quantised kernel."""
-        key = self._key(inputs, exact, model)
+        call itself (its tensors judge accuracy); exact=True: never a quantised kernel; block: which block of the
+        model the call comes from (auto_fast judges quantised kernels on each block's own activations)."""
+        block = "" if exact else block
+        key = self._key(inputs, exact, model, block)
         hit = self._choices.get(key)
         if hit is not None:
             return hit
         with self._lock:
             hit = self._choices.get(key)
             if hit is None:
-                record = self._resolve(inputs, exact, layout=layout, live=live, timing=timing, model=model)
+                record = self._resolve(inputs, exact, layout=layout, live=live, timing=timing, model=model,
+                                       block=block)
                 hit = (record.chosen, record.trust_sensitive)
                 if _settled(record):
                     self._choices[key] = hit
         return hit
 
     @staticmethod
-    def _key(sig: AttentionInputs, exact: bool, model: str) -> tuple:
-        """What a choice depends on besides the signature: the model, trust settings and the machine."""
-        return sig, exact, model, trust.scope_key(), fingerprint_key(machine_fingerprint())
+    def _key(sig: AttentionInputs, exact: bool, model: str, block: str) -> tuple:
+        """What a choice depends on besides the signature: the model and block, trust settings and the machine."""
+        return sig, exact, model, block, trust.scope_key(), fingerprint_key(machine_fingerprint())
 
     def tune(self, what, key=None, value=None, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-             return_lse=False, dropout_p=0.0, layout="BSHD", force=False, exact=False, model=None) -> TuneRecord:
+             return_lse=False, dropout_p=0.0, layout="BSHD", force=False, exact=False, model=None,
+             block=DEFAULT_BLOCK) -> TuneRecord:
         """Decide `auto` for tensors (query[, key, value]: judged on them) or an AttentionInputs signature (timed
         on noise; its verdicts wait for live values) now; the record. force=True measures again even when memory
-        or disk already has a decision; exact=True: as `auto_exact`; model: default the active `model_scope`."""
+        or disk already has a decision; exact=True: as `auto_exact`; model: default the active `model_scope`;
+        block: the call site the verdicts are for (auto_fast)."""
+        block = "" if exact else block
         live = None
         model = state.validate_model(model) if model is not None else state.active_model()
         if isinstance(what, AttentionInputs):
@@ -202,12 +215,12 @@ class Tuner:
         else:
             raise TypeError(f"tune() takes an AttentionInputs signature or a query tensor; got {type(what).__name__}")
         with self._lock:
-            record = self._resolve(inputs, exact, layout=layout, live=live, timing=True, model=model,
+            record = self._resolve(inputs, exact, layout=layout, live=live, timing=True, model=model, block=block,
                                    use_disk=not force)
             if force:
                 caches.forget()  # the dispatcher's decisions may hold the previous choice
             if _settled(record):
-                self._choices[self._key(inputs, exact, model)] = (record.chosen, record.trust_sensitive)
+                self._choices[self._key(inputs, exact, model, block)] = (record.chosen, record.trust_sensitive)
         return record
 
     # -- reports
@@ -234,7 +247,8 @@ class Tuner:
             kind = "auto_exact" if r.exact else "auto_fast"
             judged = f", judged on {r.judged_on}" if r.judged_on else ""
             lines.append(f"  {r.signature.describe()}")
-            lines.append(f"    {kind} for model {r.model} -> {r.chosen} ({r.source}{judged}"
+            at = f" at {r.block}" if r.block else ""
+            lines.append(f"    {kind} for model {r.model}{at} -> {r.chosen} ({r.source}{judged}"
                          f"{': ' + r.reason if r.reason else ''}; {r.seconds:.2f} s)")
             for c in r.candidates:
                 timing = f"{c.median_ms:.3f} ms" if c.median_ms is not None else "not timed"
@@ -252,6 +266,8 @@ class Tuner:
         with self._lock:
             self._choices.clear()
             self._records.clear()
+            self._timings.clear()
+            self._exact_verdicts.clear()
             self._timed = 0
             if disk:
                 cache.remove(self.cache_path)
@@ -291,22 +307,31 @@ class Tuner:
 
     # -- deciding
     def _resolve(self, sig: AttentionInputs, exact: bool, *, layout: str, live, timing: bool, model: str,
-                 use_disk: bool = True) -> TuneRecord:
+                 block: str = "", use_disk: bool = True) -> TuneRecord:
         start = time.perf_counter()
         names, skipped, sensitive = self.candidates(sig, exact)
         record = TuneRecord(sig, names[0] if names else "native", "preference", skipped=skipped, layout=layout,
-                            trust_sensitive=sensitive, exact=exact, model=model)
+                            trust_sensitive=sensitive, exact=exact, model=model, block=block)
         record.candidates = [CandidateResult(n, "untimed", i, admission_bound(registry.get(n)))
                              for i, n in enumerate(names)]
-        from_disk = use_disk and len(names) > 1 and self._from_disk(record, names)
-        judged = from_disk and all(c.status in ("valid", "rejected") for c in record.candidates)
-        timed = from_disk and all(c.median_ms is not None for c in record.candidates if c.status == "valid")
+        from_disk = from_memory = False
+        if use_disk and len(names) > 1:
+            from_disk = self._from_disk(record, names)
+            from_memory = self._from_memory(record)
+        known = from_disk or from_memory
+        judged = known and all(c.status in ("valid", "rejected") for c in record.candidates)
+        timed = known and all(c.median_ms is not None for c in record.candidates if c.status == "valid")
         if not names:
             record.source, record.reason = "none", "no backend supports these inputs; 'native' explains why"
         elif len(names) == 1:
             record.source, record.reason = "only-candidate", ""
         elif judged and timed and any(c.status == "valid" for c in record.candidates):
-            record.source, record.judged_on = "disk", DISK
+            # judged on live values: on disk, or in this process (another block, the other auto's record)
+            record.source, record.judged_on = ("disk", DISK) if from_disk and not from_memory else ("judged", LIVE)
+            if from_memory:
+                record.reason = "judged and timed earlier in this process (another block or the other auto)"
+            else:
+                self._to_memory(record)  # the next block and the other auto start from these
             record.chosen = pick([c for c in record.candidates if c.status == "valid"], self.tie_margin).name
         elif not timing:
             record.reason = "decided while torch.compile traces, which cannot time kernels: preference order"
@@ -330,6 +355,7 @@ class Tuner:
                 record.source, record.judged_on = "preference", ""
                 record.reason = f"tuning failed ({type(exc).__name__}: {exc}): preference order"
             if record.source in ("timed", "judged"):
+                self._to_memory(record)
                 self._to_disk(record, names)
         record.seconds = time.perf_counter() - start
         if record.source == "preference" and names:
@@ -339,15 +365,16 @@ class Tuner:
         for c in record.candidates:
             if c.name == record.chosen and c.status in ("valid", "untimed", "unjudged"):
                 c.status = "chosen"
-        self._records[(sig, exact, model)] = record
+        self._records[(sig, exact, model, block)] = record
         if record.source in ("timed", "judged"):
+            where = f"model {model}" + (f", {block}" if block else "")
             rejected = "; ".join(f"{c.name} ({c.reason})" for c in record.rejected)
-            logger.info("auto: %s (model %s) -> %s (%d candidates, judged on %s, %.2f s)%s", sig.describe(), model,
+            logger.info("auto: %s (%s) -> %s (%d candidates, judged on %s, %.2f s)%s", sig.describe(), where,
                         record.chosen, len(names), record.judged_on, record.seconds,
                         f"; rejected: {rejected}" if rejected else "")
             for c in record.rejected:
-                logger.warning("auto rejected attention backend '%s' for %s (model %s): %s", c.name, sig.describe(),
-                               model, c.reason)
+                logger.warning("auto rejected attention backend '%s' for %s (%s): %s", c.name, sig.describe(),
+                               where, c.reason)
         return record
 
     @staticmethod
@@ -489,14 +516,42 @@ class Tuner:
         for candidate, samples in zip(contenders, times):
             candidate.times_ms, candidate.median_ms = samples, statistics.median(samples)
 
-    # -- disk: timings are shared by every model on this machine, accuracy verdicts belong to one model
+    # -- memory: what one block's tuning tells the next block of the same signature (and auto_exact's record)
+    def _from_memory(self, record: TuneRecord) -> bool:
+        """Fill the timings measured for this signature and the exact kernels' verdicts this model had on another
+        block (or in the other auto's record): a block of auto_fast then has only its quantised kernels left to
+        judge, on its own values. False when nothing of this signature was measured in this process."""
+        key = record.signature.key()
+        timings = self._timings.get(key)
+        if timings is None:
+            return False
+        verdicts = self._exact_verdicts.get((key, record.model), {})
+        for c in record.candidates:
+            if c.median_ms is None and c.name in timings:
+                c.median_ms, c.times_ms = timings[c.name][0], list(timings[c.name][1])
+            if c.status not in ("valid", "rejected") and c.name in verdicts:
+                c.status, c.rel_error, c.reason = verdicts[c.name]
+        return True
+
+    def _to_memory(self, record: TuneRecord) -> None:
+        key = record.signature.key()
+        self._timings.setdefault(key, {}).update(
+            {c.name: (c.median_ms, list(c.times_ms)) for c in record.candidates if c.median_ms is not None})
+        if record.judged_on in (LIVE, DISK):
+            self._exact_verdicts.setdefault((key, record.model), {}).update(
+                {c.name: ("valid" if c.status == "chosen" else c.status, c.rel_error, c.reason)
+                 for c in record.candidates
+                 if c.status in ("chosen", "valid", "rejected") and registry.get(c.name).exact})
+
+    # -- disk: timings are shared by every model on this machine, accuracy verdicts belong to one model and block
     def _from_disk(self, record: TuneRecord, names: list[str]) -> bool:
         """Fill timings (and this model's verdicts) from disk; False when the disk has nothing usable."""
         decision = cache.lookup(self.cache_path, _disk_key(record))
         if decision is None or decision.get("candidates") != names:
             return False  # a backend came or went since it was measured: measure again
         timings = decision.get("timings", {})
-        verdicts = decision.get("verdicts", {}).get(record.model) if record.model != state.UNSCOPED_MODEL else None
+        verdicts = (decision.get("verdicts", {}).get(record.model, {}).get(record.block)
+                    if record.model != state.UNSCOPED_MODEL else None)
         for c in record.candidates:
             got = timings.get(c.name) or {}
             c.median_ms, c.times_ms = got.get("median_ms"), list(got.get("times_ms") or [])
@@ -516,9 +571,11 @@ class Tuner:
                             if c.median_ms is not None})
             verdicts = dict(previous.get("verdicts", {}))
             if record.judged_on == LIVE and record.model != state.UNSCOPED_MODEL:  # unscoped ones stay in memory
-                verdicts[record.model] = {c.name: {"status": "valid" if c.status == "chosen" else c.status,
-                                                   "rel_error": c.rel_error, "reason": c.reason}
-                                          for c in record.candidates if c.status in ("chosen", "valid", "rejected")}
+                blocks = dict(verdicts.get(record.model, {}))
+                blocks[record.block] = {c.name: {"status": "valid" if c.status == "chosen" else c.status,
+                                                 "rel_error": c.rel_error, "reason": c.reason}
+                                        for c in record.candidates if c.status in ("chosen", "valid", "rejected")}
+                verdicts[record.model] = blocks
             return {"candidates": names, "tuned_at": cache.now(), "seconds": round(record.seconds, 4),
                     "timings": timings, "verdicts": verdicts}
 

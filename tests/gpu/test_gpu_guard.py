@@ -72,3 +72,35 @@ def test_the_guards_lean_reference_is_exact_attention(lk):
     lean, lse = exact_attention(q, k, v, rows=rows, with_lse=False)
     assert lse is None and lean.dtype == torch.float64
     torch.testing.assert_close(lean, full, rtol=0, atol=1e-12)
+
+
+def outlier_blocks(n=3, bad=1, tokens=4096):
+    """n blocks of one signature; block `bad` has keys with a large random-sign channel the queries ignore (exact
+    attention unchanged there; SageAttention's int8 keys lose the other channels: ~0.5 off on the H200)."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (torch.randn(1, tokens, 12, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    q[..., 0] = 0
+    k_bad = k.clone()
+    k_bad[..., 0] = (torch.randint(0, 2, k.shape[:3], device="cuda", generator=gen) * 2 - 1).to(k.dtype) * 100
+    return [(q, k_bad if i == bad else k, v) for i in range(n)], exact(q, k, v)
+
+
+@pytest.mark.parametrize("backend", ["sage", "auto_fast"])
+def test_sage_wrong_on_one_block_never_reaches_the_caller(backend, tmp_path, monkeypatch):
+    """Sage asked for by name: the guard compares block 1's first call and recomputes it; auto_fast: its verdict
+    on block 1's own activations keeps Sage off that block. Either way every output is exact attention's and
+    the other blocks keep Sage."""
+    if dispatcher.availability_reasons("sage"):
+        pytest.skip("; ".join(dispatcher.availability_reasons("sage")))
+    monkeypatch.setenv("ATTN_DISPATCH_TUNE_CACHE", str(tmp_path / "tune.json"))
+    blocks, ref = outlier_blocks()
+    rec = Recorder()
+    with dispatcher.model_scope(f"gpu-outlier-{backend}"), recording(rec):
+        for _ in range(3):
+            for i, (q, k, v) in enumerate(blocks):
+                out = dispatch_attention_fn(q, k, v, backend=backend, call_site=f"self #{i}")
+                err = float((out.float() - ref.float()).norm() / ref.float().norm())
+                assert err < 5e-2, (i, err)
+    served = {(r["site"], r["served"]) for r in rec.snapshot()["rows"]}
+    assert not any(site == "self #1" and "sage" in name for site, name in served), served
+    assert any(site == "self #0" and "sage" in name for site, name in served), served

@@ -5,13 +5,17 @@ This module starts its own ComfyUI (the shared fixture's, plus one test-only cus
 kernel that goes wrong in the middle of a run, and a backend can only be registered from inside the server. The node
 `TestFlakyKernel` registers the quantised custom backend `test_flaky_int8` with the pack's dispatcher (found through
 the Set Attention Backend class ComfyUI loaded, whatever module name it got) and, when it runs, re-arms it: exact
-for `good_calls` calls, then noisy.
+for `good_calls` calls, then noisy; or, with `bad_block` >= 0, wrong only on that transformer block's
+self-attention (from its `block_good`-th call on): the node hooks the model's blocks to know which one is running,
+as a kernel wrong on one layer's activations would be. Each wrong output it returns is logged to a file, so a test
+counts them: one the guard caught is recomputed, any other reached the latent.
 """
 
 from __future__ import annotations
 
 import json
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -28,12 +32,15 @@ _seed = itertools.count(1400)
 
 FLAKY_NODE = r'''
 import importlib
+import os
 
 import torch
 import torch.nn.functional as F
 
 NAME = "test_flaky_int8"
-STATE = {"calls": 0, "good": 10 ** 9}
+STATE = {"calls": 0, "good": 10 ** 9, "block": None, "bad_block": -1, "block_good": 0, "block_calls": 0,
+         "log": None, "hooks": []}
+BLOCK_CLASSES = ("WanAttentionBlock", "BasicTransformerBlock")  # WAN's blocks; the UNet's transformer blocks
 
 
 def _dispatcher():
@@ -45,10 +52,36 @@ def _dispatcher():
 
 
 def kernel(q, k, v, *, attn_mask=None, scale=None, **_):
-    """(B, H, L, D): exact for STATE['good'] calls, then exact + noise (an int8 kernel going wrong mid-run)."""
+    """(B, H, L, D): exact for STATE['good'] calls, then exact + noise (an int8 kernel going wrong mid-run); with a
+    bad block, wrong on that block's self-attention only, from its STATE['block_good']-th call on."""
     STATE["calls"] += 1
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
-    return out if STATE["calls"] <= STATE["good"] else out + torch.randn_like(out)
+    if STATE["bad_block"] >= 0:
+        if STATE["block"] != STATE["bad_block"] or q.shape[2] != k.shape[2]:
+            return out
+        STATE["block_calls"] += 1
+        wrong = STATE["block_calls"] > STATE["block_good"]
+    else:
+        wrong = STATE["calls"] > STATE["good"]
+    if not wrong:
+        return out
+    if STATE["log"]:
+        with open(STATE["log"], "a") as log:
+            log.write(f"block {STATE['block']} call {STATE['block_calls']}\n")
+    return out + torch.randn_like(out)
+
+
+def hook_blocks(model):
+    """Know which transformer block runs: a pre-hook per block sets STATE['block'] (its place in module order)."""
+    for handle in STATE["hooks"]:
+        handle.remove()
+    blocks = [m for m in model.model.diffusion_model.modules() if type(m).__name__ in BLOCK_CLASSES]
+
+    def enter(index):
+        def hook(module, args):
+            STATE["block"] = index
+        return hook
+    STATE["hooks"] = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
 
 
 def register():
@@ -63,14 +96,20 @@ class TestFlakyKernel:
     def INPUT_TYPES(cls):
         register()  # GET /object_info/TestFlakyKernel, and validation of any prompt that has this node
         return {"required": {"model": ("MODEL",), "good_calls": ("INT", {"default": 6, "min": 0, "max": 10 ** 6}),
-                             "seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31})}}
+                             "seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31})},
+                "optional": {"bad_block": ("INT", {"default": -1, "min": -1, "max": 1000}),
+                             "block_good": ("INT", {"default": 0, "min": 0, "max": 10 ** 6})}}
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "arm"
     CATEGORY = "testing"
 
-    def arm(self, model, good_calls, seed):
+    def arm(self, model, good_calls, seed, bad_block=-1, block_good=0):
+        import folder_paths
         register()
-        STATE["calls"], STATE["good"] = 0, good_calls
+        STATE.update(calls=0, good=good_calls, bad_block=bad_block, block_good=block_good, block_calls=0,
+                     log=os.path.join(folder_paths.get_output_directory(), f"flaky_{seed}.log"))
+        if bad_block >= 0:
+            hook_blocks(model)
         return (model,)
 
 
@@ -110,7 +149,9 @@ def wan(set_kw=None, *, steps=2, flaky=None, seed=None):
                                                                   "batch_size": 1}}}
     model = ["1", 0]
     if flaky is not None:
-        p["5"] = {"class_type": "TestFlakyKernel", "inputs": {"model": model, "good_calls": flaky, "seed": seed}}
+        arm = flaky if isinstance(flaky, dict) else {"good_calls": flaky}
+        p["5"] = {"class_type": "TestFlakyKernel", "inputs": {"model": model, "good_calls": 10 ** 6, "seed": seed,
+                                                             **arm}}
         model = ["5", 0]
     if set_kw is not None:
         p["10"] = {"class_type": SET, "inputs": {"model": model, **set_inputs(**set_kw)}}
@@ -122,12 +163,18 @@ def wan(set_kw=None, *, steps=2, flaky=None, seed=None):
     return p
 
 
-def sd15(set_kw, seed=None):
+def sd15(set_kw, seed=None, flaky=None):
     seed = next(_seed) if seed is None else seed
+    model = ["1", 0]
+    extra = {}
+    if flaky is not None:
+        extra["5"] = {"class_type": "TestFlakyKernel", "inputs": {"model": model, "good_calls": 10 ** 6, "seed": seed,
+                                                                 **flaky}}
+        model = ["5", 0]
     return {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_sd15.safetensors", "weight_dtype": "default"}},
             "2": _cond(1, dim=768, length=77), "3": _cond(2, dim=768, length=77),
-            "4": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
-            "10": {"class_type": SET, "inputs": {"model": ["1", 0], **set_inputs(**set_kw)}},
+            "4": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}}, **extra,
+            "10": {"class_type": SET, "inputs": {"model": model, **set_inputs(**set_kw)}},
             "11": {"class_type": "KSampler", "inputs": {
                 "model": ["10", 0], "seed": seed, "steps": 2, "cfg": 2.0, "sampler_name": "euler",
                 "scheduler": "simple", "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0],
@@ -150,7 +197,7 @@ def test_schema_lists_the_autos_first_and_the_new_inputs(comfy):
     optional = info["input"]["optional"]
     assert optional["quality_guard"][1]["options"] == ["quantised kernels", "every kernel", "off"]
     assert optional["quality_guard"][1]["default"] == "quantised kernels"
-    assert optional["guard_every"][1]["default"] == 200 and optional["guard_every"][1]["min"] == 1
+    assert optional["guard_every"][1]["default"] == 0 and optional["guard_every"][1]["min"] == 0  # 0: sized by cost
     assert optional["block_start"][1]["default"] == 0 and optional["block_end"][1]["default"] == -1
     for name in ("quality_guard", "guard_every", "block_start", "block_end"):
         assert optional[name][1]["tooltip"], name
@@ -178,7 +225,7 @@ def test_the_autos_run_a_prompt(comfy, backend):
 @pytest.mark.parametrize("inputs, expected", [
     ({"quality_guard": "sometimes"}, "quality_guard: unknown quality guard mode 'sometimes'"),
     ({"quality_guard": "Every Kernel"}, "Did you mean 'every kernel'?"),
-    ({"guard_every": 0}, "guard_every: 0 is below the minimum 1"),
+    ({"guard_every": -1}, "guard_every: -1 is below the minimum 0"),
     ({"block_start": 5, "block_end": 2}, "block_start 5 is after block_end 2"),
     ({"block_start": "one"}, "block_start: 'one' is not a whole number"),
 ])
@@ -192,7 +239,7 @@ def test_old_prompts_without_the_new_inputs_still_run(comfy):
     for name in ("quality_guard", "guard_every", "block_start", "block_end"):
         prompt["10"]["inputs"].pop(name, None)
     report = model_report(comfy, comfy.run(prompt), "10")
-    assert report["quality_guard"] == {"mode": "quantised", "every": 200} and report["recorder"]["calls"] >= 8
+    assert report["quality_guard"] == {"mode": "quantised", "every": 0} and report["recorder"]["calls"] >= 8
 
 
 def test_block_range_on_the_sd15_unet_sends_other_blocks_to_comfy(comfy):
@@ -253,3 +300,56 @@ def test_guard_catches_a_kernel_that_goes_wrong_mid_run(comfy):
     assert "guard" in json.dumps(comfy.get("/attention_dispatch/report"))
     ref = comfy.run(wan({"backend": "native"}, steps=3, seed=seed))
     _close(latent(comfy, entry, "12"), latent(comfy, ref, "12"))
+
+
+def wrong_outputs(comfy, seed) -> list[str]:
+    """The wrong outputs test_flaky_int8 returned in the prompt armed with `seed` (one line each)."""
+    log = Path(comfy.base) / "output" / f"flaky_{seed}.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def failures_by_site(report) -> dict:
+    return {g["site"]: g["failures"] for g in report["guard"] if g["failures"]}
+
+
+@pytest.mark.parametrize("model", ["wan", "sd15"])
+def test_a_kernel_wrong_on_one_block_is_caught_at_that_blocks_first_call(comfy, model):
+    """The quantised kernel is wrong on one block's self-attention only, at the default guard settings (interval
+    sized by cost: far longer than this run). ComfyUI 0.3.64's WAN passes no block position (the block is the
+    call's place in the forward: "self #1"); the UNet passes transformer_index ("middle.self #1.0"). That block's
+    first call is compared and recomputed: the kernel's one wrong output never reaches the latent, which equals
+    the exact run's; the kernel keeps serving the other blocks; the report and its text name the block."""
+    seed = next(_seed)
+    if model == "wan":
+        site, prompt = "self #1", wan({"backend": FLAKY}, steps=3, flaky={"bad_block": 1}, seed=seed)
+        exact = wan({"backend": "native"}, steps=3, seed=seed)
+    else:
+        site, prompt = "middle.self #1.0", sd15({"backend": FLAKY}, seed=seed, flaky={"bad_block": 1})
+        exact = sd15({"backend": "native"}, seed=seed)
+    entry = comfy.run(prompt)
+    report = model_report(comfy, entry, "10")
+    assert report["quality_guard"] == {"mode": "quantised", "every": 0}
+    failures = failures_by_site(report)
+    assert list(failures) == [site], report["guard"]
+    assert len(failures[site]) == 1 and failures[site][0]["replacement"] not in ("", FLAKY), failures
+    assert len(wrong_outputs(comfy, seed)) == 1  # the one the guard caught (and recomputed): 0 spoiled calls
+    rows = {(r["site"], r["served"]): r["calls"] for r in report["recorder"]["rows"]}
+    assert {s for s, served in rows if served == FLAKY} and (site, FLAKY) not in rows, rows
+    (caught,) = [g for g in report["guard"] if g["failures"]]
+    assert site in caught["text"] and "demoted for this block" in caught["text"]
+    _close(latent(comfy, entry, "12"), latent(comfy, comfy.run(exact), "12"))
+
+
+def test_a_block_that_turns_bad_mid_run_is_caught_within_the_rotation_bound(comfy):
+    """Block 1's self-attention goes wrong from its second call; with guard_every 2 each block is compared again
+    within 2 of its calls: at most one wrong output reaches the latent before the check catches the block."""
+    seed = next(_seed)
+    every = 2
+    entry = comfy.run(wan({"backend": FLAKY, "guard_every": every}, steps=6,
+                          flaky={"bad_block": 1, "block_good": 1}, seed=seed))
+    report = model_report(comfy, entry, "10")
+    assert list(failures_by_site(report)) == ["self #1"], report["guard"]
+    wrong = wrong_outputs(comfy, seed)
+    assert 1 <= len(wrong) <= every, wrong  # the spoiled ones (at most every - 1) and the caught one
+    rows = {(r["site"], r["served"]): r["calls"] for r in report["recorder"]["rows"]}
+    assert rows[("self #1", FLAKY)] <= every + 1 and rows[("self #0", FLAKY)] == 6, rows

@@ -73,6 +73,11 @@ def model_report(comfy, entry, node_id):
     return found[-1]
 
 
+def kind(site: str) -> str:
+    """A call site without its block: the override names each block ("self #1", "input.self #0.0")."""
+    return site.split(" #")[0]
+
+
 def served(report) -> dict:
     out = {}
     for row in report["recorder"]["rows"]:
@@ -116,7 +121,7 @@ def test_backend_serves_wan_and_matches_comfy_default(comfy, baseline, backend):
     counts = served(report)
     assert counts == {backend: report["recorder"]["calls"]} and counts[backend] >= 8, report  # 2 steps x 4 calls
     sites = {row["site"] for row in report["recorder"]["rows"]}
-    assert sites == {"self", "cross"}
+    assert sites == {"self #0", "self #1", "cross #0", "cross #1"}  # the tiny WAN's 2 blocks, by their place
     result = latent(comfy, entry, out)
     assert result.shape == baseline.shape
     assert (result - baseline).abs().max() <= 1e-3 * max(1.0, float(baseline.abs().max())), \
@@ -218,7 +223,7 @@ def test_sd15_unet_with_flex(comfy):
     run = comfy.run(sd15_prompt("flex"))
     report = model_report(comfy, run, "10")
     assert set(served(report)) == {"flex"} and report["recorder"]["calls"] == 16, report
-    assert {row["site"] for row in report["recorder"]["rows"]} >= {"input.self", "input.cross"}
+    assert {row["site"] for row in report["recorder"]["rows"]} >= {"input.self #0.0", "input.cross #0.0"}
     a, b = latent(comfy, base, "12"), latent(comfy, run, "12")
     assert (a - b).abs().max() <= 1e-3 * max(1.0, float(a.abs().max()))
 

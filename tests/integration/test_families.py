@@ -18,7 +18,7 @@ import itertools
 
 import pytest
 
-from .test_comfyui import latent, model_report, served
+from .test_comfyui import kind, latent, model_report, served
 
 pytestmark = pytest.mark.integration
 _prefix = itertools.count()
@@ -93,7 +93,7 @@ def test_flux_skip_reshape_calls_are_served_and_match_comfy_default(comfy, flux_
     report = model_report(comfy, entry, "10")
     assert served(report) == {backend: 2 * FLUX_CALLS_PER_STEP}, report  # 2 steps
     assert not any(row["fell_back"] for row in report["recorder"]["rows"]), report
-    assert {row["site"] for row in report["recorder"]["rows"]} == {"self"}  # joint text+image attention
+    assert {kind(row["site"]) for row in report["recorder"]["rows"]} == {"self"}  # joint text+image attention
     _close(latent(comfy, entry, "12"), flux_default[0])
 
 
@@ -142,7 +142,7 @@ def test_scale_and_gqa_keywords_are_honoured(comfy, kwargs_reference, backend):
     entry = comfy.run(kwargs_dit(backend))
     report = model_report(comfy, entry, "10")
     assert served(report) == {backend: 2 * KW_CALLS_PER_STEP}, report
-    assert {row["site"] for row in report["recorder"]["rows"]} == {"self", "cross"}
+    assert {kind(row["site"]) for row in report["recorder"]["rows"]} == {"self", "cross"}
     assert not any(row["fell_back"] for row in report["recorder"]["rows"]), report
     _close(latent(comfy, entry, "12"), kwargs_reference)
 
@@ -152,7 +152,7 @@ def test_low_precision_false_never_gets_a_quantised_backend(comfy, kwargs_refere
     # of sage's chain, and the report says why; the self-attention calls fall back (no sageattention on a CPU).
     entry = comfy.run(kwargs_dit("sage"))
     rows = model_report(comfy, entry, "10")["recorder"]["rows"]
-    cross = [row for row in rows if row["site"] == "cross"]
+    cross = [row for row in rows if kind(row["site"]) == "cross"]
     assert cross and all(row["requested"] == "sage" and row["served"] != "sage" for row in cross), rows
     assert all(any("low_precision_attention=False" in reason for reason in row["reasons"]) for row in cross), cross
     assert sum(row["calls"] for row in cross) == 2 and sum(row["calls"] for row in rows) == 2 * KW_CALLS_PER_STEP

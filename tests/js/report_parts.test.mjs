@@ -5,7 +5,7 @@ import { describe, test } from "node:test";
 
 import {
   ALWAYS_AVAILABLE, everyCallFallbacksOf, guardOf, indexBackends, isUnavailable, menuEntry, mergeReports,
-  summarizeReport, unappliedBlocksOf, visibleValues,
+  siteKind, summarizeReport, unappliedBlocksOf, visibleValues,
 } from "../../web/format.js";
 
 const INDEX = indexBackends({ backends: [
@@ -48,11 +48,30 @@ describe("the quality guard on the node", () => {
   test("a caught kernel leads the badge and the panel says what replaced it", () => {
     const s = summarizeReport(report(NATIVE_ROWS, { guard }));
     assert.equal(s.level, "warn");
-    assert.equal(s.badge, "\u26a0 guard caught sage \u2192 native");
+    assert.equal(s.badge, "\u26a0 guard caught sage at self \u2192 native");
     assert.ok(s.lines.includes("Quality guard: sage at self \u2014 3 checks, max error 2.1e-2"), s.lines);
     assert.ok(s.lines.some((l) => l.startsWith("\u26a0 Quality guard caught sage at self: relative error 8.1e-01") &&
-      l.includes("recomputed with native, and sage is demoted for this model and call shape")), s.lines);
+      l.includes("recomputed with native, and sage is demoted for this block of this model")), s.lines);
     assert.ok(s.lines.includes("Quality guard: sage at cross \u2014 2 checks, max error 1.0e-2"));
+  });
+
+  test("blocks: the badge names the caught one, passed ones fold into one line, Ran folds them too", () => {
+    const rows = [...Array(30).keys()].map((i) => ({ site: `self #${i}`, requested: "sage",
+      served: i === 5 ? "native" : "sage", calls: 20, fell_back: i === 5, reasons: i === 5 ? ["quality guard"] : [] }));
+    const blocks = [
+      { site: "self #5", backend: "sage", checks: 1, max_error: null, blocks: 1,
+        failures: [{ reason: "relative error 4.9e-01", replacement: "fa3" }] },
+      { site: "self", backend: "sage", checks: 45, max_error: 0.004, blocks: 29, failures: [] },
+    ];
+    const s = summarizeReport(report(rows, { guard: blocks }));
+    assert.equal(s.badge, "\u26a0 guard caught sage at self #5 \u2192 fa3");
+    assert.ok(s.lines.includes("Quality guard: sage at self (29 blocks) \u2014 45 checks, max error 4.0e-3"), s.lines);
+    assert.ok(s.lines.some((l) => l.startsWith("\u26a0 Quality guard caught sage at self #5: relative error")));
+    assert.ok(s.lines.includes("Ran: sage \u2014 580 calls (self 580 in 29 blocks)"), s.lines);
+    assert.ok(s.lines.includes("Ran: native \u2014 20 calls (self 20 at self #5)"), s.lines);
+    assert.equal(siteKind("input.self #4.1"), "input.self");
+    assert.equal(mergeReports([report(rows, { guard: blocks }), report(rows, { guard: blocks })]).guard
+      .find((g) => g.site === "self").blocks, 29);
   });
 
   test("passed checks alone keep the node green; the recorder's copy is read too", () => {
