@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
+import torch
+
 from . import caches, checks, guard, registry, trust
 from .hub import KernelLoadError
 from .inputs import AttentionInputs
@@ -114,13 +116,35 @@ def _reasons(name: str, spec, inputs: AttentionInputs) -> list[str]:
     return reasons
 
 
+# What serves empty inputs (a batch, head count or length of 0): no kernel, whichever backend was asked for.
+EMPTY = "(empty inputs)"
+
+
+def empty_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    """SDPA's result for empty inputs (BHSD): an empty output, or zeros for no keys (and a -inf LSE), with the
+    inputs' autograd graph. The mask, causality and dropout act on no scores; SDPA's math kernel computes the rest
+    (its fused kernels may not take empty inputs: the CPU flash op's LSE crashes the process on no keys)."""
+    out = torch.ops.aten._scaled_dot_product_attention_math(
+        q, k, v, None, 0.0, False, scale=scale, enable_gqa=bool(enable_gqa or k.shape[1] != q.shape[1]))[0]
+    if not return_lse:
+        return out
+    return out, torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+
+
+def _empty_decision(requested: str, layout: str) -> Decision:
+    candidate = Candidate(EMPTY, registry.get("_native_math"), empty_attention, layout != "BHSD", False)
+    return Decision(requested, [candidate], lane=candidate)
+
+
 def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, quality_guard: tuple) -> Decision:
     checks.check_structure(inputs)
+    if inputs.empty:
+        return _empty_decision(requested, layout)
     chain = fallback_order(requested) if policy == "fallback" else [requested]
     specs = [registry.get(n) for n in chain]
     decision = Decision(requested, [], trust_sensitive=any(s.hub is not None for s in specs),
                         shapes_only=all(s.universal for s in specs))
-    plain_mask = inputs.mask_kind in ("bool", "key_padding") and len(inputs.mask_shape or ()) == 4
+    plain_mask = inputs.mask_kind in ("bool", "key_padding")  # SDPA takes a bool mask of any rank as given
     for name, spec in zip(chain, specs):
         reasons = _reasons(name, spec, inputs)
         if not reasons:

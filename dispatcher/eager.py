@@ -216,7 +216,7 @@ def _first_call(fast_key, requested, policy, model, quality_guard, call: Attenti
     sensitive = False
     name = requested
     resolve = registry.resolver(requested)
-    if resolve is not None:
+    if resolve is not None and not inputs.empty:  # nothing to choose for empty inputs (decisions.EMPTY)
         checks.check_structure(inputs)
         name, sensitive = resolve(inputs, call, model=model, timing=True)
     decision = decisions.decision_for(name, policy, inputs, call.layout, model, quality_guard)

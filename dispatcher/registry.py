@@ -219,7 +219,7 @@ def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD",
                      causal: bool = False, scale: bool = True, gqa: bool = False, dropout: bool = False,
                      lse: bool = False, backward: bool = True, requires=(), fallback=("native",),
                      error_bound: float = 2e-2, description: str = "", hub_kernel: HubKernel | None = None,
-                     quantised: bool = False, replace: bool = False) -> BackendSpec:
+                     quantised: bool = False, mask_with_causal: bool = False, replace: bool = False) -> BackendSpec:
     """Register your own attention function under `name` (like transformers' AttentionInterface.register).
 
     `fn(query, key, value, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)` receives
@@ -227,7 +227,8 @@ def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD",
     as given, or a name added with `masks.register_mask_format`). Declare what it supports: the
     dispatcher never hands it inputs it did not declare, and says why when it falls back. `quantised`: its
     error is above bf16 rounding (int8/fp8 arithmetic): `auto_exact` never picks it, `auto_fast` only after
-    judging it on the model's activations, and the quality guard watches it by default.
+    judging it on the model's activations, and the quality guard watches it by default. `mask_with_causal`: it
+    takes attn_mask and is_causal=True together, applying both as SDPA does (else such calls skip it).
     """
     if not name or not isinstance(name, str):
         raise ValueError("a custom attention backend needs a non-empty string name")
@@ -246,7 +247,7 @@ def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD",
         requires=tuple(requires) + ((kernels_requirement(hub_kernel),) if hub_kernel is not None else ()),
         masks=frozenset(masks) | {"none"}, mask_format=mask_format, causal=causal, scale=scale, gqa=gqa,
         dropout=dropout, lse=lse, backward=backward, fallback=tuple(fallback), error_bound=error_bound,
-        hub=hub_kernel, custom=True, quantised=bool(quantised),
+        hub=hub_kernel, custom=True, quantised=bool(quantised), mask_with_causal=bool(mask_with_causal),
     )
     return add(spec, replace=replace)
 
