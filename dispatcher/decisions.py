@@ -105,15 +105,27 @@ def fallback_order(requested: str) -> list[str]:
     return order
 
 
+def input_reasons(spec, inputs: AttentionInputs) -> list[str]:
+    """Why `spec` cannot run `inputs` (its declared limits, then its semantics: checks.semantic_reasons): the one
+    answer the decision and `auto`'s tuner both use, so auto never times a kernel the decision would refuse."""
+    try:
+        return spec.not_supported_reasons(inputs) + checks.semantic_reasons(spec, inputs)
+    except Exception as exc:  # a backend's own limit check must not hide the others' reasons
+        return [f"its input check failed ({type(exc).__name__}: {exc})"]
+
+
 def _reasons(name: str, spec, inputs: AttentionInputs) -> list[str]:
     """Every reason: what this machine lacks, then what these inputs ask that the backend cannot do."""
     reasons = list(registry.availability_reasons(name))
-    try:
-        reasons += [r for r in spec.not_supported_reasons(inputs) + checks.semantic_reasons(spec, inputs)
-                    if r not in reasons]
-    except Exception as exc:  # a backend's own limit check must not hide the others' reasons
-        reasons.append(f"its input check failed ({type(exc).__name__}: {exc})")
-    return reasons
+    return reasons + [r for r in input_reasons(spec, inputs) if r not in reasons]
+
+
+def candidate(name: str, spec, runner, inputs: AttentionInputs, layout: str, guard_every: int = 0) -> Candidate:
+    """How a decision (and `auto`'s tuner, timing it) runs backend `name` on calls of `inputs` in `layout`."""
+    # SDPA takes a bool mask of any rank as given; every other mask is converted to the kernel's format.
+    convert = inputs.mask_kind not in ("none", "blockmask") and not (
+        inputs.mask_kind in ("bool", "key_padding") and spec.mask_format == "native")
+    return Candidate(name, spec, runner, spec.layout != layout, convert, guard_every)
 
 
 # What serves empty inputs (a batch, head count or length of 0): no kernel, whichever backend was asked for.
@@ -144,7 +156,6 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, qu
     specs = [registry.get(n) for n in chain]
     decision = Decision(requested, [], trust_sensitive=any(s.hub is not None for s in specs),
                         shapes_only=all(s.universal for s in specs))
-    plain_mask = inputs.mask_kind in ("bool", "key_padding")  # SDPA takes a bool mask of any rank as given
     for name, spec in zip(chain, specs):
         reasons = _reasons(name, spec, inputs)
         if not reasons:
@@ -153,9 +164,7 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, qu
             except KernelLoadError as exc:
                 reasons = [str(exc)]
             else:
-                convert = inputs.mask_kind not in ("none", "blockmask") and not (
-                    plain_mask and spec.mask_format == "native")
-                decision.candidates.append(Candidate(name, spec, runner, spec.layout != layout, convert,
+                decision.candidates.append(candidate(name, spec, runner, inputs, layout,
                                                      guard.every_for(spec, quality_guard)))
                 continue
         decision.skipped.append((name, reasons))

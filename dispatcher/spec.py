@@ -133,13 +133,14 @@ class BackendSpec:
         if inputs.head_dim_v != inputs.head_dim and not self.different_value_dim:
             reasons.append(f"value head dim {inputs.head_dim_v} differs from query head dim {inputs.head_dim}")
         # A key-padding mask is a bool mask: a backend that takes bool masks takes it too.
-        if inputs.mask_kind != "none" and inputs.mask_kind not in self.masks and not (
-                inputs.mask_kind == "key_padding" and "bool" in self.masks):
+        mask_refused = inputs.mask_kind != "none" and inputs.mask_kind not in self.masks and not (
+            inputs.mask_kind == "key_padding" and "bool" in self.masks)
+        if mask_refused:
             accepted = [MASK_NAMES[m] for m in MASK_KINDS if m in self.masks and m != "none"]
             hint = f" (it accepts {' or '.join(accepted)})" if accepted else " (it takes no mask and would drop it)"
             reasons.append(f"attn_mask is {MASK_NAMES.get(inputs.mask_kind, inputs.mask_kind)}{hint}")
         if inputs.is_causal:
-            if inputs.mask_kind != "none" and not self.mask_with_causal:
+            if inputs.mask_kind != "none" and not mask_refused and not self.mask_with_causal:
                 reasons.append("attn_mask with is_causal=True is not supported (SDPA applies both, the mask and its "
                                "top-left causal diagonal, as 'native' does)")
             if not self.causal:
