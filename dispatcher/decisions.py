@@ -144,8 +144,8 @@ def empty_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
 
 
 def _empty_decision(requested: str, layout: str) -> Decision:
-    candidate = Candidate(EMPTY, registry.get("_native_math"), empty_attention, layout != "BHSD", False)
-    return Decision(requested, [candidate], lane=candidate)
+    served = Candidate(EMPTY, registry.get("_native_math"), empty_attention, layout != "BHSD", False)
+    return Decision(requested, [served], lane=served)
 
 
 def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, quality_guard: tuple) -> Decision:
