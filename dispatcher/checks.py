@@ -42,14 +42,13 @@ def check_structure(inputs: AttentionInputs) -> None:
     if not i.dtype.is_floating_point:
         _fail(f"query has dtype {i.dtype}; attention needs floating point inputs (float16, bfloat16, float32)")
     if i.head_dim <= 0 or i.head_dim_v <= 0:
-        _fail(f"head dim must be positive; got query head dim {i.head_dim}, value head dim {i.head_dim_v}")
-    if i.len_q <= 0 or i.len_kv <= 0:
-        _fail(f"sequence lengths must be positive; got query length {i.len_q} and key length {i.len_kv}")
-    if i.batch <= 0 or i.heads_q <= 0 or i.heads_kv <= 0:
-        _fail(f"batch and head counts must be positive; got B={i.batch}, query heads {i.heads_q}, "
-              f"key/value heads {i.heads_kv}")
+        # SDPA runs it: with no features the scores are all equal (value's mean over the keys) or the output empty
+        _fail(f"head dim must be positive; got query head dim {i.head_dim}, value head dim {i.head_dim_v} (SDPA "
+              "would return the mean of value over the keys for a query head dim 0, an empty output for a value "
+              "head dim 0: neither is attention; give the heads their features)")
+    # A batch, head count or length of 0 is an empty call: SDPA's result without a kernel (decisions.EMPTY).
     if i.heads_kv != i.heads_q:
-        if i.heads_q % i.heads_kv:
+        if i.heads_kv == 0 or i.heads_q % i.heads_kv:
             _fail(f"query has {i.heads_q} heads, not a multiple of the {i.heads_kv} key/value heads")
         if not i.enable_gqa and i.heads_kv != 1:  # one key/value head broadcasts, as in SDPA
             _fail(f"key/value have {i.heads_kv} heads but query has {i.heads_q}: pass enable_gqa=True for "
@@ -61,8 +60,6 @@ def check_structure(inputs: AttentionInputs) -> None:
         problem = broadcast_problem(i.mask_shape, i.batch, i.heads_q, i.len_q, i.len_kv)
         if problem:
             _fail(problem)
-    if i.is_causal and i.mask_kind != "none":
-        _fail("is_causal=True and attn_mask were both given: fold the causal mask into attn_mask, or drop attn_mask")
 
 
 def _real(x) -> bool:
@@ -95,6 +92,11 @@ def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, e
                 raise TypeError(f"{name} must be True or False; got {flag!r} ({type(flag).__name__})")
     if scale is not None:
         if type(scale) not in _PLAIN and not _real(scale):
+            if isinstance(scale, torch.Tensor):  # a 0-d one without gradient was made a float at the entry
+                raise TypeError(f"scale is a tensor of shape {tuple(scale.shape)}, dtype "
+                                f"{str(scale.dtype).replace('torch.', '')}, requires_grad={scale.requires_grad}; "
+                                f"a 0-d real tensor that needs no gradient is taken as its value (as SDPA takes "
+                                f"it), SDPA refuses this one too: pass float(scale)")
             raise TypeError(f"scale must be a float or None (None = 1/sqrt(head dim)); got {type(scale).__name__}")
         if not math.isfinite(scale):
             _fail(f"scale must be finite; got {scale}")
@@ -104,6 +106,16 @@ def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, e
         _fail(f"dropout_p must be in [0, 1]; got {dropout_p}")
     if attention_kwargs is not None and not isinstance(attention_kwargs, Mapping):
         raise TypeError(f"attention_kwargs must be a dict or None; got {type(attention_kwargs).__name__}")
+
+
+def plain_scale(scale):
+    """`scale` as the kernels take it: a 0-d real tensor that needs no gradient becomes its float, as SDPA reads
+    one (a device sync for a GPU tensor, in SDPA too); anything else is returned as given, for check_arguments
+    to judge. Called at the entry when scale is neither None nor a float."""
+    if (isinstance(scale, torch.Tensor) and scale.dim() == 0 and not scale.requires_grad
+            and scale.dtype != torch.bool and not scale.is_complex()):
+        return float(scale)
+    return scale
 
 
 def check_shapes(query, key, value, layout: str, attn_mask=None) -> None:

@@ -62,7 +62,7 @@ def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial,
         inputs = AttentionInputs(*signature)
         chosen = requested
         resolve = registry.resolver(requested)
-        if resolve is not None:
+        if resolve is not None and not inputs.empty:  # nothing to choose for empty inputs (decisions.EMPTY)
             checks.check_structure(inputs)
             if registry.needs_live_values(requested):
                 _runtime_op()

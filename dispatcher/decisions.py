@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
+import torch
+
 from . import caches, checks, guard, registry, trust
 from .hub import KernelLoadError
 from .inputs import AttentionInputs
@@ -103,15 +105,47 @@ def fallback_order(requested: str) -> list[str]:
     return order
 
 
+def input_reasons(spec, inputs: AttentionInputs) -> list[str]:
+    """Why `spec` cannot run `inputs` (its declared limits, then its semantics: checks.semantic_reasons): the one
+    answer the decision and `auto`'s tuner both use, so auto never times a kernel the decision would refuse."""
+    try:
+        return spec.not_supported_reasons(inputs) + checks.semantic_reasons(spec, inputs)
+    except Exception as exc:  # a backend's own limit check must not hide the others' reasons
+        return [f"its input check failed ({type(exc).__name__}: {exc})"]
+
+
 def _reasons(name: str, spec, inputs: AttentionInputs) -> list[str]:
     """Every reason: what this machine lacks, then what these inputs ask that the backend cannot do."""
     reasons = list(registry.availability_reasons(name))
-    try:
-        reasons += [r for r in spec.not_supported_reasons(inputs) + checks.semantic_reasons(spec, inputs)
-                    if r not in reasons]
-    except Exception as exc:  # a backend's own limit check must not hide the others' reasons
-        reasons.append(f"its input check failed ({type(exc).__name__}: {exc})")
-    return reasons
+    return reasons + [r for r in input_reasons(spec, inputs) if r not in reasons]
+
+
+def candidate(name: str, spec, runner, inputs: AttentionInputs, layout: str, guard_rules=None) -> Candidate:
+    """How a decision (and `auto`'s tuner, timing it) runs backend `name` on calls of `inputs` in `layout`."""
+    # SDPA takes a bool mask of any rank as given; every other mask is converted to the kernel's format.
+    convert = inputs.mask_kind not in ("none", "blockmask") and not (
+        inputs.mask_kind in ("bool", "key_padding") and spec.mask_format == "native")
+    return Candidate(name, spec, runner, spec.layout != layout, convert, guard_rules)
+
+
+# What serves empty inputs (a batch, head count or length of 0): no kernel, whichever backend was asked for.
+EMPTY = "(empty inputs)"
+
+
+def empty_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+    """SDPA's result for empty inputs (BHSD): an empty output, or zeros for no keys (and a -inf LSE), with the
+    inputs' autograd graph. The mask, causality and dropout act on no scores; SDPA's math kernel computes the rest
+    (its fused kernels may not take empty inputs: the CPU flash op's LSE crashes the process on no keys)."""
+    out = torch.ops.aten._scaled_dot_product_attention_math(
+        q, k, v, None, 0.0, False, scale=scale, enable_gqa=bool(enable_gqa or k.shape[1] != q.shape[1]))[0]
+    if not return_lse:
+        return out
+    return out, torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+
+
+def _empty_decision(requested: str, layout: str) -> Decision:
+    served = Candidate(EMPTY, registry.get("_native_math"), empty_attention, layout != "BHSD", False)
+    return Decision(requested, [served], lane=served)
 
 
 def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, quality_guard: tuple,
@@ -119,13 +153,14 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, qu
     """exact: the fastest exact backend for these inputs where the caller knows it (`auto_fast`, from its timings):
     it comes second, so a kernel that fails (or fails the guard) is replaced by it rather than by its own chain."""
     checks.check_structure(inputs)
+    if inputs.empty:
+        return _empty_decision(requested, layout)
     chain = fallback_order(requested) if policy == "fallback" else [requested]
     if exact is not None and policy == "fallback" and exact != requested and registry.is_known(exact):
         chain = [requested, exact] + [n for n in chain[1:] if n != exact]
     specs = [registry.get(n) for n in chain]
     decision = Decision(requested, [], trust_sensitive=any(s.hub is not None for s in specs),
                         shapes_only=all(s.universal for s in specs))
-    plain_mask = inputs.mask_kind in ("bool", "key_padding") and len(inputs.mask_shape or ()) == 4
     for name, spec in zip(chain, specs):
         reasons = _reasons(name, spec, inputs)
         if not reasons:
@@ -134,9 +169,7 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, qu
             except KernelLoadError as exc:
                 reasons = [str(exc)]
             else:
-                convert = inputs.mask_kind not in ("none", "blockmask") and not (
-                    plain_mask and spec.mask_format == "native")
-                decision.candidates.append(Candidate(name, spec, runner, spec.layout != layout, convert,
+                decision.candidates.append(candidate(name, spec, runner, inputs, layout,
                                                      guard.rules_for(spec, quality_guard, inputs)))
                 continue
         decision.skipped.append((name, reasons))

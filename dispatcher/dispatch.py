@@ -10,10 +10,12 @@ import contextlib
 import torch
 
 from .call import AttentionCall, new_call
+from .checks import plain_scale as _plain_scale
 from .compiled import dispatch_traced
 from .decisions import BackendNotSupportedError, fallback_order  # noqa: F401  (public names)
 from .eager import dispatch_eager
 from .guard import settings as _guard_settings
+from .masks import sdpa_view as _sdpa_view
 from .report import recording
 
 # dispatcher.parallel's router (answers NotImplemented outside its context) and a flag it sets while any
@@ -21,6 +23,7 @@ from .report import recording
 _context_parallel = None
 _context_parallel_on = False
 _dynamo_compiling = torch.compiler.is_dynamo_compiling  # bound once (dynamo knows the function, not the name)
+_Tensor = torch.Tensor
 
 
 def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
@@ -33,7 +36,11 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
     query (B, Sq, H, D), key/value (B, Sk, Hk, D) in the default layout 'BSHD' (diffusers'), or
     (B, H, S, D) with layout='BHSD'. attn_mask: bool (True = attend) or additive float, broadcastable
-    to (B, H, Sq, Sk) by ComfyUI's rank rule (2-D = (Sq, Sk), 3-D = (B, Sq, Sk)), or a BlockMask.
+    to (B, H, Sq, Sk) as SDPA broadcasts it (2-D = (Sq, Sk), 3-D = (H, Sq, Sk)), or a BlockMask; a 2-D (B, Sk)
+    mask is key padding, as diffusers' native backend reads it (refused when B == Sq, where the readings differ).
+    attn_mask with is_causal=True applies both (SDPA's top-left diagonal), on the backends that declare it.
+    scale: a float, or a 0-d tensor (read as its value, as SDPA reads it). Empty inputs (a batch, head count or
+    length of 0) return SDPA's result (empty, or zeros for Sk = 0) without running a kernel.
     Returns the output in the input layout, and with return_lse=True also the log-sum-exp,
     (B, Sq, H) for BSHD or (B, H, Sq) for BHSD, float32.
     recorder: count this call in it (anything with Recorder's `record`/`record_error`) instead of in the
@@ -49,6 +56,10 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if guard is not None or guard_every is not None:
         if type(guard) is not tuple:
             guard = _guard_settings(guard, guard_every)
+    if attn_mask is not None and type(attn_mask) is _Tensor and attn_mask.ndim == 2:
+        attn_mask = _sdpa_view(attn_mask, query, key, layout)  # (B, Sk) key padding: (B, 1, 1, Sk)
+    if scale is not None and type(scale) is not float:
+        scale = _plain_scale(scale)
     if _dynamo_compiling():  # dynamo traces the class call, not tuple.__new__
         return dispatch_call(AttentionCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                            attention_kwargs, backend, layout, policy, return_lse, call_site,
@@ -67,7 +78,7 @@ class PreparedAttention:
     value, attn_mask, **fixed)` would, without taking a dozen keywords apart on every call (the ComfyUI override
     keeps one per call signature). The arguments are those of `dispatch_attention_fn`, checked on each call."""
 
-    __slots__ = ("_rest",)
+    __slots__ = ("_rest", "_layout")
 
     def __init__(self, *, dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                  enable_gqa: bool = False, attention_kwargs: dict | None = None, backend: str | None = None,
@@ -76,11 +87,16 @@ class PreparedAttention:
                  guard: str | tuple | None = None, guard_every: int | None = None):
         if (guard is not None or guard_every is not None) and type(guard) is not tuple:
             guard = _guard_settings(guard, guard_every)
+        if scale is not None and type(scale) is not float:
+            scale = _plain_scale(scale)
         # AttentionCall's fields after the mask, in its order
+        self._layout = layout
         self._rest = (dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, policy, return_lse,
                       call_site, recorder, model, guard)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None):
+        if attn_mask is not None and type(attn_mask) is _Tensor and attn_mask.ndim == 2:
+            attn_mask = _sdpa_view(attn_mask, query, key, self._layout)
         if _dynamo_compiling():
             return dispatch_call(AttentionCall(query, key, value, attn_mask, *self._rest))
         call = new_call(AttentionCall, (query, key, value, attn_mask) + self._rest)

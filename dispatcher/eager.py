@@ -188,7 +188,7 @@ def _first_call(fast_key, requested, policy, model, quality_guard, call: Attenti
     sensitive = False
     name, exact = requested, None
     resolve = registry.resolver(requested)
-    if resolve is not None:
+    if resolve is not None and not inputs.empty:  # nothing to choose for empty inputs (decisions.EMPTY)
         checks.check_structure(inputs)
         name, sensitive = resolve(inputs, call, model=model, timing=True)
         twin = registry.exact_twin(requested)

@@ -80,6 +80,11 @@ class AttentionInputs:
         return device_kind(self.device)
 
     @property
+    def empty(self) -> bool:
+        """A batch, head count or length of 0: nothing to attend over or nothing asks (SDPA's result: decisions.EMPTY)."""
+        return not (self.batch and self.heads_q and self.len_q and self.len_kv)
+
+    @property
     def is_gqa(self) -> bool:
         return self.heads_kv != self.heads_q
 

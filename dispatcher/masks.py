@@ -1,10 +1,12 @@
 """Every attention-mask convention in one place.
 
 Canonical form inside the dispatcher: a tensor broadcastable to (B, H, Lq, Lk), either bool
-(True = attend) or an additive float bias (0 = keep, -inf / -max = drop). Rank rule (ComfyUI's):
-2-D is (Lq, Lk), 3-D is (B, Lq, Lk), 4-D is (B, H, Lq, Lk); any size-1 axis broadcasts. A 2-D mask
-that diffusers' `native` would read as (B, Lk) key padding (first axis == B != 1) is refused with the
-reshape to use, since the two readings differ (silently, when B == Lq): see `key_padding_hint`.
+(True = attend) or an additive float bias (0 = keep, -inf / -max = drop). Shapes are read as SDPA reads
+them, right-aligned: 2-D is (Lq, Lk), 3-D is (H, Lq, Lk), 4-D is (B, H, Lq, Lk); any size-1 axis broadcasts.
+One reading more, diffusers' (its `native` backend's): a 2-D (B, Lk) mask is key padding (`sdpa_view` makes it
+a (B, 1, 1, Lk) view at the entry), unless B == Lq, where the two readings differ and the mask is refused with
+the reshape to use (`key_padding_hint`). ComfyUI's own rule (3-D = (B, Lq, Lk)) is converted by its adapter
+(nodes/adapter.py) before it calls the library.
 An additive mask keeps its float32 precision wherever the kernel adds it in float32 ("native" on the CPU,
 "precise"): it is cast to a half query dtype only for kernels that demand it.
 Backends ask for the form they take: additive, bool, FlexAttention `BlockMask`/`score_mod`,
@@ -24,7 +26,8 @@ def mask_kind(mask) -> str:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor, a FlexAttention BlockMask or None; got {type(mask).__name__}")
     if mask.dtype == torch.bool:
-        if mask.dim() >= 2 and mask.shape[-2] == 1 and all(s == 1 for s in mask.shape[1:-2]):
+        # one row of keys, the same for every head: (B|1, 1, 1, Lk), (1, 1, Lk) or (1, Lk)
+        if mask.dim() >= 2 and mask.shape[-2] == 1 and all(s == 1 for s in mask.shape[-3:-2]):
             return "key_padding"
         return "bool"
     if mask.is_floating_point():
@@ -33,53 +36,69 @@ def mask_kind(mask) -> str:
 
 
 def to_4d(mask: torch.Tensor) -> torch.Tensor:
-    """A view of `mask` with exactly four axes, by ComfyUI's rank rule."""
-    if mask.dim() == 2:
-        return mask[None, None]
-    if mask.dim() == 3:
-        return mask[:, None]
+    """A view of `mask` with exactly four axes, right-aligned as SDPA broadcasts it."""
     if mask.dim() == 4:
         return mask
-    raise ValueError(f"attn_mask must have 2 to 4 dimensions ((Lq, Lk), (B, Lq, Lk) or (B, H, Lq, Lk)); "
+    if mask.dim() == 3:
+        return mask[None]
+    if mask.dim() == 2:
+        return mask[None, None]
+    raise ValueError(f"attn_mask must have 2 to 4 dimensions ((Lq, Lk), (H, Lq, Lk) or (B, H, Lq, Lk)); "
                      f"got shape {tuple(mask.shape)}")
 
 
-def key_padding_hint(mask_shape: tuple[int, ...], batch: int, len_q: int, len_kv: int) -> str | None:
-    """Why a 2-D mask is refused when diffusers' `native` would read it as (B, Lk) key padding, or None.
+def sdpa_view(mask, query, key, layout: str):
+    """The mask as the kernels take it: a 2-D (B, Lk) key-padding mask (diffusers' reading: first axis the
+    query's batch B > 1, not its length Lq) as a (B, 1, 1, Lk) view; any other mask as given. Called at the entry,
+    on every call with a mask, so it reads shapes only and leaves anything it cannot read to the checks."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return mask
+    try:
+        seq = 1 if layout == "BSHD" else 2
+        batch, len_q, len_kv = query.shape[0], query.shape[seq], key.shape[seq]
+    except (AttributeError, IndexError, TypeError):
+        return mask  # not tensors of rank 4: the checks name the problem
+    rows, keys = mask.shape
+    if rows == batch and rows not in (1, len_q) and keys == len_kv:
+        return mask[:, None, None, :]
+    return mask
 
-    A 2-D mask is (Lq, Lk) here (ComfyUI's rank rule, and SDPA's right-aligned broadcasting); diffusers'
-    `native` reads a 2-D mask whose first axis equals B as (B, Lk) key padding instead. When that axis
-    equals B but not Lq, diffusers would run it and we would fail to broadcast it; when it equals both
-    (B == Lq > 1) the two readings silently give different results. Both are refused with the fix: say
-    which one is meant with a 4-D mask.
+
+def key_padding_hint(mask_shape: tuple[int, ...], batch: int, len_q: int, len_kv: int) -> str | None:
+    """Why a 2-D mask is refused when it reads both as (Lq, Lk), as SDPA reads it, and as (B, Lk) key padding, as
+    diffusers' `native` reads it (B == Lq > 1: the two readings give different results), or None.
+
+    A (B, Lk) mask with B != Lq is key padding without doubt (SDPA would fail to broadcast it): `sdpa_view` takes
+    it so at the entry. The ambiguous one is refused with the fix: say which one is meant with a 4-D mask.
     """
-    if len(mask_shape) != 2 or mask_shape[1] != len_kv or mask_shape[0] == 1 or mask_shape[0] != batch:
+    if len(mask_shape) != 2 or mask_shape[1] != len_kv or mask_shape[0] == 1 or mask_shape[0] != batch \
+            or mask_shape[0] != len_q:
         return None
-    fix = (f"pass attn_mask[:, None, None, :] (shape ({batch}, 1, 1, {len_kv})) for key padding per batch element"
-           f", or attn_mask[None, None] (shape (1, 1, {mask_shape[0]}, {len_kv})) for one (Lq, Lk) mask")
-    if mask_shape[0] == len_q:
-        return (f"attn_mask of shape {tuple(mask_shape)} is ambiguous: with B == Lq == {batch} it is either "
-                f"(Lq, Lk), as this dispatcher and SDPA read a 2-D mask, or (B, Lk) key padding, as diffusers' "
-                f"native backend reads it, and the two give different results; {fix}")
-    return (f"attn_mask of shape {tuple(mask_shape)} is (B, Lk) key padding as diffusers' native backend reads "
-            f"it, but a 2-D mask is (Lq, Lk) here (Lq = {len_q}); {fix}")
+    return (f"attn_mask of shape {tuple(mask_shape)} is ambiguous: with B == Lq == {batch} it is either (Lq, Lk), "
+            f"as SDPA reads a 2-D mask, or (B, Lk) key padding, as diffusers' native backend reads it, and the two "
+            f"give different results; pass attn_mask[:, None, None, :] (shape ({batch}, 1, 1, {len_kv})) for key "
+            f"padding per batch element, or attn_mask[None, None] (shape (1, 1, {len_q}, {len_kv})) for one "
+            f"(Lq, Lk) mask")
 
 
 def broadcast_problem(mask_shape: tuple[int, ...], batch: int, heads: int, len_q: int, len_kv: int) -> str | None:
     """Why a mask of this shape cannot broadcast to (B, H, Lq, Lk), or None."""
     if not 2 <= len(mask_shape) <= 4:
-        return f"attn_mask has {len(mask_shape)} dimensions; expected 2 to 4"
+        return (f"attn_mask has {len(mask_shape)} dimensions; expected 2 to 4 ((Lq, Lk), (H, Lq, Lk) or "
+                f"(B, H, Lq, Lk)){'; SDPA refuses a 1-D mask too' if len(mask_shape) == 1 else ''}")
     hint = key_padding_hint(tuple(mask_shape), batch, len_q, len_kv)
     if hint:
         return hint
-    shape = (1,) * (4 - len(mask_shape)) + tuple(mask_shape)
-    if len(mask_shape) == 3:
-        shape = (mask_shape[0], 1, mask_shape[1], mask_shape[2])
+    shape = (1,) * (4 - len(mask_shape)) + tuple(mask_shape)  # right-aligned, as SDPA broadcasts it
     for axis, have, want in zip("BHQK", shape, (batch, heads, len_q, len_kv)):
         if have not in (1, want):
             name = {"B": "batch", "H": "heads", "Q": "query length", "K": "key length"}[axis]
-            return (f"attn_mask of shape {tuple(mask_shape)} does not broadcast to (B, H, Lq, Lk) = "
-                    f"({batch}, {heads}, {len_q}, {len_kv}): its {name} axis is {have}, expected 1 or {want}")
+            why = (f"attn_mask of shape {tuple(mask_shape)} does not broadcast to (B, H, Lq, Lk) = "
+                   f"({batch}, {heads}, {len_q}, {len_kv}): its {name} axis is {have}, expected 1 or {want}")
+            if len(mask_shape) == 3 and mask_shape[0] == batch:
+                why += (f" (a 3-D mask is (H, Lq, Lk), as SDPA reads it; for a (B, Lq, Lk) mask pass "
+                        f"attn_mask[:, None])")
+            return why
     return None
 
 
@@ -97,8 +116,8 @@ def precise_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# Mask formats a backend can ask for; each converter gets the canonical 4-D view (or a BlockMask)
-# and the dtype of the query, and returns what the kernel takes.
+# Mask formats a backend can ask for; each converter gets the canonical 4-D view (the "native" one, for SDPA, the
+# mask as given) and the dtype of the query, and returns what the kernel takes.
 def _native(mask, dtype):
     """For SDPA (public, or one of its kernels pinned). SDPA takes a bool mask, an additive mask of the
     query's dtype, or a float32 one with any query. On the CPU both of its kernels (flash and math) add a
@@ -151,4 +170,6 @@ def register_mask_format(name: str, converter) -> None:
 def convert(mask, fmt: str, dtype: torch.dtype):
     if mask is None or type(mask).__name__ == "BlockMask":
         return mask
+    if fmt == "native":  # SDPA broadcasts any rank itself, as we read it: the mask as given (bit for bit SDPA's)
+        return _native(mask, dtype)
     return _FORMATS[fmt](to_4d(mask), dtype)

@@ -227,7 +227,8 @@ def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD",
                      causal: bool = False, scale: bool = True, gqa: bool = False, dropout: bool = False,
                      lse: bool = False, backward: bool = True, requires=(), fallback=("native",),
                      error_bound: float = 2e-2, description: str = "", hub_kernel: HubKernel | None = None,
-                     quantised: bool = False, approximate: bool = False, replace: bool = False) -> BackendSpec:
+                     quantised: bool = False, approximate: bool = False, mask_with_causal: bool = False,
+                     replace: bool = False) -> BackendSpec:
     """Register your own attention function under `name` (like transformers' AttentionInterface.register).
 
     `fn(query, key, value, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)` receives
@@ -238,6 +239,8 @@ def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD",
     judging it on the model's activations, and the quality guard watches it by default. `approximate`: it leaves
     part of the attention out by design (block-sparse, windowed): like a quantised one, but `auto_fast` admits it
     within its own `error_bound` on the model's activations, and the guard holds it to twice that.
+    `mask_with_causal`: it takes attn_mask and is_causal=True together, applying both as SDPA does (else such calls
+    skip it).
     """
     if not name or not isinstance(name, str):
         raise ValueError("a custom attention backend needs a non-empty string name")
@@ -257,6 +260,7 @@ def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD",
         masks=frozenset(masks) | {"none"}, mask_format=mask_format, causal=causal, scale=scale, gqa=gqa,
         dropout=dropout, lse=lse, backward=backward, fallback=tuple(fallback), error_bound=error_bound,
         hub=hub_kernel, custom=True, quantised=bool(quantised), approximate=bool(approximate),
+        mask_with_causal=bool(mask_with_causal),
     )
     return add(spec, replace=replace)
 

@@ -78,6 +78,8 @@ class BackendSpec:
     masks: frozenset[str] = frozenset({"none"})
     causal: bool = True
     causal_alignment: str = "top_left"  # SDPA's; flash kernels align bottom-right when Lq != Lk
+    # Takes attn_mask and is_causal=True together, applying both as SDPA does (the mask and the top-left diagonal).
+    mask_with_causal: bool = False
     scale: bool = True
     gqa: bool = False
     dropout: bool = False
@@ -146,12 +148,16 @@ class BackendSpec:
         if inputs.head_dim_v != inputs.head_dim and not self.different_value_dim:
             reasons.append(f"value head dim {inputs.head_dim_v} differs from query head dim {inputs.head_dim}")
         # A key-padding mask is a bool mask: a backend that takes bool masks takes it too.
-        if inputs.mask_kind != "none" and inputs.mask_kind not in self.masks and not (
-                inputs.mask_kind == "key_padding" and "bool" in self.masks):
+        mask_refused = inputs.mask_kind != "none" and inputs.mask_kind not in self.masks and not (
+            inputs.mask_kind == "key_padding" and "bool" in self.masks)
+        if mask_refused:
             accepted = [MASK_NAMES[m] for m in MASK_KINDS if m in self.masks and m != "none"]
             hint = f" (it accepts {' or '.join(accepted)})" if accepted else " (it takes no mask and would drop it)"
             reasons.append(f"attn_mask is {MASK_NAMES.get(inputs.mask_kind, inputs.mask_kind)}{hint}")
         if inputs.is_causal:
+            if inputs.mask_kind != "none" and not mask_refused and not self.mask_with_causal:
+                reasons.append("attn_mask with is_causal=True is not supported (SDPA applies both, the mask and its "
+                               "top-left causal diagonal, as 'native' does)")
             if not self.causal:
                 reasons.append("is_causal=True is not supported")
             elif inputs.len_q != inputs.len_kv and self.causal_alignment != "top_left":
@@ -191,6 +197,7 @@ class BackendSpec:
             "capability": self.capability.describe() if self.capability else None,
             "rocm_archs": list(self.rocm.archs) if self.rocm else None,
             "supports": {"mask": sorted(m for m in self.masks if m != "none"), "causal": self.causal,
+                         "mask_with_causal": self.mask_with_causal,
                          "scale": self.scale, "gqa": self.gqa, "dropout": self.dropout, "lse": self.lse,
                          "backward": self.backward},
             "hub": None if self.hub is None else {"repo_id": self.hub.repo_id, "version": self.hub.version,

@@ -2,7 +2,8 @@
 
 A process default (from DIFFUSERS_ATTN_BACKEND, or `set_attention_backend`) and context-local
 overrides (`attention_backend(...)`, contextvars): ComfyUI runs prompts on a worker thread while the
-server thread answers routes, and each sees only its own overrides.
+server thread answers routes, and each sees only its own overrides. So a thread started inside a block does
+not see it (Python starts a thread with an empty context): see `attention_backend` for carrying it over.
 """
 
 from __future__ import annotations
@@ -143,7 +144,13 @@ def active_backend() -> str:
 
 
 def attention_backend(name: str = "native", *, policy: str | None = None):
-    """Use backend `name` for the calls inside the block; the previous one returns on exit, errors included."""
+    """Use backend `name` for the calls inside the block; the previous one returns on exit, errors included.
+
+    The block belongs to this context (a contextvar), not to the process as diffusers' `attention_backend` does:
+    a thread started inside it begins with an empty context, so its calls use the process default
+    (`set_attention_backend`), not `name`; the same goes for every block of this module (policy, checks, model
+    scope, quality guard). To carry the blocks into a thread, run its target in a copy of this context:
+    `threading.Thread(target=contextvars.copy_context().run, args=(work,))`, or pass `backend=` to the call."""
     name = validate_backend(name)
     if policy is None:
         return _scoped(name, backend=name)

@@ -193,6 +193,19 @@ def _exact_fallback(name: str) -> str:
     return "native"
 
 
+def comfy_mask(mask):
+    """ComfyUI's mask as the library reads masks (SDPA's rule), a view: ComfyUI's 2-D mask is (Lq, Lk), as in SDPA,
+    but the library refuses a bare 2-D one with B == Lq as ambiguous (diffusers reads it as (B, Lk)), and its 3-D
+    mask is (B, Lq, Lk) where SDPA and the library read (H, Lq, Lk). Other ranks as given."""
+    if mask is None or not isinstance(mask, torch.Tensor):
+        return mask
+    if mask.ndim == 2:
+        return mask[None, None]
+    if mask.ndim == 3:
+        return mask[:, None]
+    return mask
+
+
 def _check_call(q, k, v, mask, skip_reshape) -> None:
     """What any ComfyUI attention function needs: tensors of the right rank (a clear error, not an AttributeError)."""
     rank = 4 if skip_reshape else 3
@@ -378,8 +391,8 @@ class AttentionOverride:
             qs, ks, vs = _heads_first(q, views[0]), _heads_first(k, views[1]), _heads_first(v, views[2])
         if plan.upcast:
             qs, ks, vs = qs.float(), ks.float(), vs.float()
-        if mask is not None and mask.dim() == 2:  # ComfyUI's 2-D mask is (Lq, Lk): say so (a view), since the
-            mask = mask[None, None]                # dispatcher refuses a bare 2-D mask with B == Lq as ambiguous
+        if mask is not None and mask.ndim != 4:
+            mask = comfy_mask(mask)
         if plan.exact is not None:  # low_precision_attention=False: counted for the report
             key = (plan.site, plan.exact)
             self.precision_notes[key] = self.precision_notes.get(key, 0) + 1
@@ -444,7 +457,7 @@ class AttentionOverride:
                 hk = k.shape[-1] // dim
                 qb = q.unflatten(-1, (h, dim)).transpose(1, 2)
                 kb, vb = k.unflatten(-1, (hk, dim)).transpose(1, 2), v.unflatten(-1, (hk, -1)).transpose(1, 2)
-            compare.add(site, _to_bhsd(out, skip_output_reshape, h), qb, kb, vb, mask, scale, gqa)
+            compare.add(site, _to_bhsd(out, skip_output_reshape, h), qb, kb, vb, comfy_mask(mask), scale, gqa)
         return out
 
     def _delegate(self, reason, func, q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs,

@@ -324,3 +324,21 @@ def test_flat_inputs_of_any_strides_give_comfyuis_result(backend, made, skip_out
         out = fn(comfy_func, q, k, v, h, skip_output_reshape=skip_output_reshape, **to_opts())
         torch.testing.assert_close(out, comfy_func(q, k, v, h, skip_output_reshape=skip_output_reshape),
                                    atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["native", "_native_math", "flex", "auto"])
+@pytest.mark.parametrize("batch", [2, 3])  # B == H (read as (H, Lq, Lk) it would run, silently wrong); B != H
+@pytest.mark.parametrize("skip_reshape", [False, True])
+def test_comfyuis_three_d_mask_is_batch_by_query_by_key(backend, batch, skip_reshape):
+    """ComfyUI's 3-D mask is (B, Lq, Lk); the library reads a 3-D mask as SDPA does, (H, Lq, Lk): the adapter
+    converts it, and the result is ComfyUI's (each batch element its own mask)."""
+    q, k, v = tensors.qkv(b=batch, lq=16, lk=8, h=2, d=32, flat=True)
+    bias = torch.randn(batch, 16, 8, generator=torch.Generator().manual_seed(6)) * 3
+    if skip_reshape:
+        q, k, v = (t.unflatten(-1, (2, -1)).transpose(1, 2) for t in (q, k, v))
+    fn = adapter.make_override(backend)
+    for _ in range(2):  # plans, then takes the plan
+        out = fn(comfy_func, q, k, v, 2, mask=bias, skip_reshape=skip_reshape, **to_opts())
+        torch.testing.assert_close(out, ref(q, k, v, 2, mask=bias, skip_reshape=skip_reshape), atol=2e-5, rtol=1e-4)
+    assert adapter.comfy_mask(bias).shape == (batch, 1, 16, 8)
+    assert adapter.comfy_mask(bias[0]).shape == (1, 1, 16, 8)

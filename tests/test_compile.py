@@ -189,7 +189,7 @@ def test_a_new_backend_argument_retraces():
     (AttentionInputError, {}, "head_dim_mismatch"),
     (AttentionInputError, {"layout": "SBHD"}, "ok"),
     (AttentionInputError, {}, "rank"),
-    (AttentionInputError, {"is_causal": True, "attn_mask": torch.ones(16, 16, dtype=torch.bool)}, "ok"),
+    (AttentionInputError, {"attn_mask": torch.ones(3, 16, 16, dtype=torch.bool)}, "ok"),  # (H, Lq, Lk): H is 2
     (UnknownBackendError, {"backend": "nope"}, "ok"),
     (BackendNotSupportedError, {"backend": "flex", "policy": "strict"}, "head_dim_4"),
 ])
@@ -206,6 +206,30 @@ def test_errors_inside_compile_are_the_eager_errors(error, kwargs, args):
         fn(q, k, v)
     with pytest.raises(error):
         torch.compile(fn, backend="eager")(q, k, v)
+
+
+@pytest.mark.parametrize("backend", ["native", "_native_math", "flex"])
+@pytest.mark.parametrize("case", ["mask with causal", "(B, Lk) key padding", "(H, Lq, Lk)", "no keys", "tensor scale"])
+def test_sdpas_conventions_inside_compile_are_the_eager_results(backend, case):
+    """Issue #33's conventions traced as eagerly: no graph break, the eager result (SDPA's)."""
+    q, k, v = tiny(b=2)
+    gen = torch.Generator().manual_seed(1)
+    kwargs = {"backend": backend}
+    if case == "mask with causal":
+        kwargs.update(attn_mask=torch.rand(16, 16, generator=gen) > 0.3, is_causal=True)
+    elif case == "(B, Lk) key padding":
+        kwargs.update(attn_mask=torch.rand(2, 16, generator=gen) > 0.3)
+    elif case == "(H, Lq, Lk)":
+        kwargs.update(attn_mask=torch.randn(2, 16, 16, generator=gen))
+    elif case == "no keys":
+        k, v = k[:, :0], v[:, :0]
+    else:
+        kwargs.update(scale=torch.tensor(0.3))
+    fn = model(**kwargs)
+    expected = fn(q, k, v)
+    torch.testing.assert_close(torch.compile(fn, backend="eager")(q, k, v), expected, atol=2e-5, rtol=1e-4)
+    if case != "tensor scale":  # float(tensor) is a graph break, in SDPA's own argument parsing too
+        assert breaks(fn, q, k, v) == (0, [])
 
 
 def test_checks_still_run_inside_compile():

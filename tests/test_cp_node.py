@@ -139,7 +139,9 @@ def _run_case(c: Case, rank: int) -> dict:
     q = torch.randn(c.B, c.S, c.H, c.D, generator=gen)
     k = torch.randn(c.B, Sk, Hk, c.D, generator=gen)
     v = torch.randn(c.B, Sk, Hk, c.D, generator=gen)
-    mask = _mask(c, gen, c.S, Sk)
+    mask = _mask(c, gen, c.S, Sk)  # in ComfyUI's convention (3-D = (B, Lq, Lk)): what the override is given
+    comfy_mask = mask
+    mask = adapter.comfy_mask(mask)  # as the library reads masks (SDPA's rule): what the library is given
     gqa = Hk != c.H
     ref_mask = mask if mask is None or mask.dtype == torch.bool else mask.double()
     ref, ref_lse = dispatcher.dispatch_attention_fn(q.double(), k.double(), v.double(), ref_mask, is_causal=c.causal,
@@ -181,7 +183,7 @@ def _run_case(c: Case, rank: int) -> dict:
     elif c.via == "comfy":
         override = adapter.make_override("native", "strict")
         with replicated.replicated_parallel(cfg):
-            out = _comfy_call(override, c, q, k, v, mask)
+            out = _comfy_call(override, c, q, k, v, comfy_mask)
         lse = None
         found["split_calls"] = 1
     else:  # the node's clone: override + APPLY_MODEL wrapper, as ComfyUI's sampler would run them
@@ -208,7 +210,7 @@ def _run_case(c: Case, rank: int) -> dict:
         reports.publish = lambda kind, node, data: published.append((kind, node, data))
         try:
             def sample():  # OUTER_SAMPLE around two model calls (APPLY_MODEL), one attention call each
-                return [apply_wrapper(lambda: _comfy_call(override, c, q, k, v, mask)) for _ in range(2)]
+                return [apply_wrapper(lambda: _comfy_call(override, c, q, k, v, comfy_mask)) for _ in range(2)]
             outs = report_wrapper(sample)
         finally:
             reports.publish = real_publish

@@ -1,5 +1,9 @@
 """Side by side with diffusers' own dispatcher (PyPI diffusers==0.42.1), on the CPU: where diffusers is right we
-match it (bit for bit on `native`), where it misreads or drops an argument we refuse with the fix (issue #15)."""
+match it (bit for bit on `native`), where it misreads or drops an argument we refuse with the fix (issue #15).
+SDPA's and diffusers' conventions (issue #33): a 2-D (B, Lk) key-padding mask, a 3-D (H, Lq, Lk) mask, attn_mask
+with is_causal, empty inputs and a 0-d tensor scale run as diffusers runs them, bit for bit on `native`; where
+diffusers raises (its math backend on a mask with is_causal: SDPA's math kernel refuses both) we give what its
+`native` gives."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from dispatcher import AttentionInputError, checks, dispatch_attention_fn, registry
+from dispatcher import AttentionInputError, BackendNotSupportedError, checks, dispatch_attention_fn, registry
 from helpers import tensors
 
 ad = pytest.importorskip("diffusers.models.attention_dispatch")
@@ -61,6 +65,22 @@ CASES = {
     "lq_lk_mask": (dict(lq=16), dict(attn_mask=torch.randn(16, 24, generator=_gen(3)))),
     "bool_4d": (dict(), dict(attn_mask=torch.rand(2, 1, 24, 24, generator=_gen(4)) > 0.2)),
     "key_padding_4d": (dict(), dict(attn_mask=torch.ones(2, 1, 1, 24, dtype=torch.bool).index_fill_(3, torch.arange(20, 24), False))),
+    # issue #33
+    "key_padding_2d": (dict(), dict(attn_mask=torch.rand(2, 24, generator=_gen(5)) > 0.3)),
+    "key_padding_2d_additive": (dict(lq=16), dict(attn_mask=torch.randn(2, 24, generator=_gen(6)) * 4)),
+    "heads_3d_additive": (dict(), dict(attn_mask=torch.randn(4, 24, 24, generator=_gen(7)) * 3)),
+    "heads_3d_bool_batch_is_heads": (dict(h=2), dict(attn_mask=torch.rand(2, 24, 24, generator=_gen(8)) > 0.3)),
+    "mask_causal": (dict(), dict(attn_mask=torch.rand(2, 1, 24, 24, generator=_gen(9)) > 0.3, is_causal=True)),
+    "additive_mask_causal_cross": (dict(lq=16, lk=40), dict(attn_mask=torch.randn(16, 40, generator=_gen(10)),
+                                                            is_causal=True)),
+    "key_padding_causal_gqa": (dict(hk=2), dict(attn_mask=torch.rand(2, 24, generator=_gen(11)) > 0.2,
+                                                is_causal=True, enable_gqa=True)),
+    "empty_queries": (dict(lq=0), dict()),
+    "empty_keys": (dict(lk=0), dict()),
+    "empty_batch": (dict(b=0), dict(is_causal=True)),
+    "empty_keys_masked": (dict(lk=0), dict(attn_mask=torch.ones(2, 1, 24, 0, dtype=torch.bool))),
+    "tensor_scale": (dict(), dict(scale=torch.tensor(0.3))),
+    "tensor_scale_causal": (dict(), dict(scale=torch.tensor(0.2, dtype=torch.float64), is_causal=True)),
 }
 
 
@@ -68,14 +88,14 @@ CASES = {
 def test_native_is_bit_identical_to_diffusers(case):
     shape, kwargs = CASES[case]
     q, k, v = qkv(**shape)
-    if kwargs.get("attn_mask") is not None and kwargs["attn_mask"].dim() == 3:
-        kwargs = {**kwargs, "attn_mask": kwargs["attn_mask"][:, None]}  # 3-D: (B, Lq, Lk) here, (H, Lq, Lk) in SDPA
     expected = theirs(q, k, v, **kwargs)
     got = dispatch_attention_fn(q, k, v, backend="native", policy="strict", **kwargs)
     assert torch.equal(got, expected), (got - expected).abs().max()
 
 
-@pytest.mark.parametrize("case", ["plain", "causal", "gqa", "value_head_dim", "bf16_float32_mask", "bool_4d"])
+@pytest.mark.parametrize("case", ["plain", "causal", "gqa", "value_head_dim", "bf16_float32_mask", "bool_4d",
+                                  "heads_3d_additive", "heads_3d_bool_batch_is_heads", "empty_queries", "empty_keys",
+                                  "empty_batch", "tensor_scale"])
 def test_math_matches_diffusers_native_math(case):
     shape, kwargs = CASES[case]
     q, k, v = qkv(**shape)
@@ -85,21 +105,48 @@ def test_math_matches_diffusers_native_math(case):
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
-def test_batch_by_key_mask_is_refused_with_the_reshape_diffusers_means():
-    """diffusers' native reads a 2-D (B, Lk) mask as key padding; a 2-D mask is (Lq, Lk) here. Where the two
-    differ we refuse, naming the reshape; with it, the result is diffusers' bit for bit."""
-    q, k, v = qkv(b=2, lq=2, lk=24)  # B == Lq: the ambiguous case, silently different before
+@pytest.mark.parametrize("case", ["mask_causal", "additive_mask_causal_cross", "key_padding_causal_gqa"])
+def test_mask_with_causal_where_diffusers_math_raises_we_give_its_native_result(case):
+    """diffusers' `_native_math` pins SDPA's math kernel, which refuses attn_mask with is_causal; SDPA itself runs
+    such a call (its CPU flash kernel), and so does our math backend, with diffusers' `native` result."""
+    shape, kwargs = CASES[case]
+    q, k, v = qkv(**shape)
+    with pytest.raises(RuntimeError, match="attn_mask should not be set when is_causal=True"):
+        theirs(q, k, v, backend="_native_math", **kwargs)
+    got = dispatch_attention_fn(q, k, v, backend="_native_math", policy="strict", **kwargs)
+    torch.testing.assert_close(got, theirs(q, k, v, **kwargs), atol=1e-5, rtol=1e-5)
+
+
+def test_batch_by_key_mask_is_key_padding_and_the_ambiguous_one_is_refused():
+    """diffusers' native reads a 2-D (B, Lk) mask as key padding, SDPA a 2-D mask as (Lq, Lk). Where only the key
+    padding reading can run (B != Lq) we run it, bit for bit diffusers'; where both can and differ (B == Lq) we
+    refuse, naming both reshapes; with either, the result is diffusers' (or SDPA's) bit for bit."""
     mask = torch.ones(2, 24, dtype=torch.bool)
     mask[0, 18:] = False
+    q, k, v = qkv(b=2, lq=8, lk=24)  # B != Lq
+    assert torch.equal(dispatch_attention_fn(q, k, v, attn_mask=mask, backend="native"),
+                       theirs(q, k, v, attn_mask=mask))
+    q, k, v = qkv(b=2, lq=2, lk=24)  # B == Lq: the ambiguous case
     expected = theirs(q, k, v, attn_mask=mask)
-    with pytest.raises(AttentionInputError, match=r"ambiguous"):
+    with pytest.raises(AttentionInputError, match=r"ambiguous.*as SDPA reads a 2-D mask.*diffusers' native"):
         dispatch_attention_fn(q, k, v, attn_mask=mask, backend="native")
     assert torch.equal(dispatch_attention_fn(q, k, v, attn_mask=mask[:, None, None, :], backend="native"), expected)
-    q, k, v = qkv(b=2, lq=8, lk=24)  # B != Lq: diffusers runs key padding, we refuse with the fix
-    expected = theirs(q, k, v, attn_mask=mask)
-    with pytest.raises(AttentionInputError, match=r"attn_mask\[:, None, None, :\]"):
-        dispatch_attention_fn(q, k, v, attn_mask=mask, backend="native")
-    assert torch.equal(dispatch_attention_fn(q, k, v, attn_mask=mask[:, None, None, :], backend="native"), expected)
+    assert torch.equal(dispatch_attention_fn(q, k, v, attn_mask=mask[None, None], backend="native"),
+                       theirs(q, k, v, attn_mask=mask[None, None]))
+
+
+def test_flex_with_mask_and_causal_diffusers_drops_the_mask_we_skip_flex_with_the_reason():
+    """diffusers' flex builds a causal BlockMask and drops attn_mask when both are given; flex here does not claim
+    the pair (`mask_with_causal`): strict names why, fallback serves it with SDPA's result."""
+    shape, kwargs = CASES["mask_causal"]
+    q, k, v = qkv(**shape)
+    sdpa_result = theirs(q, k, v, **kwargs)
+    causal_only = theirs(q, k, v, is_causal=True)
+    torch.testing.assert_close(theirs(q, k, v, backend="flex", **kwargs), causal_only, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(causal_only, sdpa_result, atol=1e-3)
+    with pytest.raises(BackendNotSupportedError, match="attn_mask with is_causal=True is not supported"):
+        dispatch_attention_fn(q, k, v, backend="flex", policy="strict", **kwargs)
+    assert torch.equal(dispatch_attention_fn(q, k, v, backend="flex", **kwargs), sdpa_result)
 
 
 def test_attention_kwargs_diffusers_drops_are_refused_with_a_reason():

@@ -134,10 +134,9 @@ def test_flex_serves_every_call_with_static_sizes_under_inductor(dim):
 
 @pytest.mark.parametrize("backend", ["native", "flex"])
 def test_a_masked_call_after_an_unmasked_one_in_one_graph(backend):
-    """A (B, Lq, Lk) mask is (B, 1, Lq, Lk) by ComfyUI's rank rule; handed to SDPA unconverted it is (1, B, Lq, Lk):
-    with as many heads as the batch, a wrong result and no error (native), and an IndexError in flex's score_mod.
-    The traced route once handed a masked call after an unmasked one in one graph the first call's mask handling
-    (dynamo reads compiled.py's candidate cache as it was at its first read in the frame)."""
+    """A 3-D mask is (H, Lq, Lk) as SDPA reads it (1, H, Lq, Lk); flex takes it through the 4-D view, native as
+    given. The traced route once handed a masked call after an unmasked one in one graph the first call's mask
+    handling (dynamo reads compiled.py's candidate cache as it was at its first read in the frame)."""
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 16, 2, DIM, generator=gen) for _ in range(3))  # batch 2, heads 2
     bias = torch.randn(2, 16, 16, generator=gen)
@@ -153,8 +152,11 @@ def test_a_masked_call_after_an_unmasked_one_in_one_graph(backend):
     with torch.no_grad():
         out = torch.compile(block, backend=spy)(q, k, v, bias)
         expected = block(q, k, v, bias)
+        sdpa = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, q, q))).transpose(1, 2) + \
+            F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), attn_mask=bias * 2).transpose(1, 2)
     assert len(seen) == 1  # one graph, no break
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(expected, sdpa, atol=2e-5, rtol=1e-4)
 
 
 def test_eager_flex_runs_inside_a_dispatch_mode_handler():

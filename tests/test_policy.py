@@ -216,11 +216,11 @@ def test_custom_bool_backend_takes_a_key_padding_mask():
     calls = Calls()
     register_backend("boolish", calls, devices=("cpu",), masks=("bool",), mask_format="bool")
     q, k, v = qkv(b=2, lq=5, lk=7)
-    padding = torch.ones(2, 1, 7, dtype=torch.bool)
-    padding[1, 0, 5:] = False
+    padding = torch.ones(2, 7, dtype=torch.bool)  # (B, Lk), as diffusers reads a 2-D mask with B != Lq
+    padding[1, 5:] = False
     out = dispatch_attention_fn(q, k, v, attn_mask=padding, backend="boolish", policy="strict")
     assert calls.masks[0].shape == (2, 1, 1, 7) and calls.masks[0].dtype == torch.bool
-    torch.testing.assert_close(out, sdpa_bshd(q, k, v, padding[:, None]))
+    torch.testing.assert_close(out, sdpa_bshd(q, k, v, padding[:, None, None, :]))
 
 
 def test_custom_bool_backend_is_skipped_for_an_additive_mask():

@@ -27,9 +27,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 LSE_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 LAYOUTS = ("BSHD", "BHSD", "BHSD_view")  # BHSD_view: a transposed (non-contiguous) view of a BSHD tensor
-# Every ComfyUI mask shape (rank rule: 2-D (Lq, Lk), 3-D (B, Lq, Lk), 4-D (B, H, Lq, Lk)); the 2-D
-# (B, Lk) "key padding" quirk is left out: by the rank rule it reads as (Lq, Lk).
-MASK_SHAPES = ("Lq,Lk", "B,1,Lk", "1,1,Lk", "B,Lq,Lk", "B,1,1,Lk", "B,1,Lq,Lk", "B,H,Lq,Lk")
+# Every mask shape, read as SDPA reads it (2-D (Lq, Lk), 3-D (H, Lq, Lk), 4-D (B, H, Lq, Lk)), and diffusers'
+# 2-D (B, Lk) key padding.
+MASK_SHAPES = ("Lq,Lk", "B,Lk", "H,1,Lk", "1,1,Lk", "H,Lq,Lk", "B,1,1,Lk", "B,1,Lq,Lk", "B,H,Lq,Lk")
 
 # DISPATCHER_TEST_EXAMPLES=300 searches harder (the default keeps the suite fast on 2 cores).
 SCALE = float(os.environ.get("DISPATCHER_TEST_EXAMPLES", "30")) / 30
@@ -53,13 +53,12 @@ def make_mask(shape, mask_type: str, dtype: torch.dtype, gen: torch.Generator) -
     return bias.masked_fill(~keep, float("-inf")).to(dtype)
 
 
-def mask_4d(mask: torch.Tensor) -> torch.Tensor:
-    """ComfyUI's rank rule, written out independently of the dispatcher."""
-    if mask.dim() == 2:
-        return mask.reshape(1, 1, *mask.shape)
-    if mask.dim() == 3:
-        return mask.reshape(mask.shape[0], 1, mask.shape[1], mask.shape[2])
-    return mask
+def mask_4d(mask: torch.Tensor, batch: int, len_q: int) -> torch.Tensor:
+    """SDPA's reading (right-aligned) and diffusers' (B, Lk) key padding, written out independently of the
+    dispatcher."""
+    if mask.dim() == 2 and mask.shape[0] == batch and batch not in (1, len_q):
+        return mask.reshape(batch, 1, 1, mask.shape[1])
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
 
 def reference(q, k, v, mask=None, scale=None, is_causal=False):
@@ -76,7 +75,7 @@ def reference(q, k, v, mask=None, scale=None, is_causal=False):
         allowed = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None]
         scores = scores.masked_fill(~allowed, float("-inf"))
     if mask is not None:
-        m = mask_4d(mask)
+        m = mask_4d(mask, q.shape[0], q.shape[2])
         scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.double()
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None])
@@ -121,8 +120,9 @@ def check_against_reference(backend, *, b, hq, hk, lq, lk, d, dtype, layout, mas
     mask = None
     if mask_kind is not None:
         mask_dtype = dtype if mask_type == "additive" else torch.bool
-        # A 2-D mask with B == Lq > 1 is refused as ambiguous ((Lq, Lk) here, (B, Lk) in diffusers): say (Lq, Lk).
-        kind = "1,1,Lq,Lk" if mask_kind == "Lq,Lk" and b == lq > 1 else mask_kind
+        # A 2-D mask with B == Lq > 1 is refused as ambiguous ((Lq, Lk) in SDPA, (B, Lk) in diffusers): say which.
+        kind = {"Lq,Lk": "1,1,Lq,Lk", "B,Lk": "B,1,1,Lk"}[mask_kind] if mask_kind in ("Lq,Lk", "B,Lk") and b == lq > 1 \
+            else mask_kind
         mask = make_mask(mask_shape(kind, b, hq, lq, lk), mask_type, mask_dtype, gen)
     api_layout = "BSHD" if layout == "BSHD" else "BHSD"
     result = run_strict(backend, q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hk, layout=api_layout,

@@ -56,9 +56,20 @@ def reasons_for(name, inputs, machine=H200):
 # --- the built-in specs -------------------------------------------------------------------------
 
 def test_every_builtin_name_is_registered_in_order():
-    # diffusers' 28, sage_sm90_per_warp, and flash_4, comfy_kitchen_int8, sol_attn (issue 31)
-    assert len(BUILTIN_NAMES) == 32 and len(set(BUILTIN_NAMES)) == 32
+    """Counted from the registry, never a literal: adding a backend touches its family file and nothing else."""
+    from dispatcher.backends import PRIORITY
+    declared = [n for n in backend_names() if not get_backend_spec(n).custom]
+    assert list(BUILTIN_NAMES) == declared and len(set(BUILTIN_NAMES)) == len(BUILTIN_NAMES)
     assert backend_names()[:len(BUILTIN_NAMES)] == list(BUILTIN_NAMES)
+    assert set(PRIORITY) <= set(BUILTIN_NAMES), "PRIORITY names a backend no family file declares"
+    for name in BUILTIN_NAMES:  # each declared in its family file under dispatcher/backends/
+        module = get_backend_spec(name).fn.__module__
+        assert module.startswith("dispatcher.backends."), (name, module)
+    try:  # every diffusers backend has ours (test_diffusers_parity.py checks where they point)
+        from diffusers.models.attention_dispatch import AttentionBackendName
+    except ImportError:
+        return
+    assert {member.value for member in AttentionBackendName} <= set(BUILTIN_NAMES)
 
 
 @pytest.mark.parametrize("name", BUILTIN_NAMES)
@@ -73,7 +84,7 @@ def test_builtin_spec_describes_itself(name):
     assert isinstance(c["head_dims"], str) and c["head_dims"]
     assert c["devices"] and isinstance(c["requires"], list)
     assert all(isinstance(r, str) and r for r in c["requires"])
-    assert set(c["supports"]) == {"mask", "causal", "scale", "gqa", "dropout", "lse", "backward"}
+    assert set(c["supports"]) == {"mask", "causal", "mask_with_causal", "scale", "gqa", "dropout", "lse", "backward"}
     assert all(m in ("bool", "key_padding", "additive", "blockmask") for m in c["supports"]["mask"])
     # Every chain ends in something that runs anything SDPA accepts.
     assert all(f in BUILTIN_NAMES for f in c["fallback"])

@@ -257,5 +257,185 @@ def test_two_d_mask_shapes_that_are_not_ambiguous():
     one = torch.randn(1, 16)  # (1, Lk): both readings agree
     torch.testing.assert_close(dispatch_attention_fn(q, k, v, attn_mask=one, backend="native"),
                                sdpa(q, k, v, attn_mask=one))
-    with pytest.raises(AttentionInputError, match=r"\(B, Lk\) key padding as diffusers' native.*attn_mask\[:, None"):
-        dispatch_attention_fn(q, k, v, attn_mask=torch.randn(2, 16), backend="native")
+
+
+# ------------------------------------------------------------ SDPA's and diffusers' conventions (issue #33)
+
+def _padding(b, lk, seed=0):
+    keep = torch.rand(b, lk, generator=torch.Generator().manual_seed(seed)) > 0.4
+    keep[:, 0] = True
+    return keep
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("layout", ["BSHD", "BHSD"])
+@pytest.mark.parametrize("additive", [False, True])
+def test_two_d_batch_by_key_mask_is_key_padding(backend, layout, additive):
+    """(B, Lk) with B != Lq: key padding per batch element, as diffusers' native reads it (SDPA cannot broadcast
+    it), on every backend, in both layouts, bool or additive."""
+    q, k, v = qkv(b=3, lq=8, lk=16)
+    keep = _padding(3, 16)
+    mask = torch.zeros(3, 16).masked_fill_(~keep, float("-inf")) if additive else keep
+    expected = sdpa(q, k, v, attn_mask=mask[:, None, None, :])
+    views = (lambda x: x) if layout == "BSHD" else (lambda x: x.transpose(1, 2))
+    got = dispatch_attention_fn(views(q), views(k), views(v), attn_mask=mask, backend=backend, layout=layout,
+                                policy="strict")
+    torch.testing.assert_close(views(got), expected, atol=2e-5, rtol=1e-4)
+    prepared = dispatcher.PreparedAttention(backend=backend, layout=layout, policy="strict")
+    torch.testing.assert_close(views(prepared(views(q), views(k), views(v), mask)), expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("batch", [2, 3])  # B == H: read the other way before, silently; B != H
+def test_three_d_mask_is_heads_by_query_by_key(backend, batch):
+    q, k, v = qkv(b=batch, lq=8, lk=12, h=2)
+    bias = torch.randn(2, 8, 12, generator=torch.Generator().manual_seed(1)) * 3  # (H, Lq, Lk)
+    expected = sdpa(q, k, v, attn_mask=bias)
+    got = dispatch_attention_fn(q, k, v, attn_mask=bias, backend=backend, policy="strict")
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    if batch == 2:  # the (B, Lq, Lk) reading gives another result: this is SDPA's
+        assert not torch.allclose(got, sdpa(q, k, v, attn_mask=bias[:, None]), atol=1e-3)
+    keep = torch.rand(2, 8, 12, generator=torch.Generator().manual_seed(2)) > 0.3
+    keep[..., 0] = True
+    torch.testing.assert_close(dispatch_attention_fn(q, k, v, attn_mask=keep, backend=backend, policy="strict"),
+                               sdpa(q, k, v, attn_mask=keep), atol=2e-5, rtol=1e-4)
+
+
+def test_three_d_mask_of_the_batch_is_refused_with_the_fix():
+    q, k, v = qkv(b=3, lq=8, lk=8, h=2)
+    with pytest.raises(AttentionInputError, match=r"\(H, Lq, Lk\), as SDPA reads it.*attn_mask\[:, None\]"):
+        dispatch_attention_fn(q, k, v, attn_mask=torch.zeros(3, 8, 8))
+
+
+def test_one_head_three_d_key_row_is_key_padding_and_a_per_head_one_is_not():
+    assert masks.mask_kind(torch.ones(1, 1, 8, dtype=torch.bool)) == "key_padding"
+    assert masks.mask_kind(torch.ones(2, 1, 8, dtype=torch.bool)) == "bool"  # (H, 1, Lk): one row per head
+    assert masks.mask_kind(torch.ones(2, 1, 1, 8, dtype=torch.bool)) == "key_padding"
+    assert masks.mask_kind(torch.ones(2, 2, 1, 8, dtype=torch.bool)) == "bool"
+
+
+@pytest.mark.parametrize("backend", ["native", "_native_math"])
+@pytest.mark.parametrize("case", ["bool", "additive", "key_padding", "cross_longer_keys", "cross_longer_queries",
+                                  "gqa", "half", "return_lse"])
+def test_mask_with_causal_applies_both_as_sdpa_does(backend, case):
+    if case == "return_lse" and not registry.get(backend).lse:
+        pytest.skip(f"{backend} has no LSE")
+    lq, lk = {"cross_longer_keys": (8, 20), "cross_longer_queries": (20, 8)}.get(case, (16, 16))
+    q, k, v = qkv(b=2, lq=lq, lk=lk, h=4, hk=2 if case == "gqa" else None,
+                  dtype=torch.bfloat16 if case == "half" else torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    if case == "additive":
+        mask = torch.randn(lq, lk, generator=gen)
+    elif case == "key_padding":
+        mask = _padding(2, lk)[:, None, None, :]
+    else:
+        mask = torch.rand(2, 1, lq, lk, generator=gen) > 0.3
+    kwargs = dict(attn_mask=mask, is_causal=True, enable_gqa=case == "gqa")
+    expected = sdpa(q, k, v, **kwargs)  # SDPA runs it on the CPU (its flash kernel): mask and top-left diagonal
+    got = dispatch_attention_fn(q, k, v, backend=backend, policy="strict", return_lse=case == "return_lse", **kwargs)
+    if case == "return_lse":
+        got = got[0]
+    tolerance = 2e-2 if case == "half" else 2e-5
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance, equal_nan=True)
+
+
+def test_mask_with_causal_where_sdpa_picks_its_math_kernel():
+    """SDPA raises on both where it picks its math kernel (a strided view on the CPU); the library folds the
+    diagonal into the mask and gives SDPA's own result for the same call on dense tensors."""
+    q, k, v = qkv(b=2, lq=16, lk=16, h=4, d=64)
+    strided = [x[..., ::2] for x in (q, k, v)]
+    mask = torch.rand(16, 16, generator=torch.Generator().manual_seed(4)) > 0.3
+    with pytest.raises(RuntimeError, match="attn_mask should not be set when is_causal=True"):
+        sdpa(*strided, attn_mask=mask, is_causal=True)
+    got = dispatch_attention_fn(*strided, attn_mask=mask, is_causal=True)
+    torch.testing.assert_close(got, sdpa(*(x.contiguous() for x in strided), attn_mask=mask, is_causal=True),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_mask_with_causal_skips_backends_that_do_not_declare_it_and_says_so():
+    q, k, v = qkv(b=2, lq=16, lk=16, h=4)
+    mask = torch.rand(16, 16, generator=torch.Generator().manual_seed(5)) > 0.3
+    with pytest.raises(BackendNotSupportedError, match=r"attn_mask with is_causal=True is not supported \(SDPA "
+                                                       r"applies both.*'native' does\)"):
+        dispatch_attention_fn(q, k, v, attn_mask=mask, is_causal=True, backend="flex", policy="strict")
+    rec = dispatcher.Recorder()
+    with dispatcher.recording(rec):
+        out = dispatch_attention_fn(q, k, v, attn_mask=mask, is_causal=True, backend="flex")
+    assert rec.served_by("native") == 1
+    torch.testing.assert_close(out, sdpa(q, k, v, attn_mask=mask, is_causal=True), atol=2e-5, rtol=1e-4)
+    assert registry.get("native").constraints()["supports"]["mask_with_causal"] is True
+    assert registry.get("flex").constraints()["supports"]["mask_with_causal"] is False
+
+
+EMPTY_CASES = {"no queries": dict(lq=0), "no keys": dict(lk=0), "no batch": dict(b=0), "no heads": dict(h=0)}
+
+
+@pytest.mark.parametrize("case", sorted(EMPTY_CASES))
+@pytest.mark.parametrize("backend", ["native", "_native_math", "_native_flash", "flex", "flash", "auto_exact"])
+@pytest.mark.parametrize("layout", ["BSHD", "BHSD"])
+def test_empty_inputs_give_sdpas_result(case, backend, layout):
+    shape = dict(b=2, lq=8, lk=12, h=4) | EMPTY_CASES[case]
+    q, k, v = qkv(**shape)
+    views = (lambda x: x) if layout == "BSHD" else (lambda x: x.transpose(1, 2))
+    expected = sdpa(q, k, v)
+    rec = dispatcher.Recorder()
+    with dispatcher.recording(rec):
+        got = dispatch_attention_fn(views(q), views(k), views(v), backend=backend, layout=layout, policy="strict")
+        again = dispatch_attention_fn(views(q), views(k), views(v), backend=backend, layout=layout, policy="strict")
+    assert views(got).shape == expected.shape and got.dtype == expected.dtype
+    assert torch.equal(views(got), expected) and torch.equal(again, got)
+    assert rec.served_by(dispatcher.decisions.EMPTY) == 2  # no kernel ran, whichever was asked for
+
+
+@pytest.mark.parametrize("case", sorted(EMPTY_CASES))
+def test_empty_inputs_with_mask_causal_lse_and_gradients(case):
+    shape = dict(b=2, lq=8, lk=12, h=4) | EMPTY_CASES[case]
+    q, k, v = (x.requires_grad_() for x in qkv(**shape))
+    mask = torch.ones(shape["lq"], shape["lk"], dtype=torch.bool)
+    out, lse = dispatch_attention_fn(q, k, v, attn_mask=mask, is_causal=True, return_lse=True, scale=0.5)
+    expected = sdpa(q, k, v, attn_mask=mask, is_causal=True, scale=0.5)
+    assert torch.equal(out, expected)
+    assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32 and bool((lse == float("-inf")).all())
+    out.sum().backward()  # SDPA's result carries the inputs' graph: so does ours
+    for x in (q, k, v):
+        assert x.grad is not None and x.grad.shape == x.shape and not x.grad.any()
+
+
+def test_empty_inputs_still_have_their_shapes_checked():
+    q, k, v = qkv(b=2, lq=0, lk=12, h=4)
+    with pytest.raises(AttentionInputError, match="does not broadcast"):
+        dispatch_attention_fn(q, k, v, attn_mask=torch.ones(3, 12, dtype=torch.bool)[None])
+    with pytest.raises(AttentionInputError, match="key has dtype"):
+        dispatch_attention_fn(q, k.half(), v)
+
+
+@pytest.mark.parametrize("value", [torch.tensor(0.3), torch.tensor(0.3, dtype=torch.float64), torch.tensor(2)])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_zero_d_tensor_scale_is_its_value(value, backend):
+    q, k, v = qkv()
+    expected = dispatch_attention_fn(q, k, v, scale=float(value), backend=backend, policy="strict")
+    assert torch.equal(dispatch_attention_fn(q, k, v, scale=value, backend=backend, policy="strict"), expected)
+    prepared = dispatcher.PreparedAttention(scale=value, backend=backend, policy="strict")
+    assert torch.equal(prepared(q, k, v), expected)
+    torch.testing.assert_close(expected, sdpa(q, k, v, scale=value), atol=2e-5, rtol=1e-4)  # SDPA takes it so
+
+
+@pytest.mark.parametrize("value", [torch.tensor([0.3]), torch.tensor(0.3, requires_grad=True)])
+def test_tensor_scale_that_sdpa_refuses_is_refused_naming_it(value):
+    q, k, v = qkv()
+    with pytest.raises(TypeError):
+        sdpa(q, k, v, scale=value)
+    with pytest.raises(TypeError, match=r"SDPA refuses this one too: pass float\(scale\)"):
+        dispatch_attention_fn(q, k, v, scale=value)
+
+
+@pytest.mark.parametrize("backend", [b for b in CPU_BACKENDS if registry.get(b).lse])
+def test_a_row_the_mask_hides_entirely_is_zero_as_in_sdpa_with_its_lse_too(backend):
+    q, k, v = qkv(b=2, lq=8, lk=8, h=2)
+    keep = torch.ones(8, 8, dtype=torch.bool)
+    keep[3] = False
+    out, lse = dispatch_attention_fn(q, k, v, attn_mask=keep, backend=backend, policy="strict", return_lse=True)
+    torch.testing.assert_close(out, sdpa(q, k, v, attn_mask=keep), atol=2e-5, rtol=1e-4)  # row 3 is 0, not NaN
+    assert not out[:, 3].any() and not lse.isnan().any() and lse[:, :3].isfinite().all()
+    if backend != "_native_flash":  # torch's CPU flash op says 0 for the hidden row's LSE
+        assert bool((lse[:, 3] == float("-inf")).all())

@@ -192,6 +192,26 @@ def test_context_manager_is_thread_safe():
     assert active_backend() == "native"
 
 
+def test_a_thread_started_inside_a_block_uses_the_default_unless_it_runs_in_a_copy_of_the_context():
+    """Documented (state.attention_backend): the blocks are this context's; a new thread starts with an empty
+    one, so it sees the process default, and `contextvars.copy_context().run` carries the blocks over."""
+    import contextvars
+    seen = {}
+
+    def work(label):
+        seen[label] = (active_backend(), active_policy(), served_by())
+
+    with attention_backend("_native_math", policy="strict"):
+        plain = threading.Thread(target=work, args=("plain",))
+        carried = threading.Thread(target=contextvars.copy_context().run, args=(work, "carried"))
+        for t in (plain, carried):
+            t.start()
+            t.join(timeout=60)
+    assert seen["plain"] == ("native", "fallback", "native")
+    assert seen["carried"] == ("_native_math", "strict", "_native_math")
+    assert "copy_context().run" in dispatcher.attention_backend.__doc__
+
+
 # --- policy ------------------------------------------------------------------------------------------
 
 def test_policy_defaults_and_scopes():

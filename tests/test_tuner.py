@@ -473,3 +473,23 @@ def test_hot_path_decides_again_on_a_simulated_machine():
     with dispatcher.use_machine(dispatcher.current_machine().with_packages(some_attn_pkg="1.0")):
         assert served() == "t_needs_pkg"
     assert served() == "native"
+
+
+def test_the_tuner_skips_what_the_decision_refuses_with_the_decisions_reason(cache):
+    """The tuner's candidates are the decision's: a custom backend declares no SDPA broadcasting of a key/value
+    batch of 1, so the decision refuses such a call for it; the tuner must skip it with that same reason, never
+    time it (and so never pick a kernel the call would then not run)."""
+    name = register("t_fast", exact)
+    q = torch.randn(2, 32, 2, 16)
+    k, v = torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16)
+    with pytest.raises(dispatcher.BackendNotSupportedError) as refused:
+        dispatch_attention_fn(q, k, v, backend=name, policy="strict")
+    (decision_reason,) = refused.value.skipped[0][1]
+    assert "key/value batch 1 broadcast" in decision_reason
+    t = make(cache, name, "native")
+    record = t.tune(q, k, v)
+    assert [c.name for c in record.candidates] == ["native"] and record.chosen == "native"
+    assert dict(record.skipped)[name] == [decision_reason]
+    names, skipped, _ = t.candidates(dispatcher.inputs.describe_call(q, k, v, None, 0.0, False, None, False, False,
+                                                                     "BSHD"))
+    assert names == ["native"] and dict(skipped)[name] == [decision_reason]

@@ -14,10 +14,9 @@ from typing import Any
 
 import torch
 
-from .. import caches, env, registry, state, trust
+from .. import caches, decisions, env, registry, state, trust
 from ..call import AttentionCall
 from ..checks import check_shapes, check_structure
-from ..decisions import Candidate
 from ..execute import run
 from ..inputs import AttentionInputs, describe_call
 from . import cache
@@ -292,7 +291,7 @@ class Tuner:
                 verdict = trust.decide(spec.hub.repo_id)
                 if not [r for r in reasons if verdict.allowed or r != verdict.reason]:
                     sensitive = True  # only trust stands between this Hub kernel and the candidates
-            reasons = reasons or spec.not_supported_reasons(inputs)
+            reasons = reasons or decisions.input_reasons(spec, inputs)  # the decision's own answer
             if not reasons and spec.hub is not None:
                 if fetched is None:
                     fetched = _fetched_repos()
@@ -422,7 +421,7 @@ class Tuner:
             except Exception as exc:
                 result.status, result.reason = "rejected", f"could not be loaded: {type(exc).__name__}: {exc}"
                 continue
-            candidate = Candidate(name, spec, runner, spec.layout != layout, mask is not None)
+            candidate = decisions.candidate(name, spec, runner, run_sig, layout)  # run as the decision runs it
 
             def call(candidate=candidate):
                 return run(candidate, attention_call)

@@ -45,12 +45,32 @@ def _gqa_expand(q, k, v, enable_gqa):
 
 
 def _causal_as_mask(q, k, attn_mask, is_causal, scale):
-    """SDPA's CPU flash kernel returns NaN for is_causal=True with a scale <= 0 or one that is 0 in float32
-    (it scales the -inf it masks with): pass the same top-left causal mask as a bool mask then, which it
-    computes right."""
-    if is_causal and scale is not None and scale < 1e-30 and q.device.type == "cpu":
-        return torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(), False
-    return attn_mask, is_causal
+    """(attn_mask, is_causal) for SDPA and its kernels. With a mask, is_causal=True is folded into it (SDPA's CPU
+    flash kernel applies both so, bit for bit; its math kernel raises on both, and SDPA picks math on the CPU for
+    dropout or a strided view, on GPUs for what its fused kernels refuse). SDPA's CPU flash kernel returns NaN for
+    is_causal=True with a scale <= 0 or one that is 0 in float32 (it scales the -inf it masks with): pass the same
+    top-left causal mask as a bool mask then, which it computes right."""
+    if not is_causal:
+        return attn_mask, False
+    if attn_mask is not None:
+        return _with_causal(q, k, attn_mask), False
+    if scale is not None and scale < 1e-30 and q.device.type == "cpu":
+        return _top_left(q, k), False
+    return attn_mask, True
+
+
+def _top_left(q, k):
+    """SDPA's causal diagonal: query i attends to keys 0..i (BHSD)."""
+    return torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+
+
+def _with_causal(q, k, attn_mask):
+    """attn_mask with SDPA's top-left causal diagonal applied too (a bool mask and-ed, an additive one -inf
+    above the diagonal)."""
+    keep = _top_left(q, k)
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & keep
+    return attn_mask.masked_fill(~keep, float("-inf"))
 
 
 # sdpa_kernel() sets process-wide flags (not per thread) and restores, on exit, the ones it found on entry:
@@ -162,6 +182,8 @@ def sdpa_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, 
 
 def _sdpa_cuda(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     k, v, enable_gqa = _like_query(q, k, v, enable_gqa)  # so that the fused kernels, not math, can take broadcasts
+    if is_causal and attn_mask is not None:  # math (and so SDPA, when it picks math) refuses both: fold them
+        attn_mask, is_causal = _with_causal(q, k, attn_mask), False
     if not enable_gqa and scale is None:  # the common call, positional (as on the CPU above)
         return _select(CUDA_PRIORITY, True, _scaled_dot_product_attention, q, k, v, attn_mask, dropout_p, is_causal)
     return _select(CUDA_PRIORITY, True, _sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, False)
@@ -182,7 +204,8 @@ def math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, 
         scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else scores + attn_mask.to(acc))
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None])
+    # A row the masks hide entirely has lse -inf: its output is 0, as SDPA's (not exp(-inf - -inf) = NaN).
+    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0)[..., None])
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
     return torch.matmul(probs, v.to(acc)).to(q.dtype), lse.to(acc)
@@ -300,14 +323,14 @@ def xla_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, r
 add(BackendSpec(
     name="native", family="sdpa", description="torch SDPA: PyTorch picks its best kernel (cuDNN/flash/efficient/math)",
     fn=declare(sdpa_attention, broadcast_kv=True), layout="BHSD", devices=ANY_DEVICE, dtypes=FLOATS,
-    head_dims=HeadDims(), masks=ALL_MASKS, mask_format="native", gqa=True, dropout=True, different_value_dim=True,
-    error_bound=1e-2, fallback=("_native_math",),
+    head_dims=HeadDims(), masks=ALL_MASKS, mask_format="native", mask_with_causal=True, gqa=True, dropout=True,
+    different_value_dim=True, error_bound=1e-2, fallback=("_native_math",),
     requires=(TorchVersion("2.5"),)))
 add(BackendSpec(
     name="_native_math", family="sdpa", description="torch SDPA math kernel: the exact reference, slow",
     fn=declare(math_attention, broadcast_kv=True), layout="BHSD", devices=ANY_DEVICE, dtypes=FLOATS,
-    head_dims=HeadDims(), masks=ALL_MASKS, mask_format="precise", gqa=True, dropout=True, lse=True,
-    different_value_dim=True, error_bound=1e-2, fallback=(),
+    head_dims=HeadDims(), masks=ALL_MASKS, mask_format="precise", mask_with_causal=True, gqa=True, dropout=True,
+    lse=True, different_value_dim=True, error_bound=1e-2, fallback=(),
     requires=(TorchVersion("2.5"),)))
 add(BackendSpec(
     name="_native_flash", family="sdpa", description="torch SDPA flash kernel (CPU flash kernel on CPUs)",

@@ -254,8 +254,9 @@ class _Call:
             raise ContextParallelError("a FlexAttention BlockMask cannot be sharded for context parallelism; pass "
                                        "a bool or additive mask tensor instead")
         if is_causal and attn_mask is not None:
-            _fail("is_causal=True and attn_mask were both given: fold the causal mask into attn_mask, "
-                  "or drop attn_mask")
+            _fail("is_causal=True with attn_mask is not supported under context parallelism (SDPA, and the "
+                  "dispatcher outside it, apply both: the mask and the top-left causal diagonal): fold the diagonal "
+                  "into attn_mask (mask & torch.ones(Lq, Lk, dtype=torch.bool).tril()), or drop attn_mask")
         from ..checks import check_shapes
         check_shapes(query, key, value, layout)
         config.setup()
