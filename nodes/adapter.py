@@ -39,7 +39,7 @@ from ..dispatcher.auto import PSEUDO_BACKENDS as AUTOS  # "auto" is auto_exact (
 from ..dispatcher.guard import settings as guard_settings
 from ..dispatcher.report import register as register_recorder
 from .blocks import blocks_text, in_blocks, is_default
-from .window import in_window
+from .window import in_window, window_text
 
 COMFY_DEFAULT = "comfy default"
 PASS_THROUGH = "pass through"  # checks/compare only: every call goes to `previous` (or `func`)
@@ -239,7 +239,7 @@ class AttentionOverride:
                 self._plans[signature] = plan
         window = self.window
         if window is not None and not in_window(to, window):
-            return self._delegate(f"outside the step window {window[0]:.2f}..{window[1]:.2f}", func, q, k, v, heads,
+            return self._delegate(f"outside the step window {window_text(*window)}", func, q, k, v, heads,
                                   mask, attn_precision, skip_reshape, skip_output_reshape, kwargs, plan.site)
         if self.blocks is not None:
             inside = in_blocks(to, self.blocks)

@@ -10,12 +10,13 @@ from ..dispatcher import env as _env
 from ..dispatcher.auto import FAST_BOUND
 from ..dispatcher.guard import DEFAULT_EVERY
 from . import blocks as _blocks
-from . import reports
+from . import raw_prompt, reports
 from . import validation as v
 from .adapter import AUTO, AUTO_EXACT, AUTO_FAST, AUTOS, COMFY_DEFAULT, PASS_THROUGH, make_override
 from .clip_patch import patch_clip
 from .compare import Comparison
 from .model_identity import model_key
+from .window import window_text
 
 CATEGORY = "advanced/attention"
 OVERRIDE_KEY = "optimized_attention_override"
@@ -181,6 +182,18 @@ def validate(fields, values: dict, *rules) -> bool | str:
     return v.answer(problems)
 
 
+def comfy_validate(node, fields, values: dict) -> bool:
+    """ComfyUI's `validate_inputs(**values)`: the node's `check_inputs` on its widget values, a refusal raised
+    once (validation.refuse). A BOOLEAN value is judged as the client sent it (raw_prompt: ComfyUI has already
+    made "no" True)."""
+    values = v.only(fields, values)
+    node_id = getattr(getattr(node, "hidden", None), "unique_id", None)
+    for field in fields:
+        if field.kind == "bool" and field.name in values:
+            values[field.name] = raw_prompt.raw_value(node_id, field.name, values[field.name])
+    return v.refuse(node.check_inputs(**values))
+
+
 def hub_publishers() -> dict[str, list[str]]:
     """Publisher -> the backends whose Hub kernel it publishes (what a Trust Remote Kernels entry can change)."""
     out: dict[str, list[str]] = {}
@@ -206,11 +219,11 @@ def _chain_of_run(executor):
 
 def _window_text(entry) -> str:
     start, end = entry.get("window") or (0.0, 1.0)
-    return "" if (start <= 0.0 and end >= 1.0) else f"{start:.2f}..{end:.2f}"
+    return "" if (start <= 0.0 and end >= 1.0) else window_text(start, end)
 
 
 def _scope_text(entry) -> str:
-    """'step window 0.50..1.00', 'block range 2..-1', both joined by 'and', or '' (every call)."""
+    """'step window 0.5..1', 'block range 2..-1', both joined by 'and', or '' (every call)."""
     parts = []
     window = _window_text(entry)
     if window:
@@ -321,12 +334,16 @@ class SetAttentionBackend(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, backend=v.MISSING, policy=v.MISSING, start_percent=v.MISSING, end_percent=v.MISSING,
-                        block_start=v.MISSING, block_end=v.MISSING, quality_guard=v.MISSING, guard_every=v.MISSING):
+    def check_inputs(cls, backend=v.MISSING, policy=v.MISSING, start_percent=v.MISSING, end_percent=v.MISSING,
+                     block_start=v.MISSING, block_end=v.MISSING, quality_guard=v.MISSING, guard_every=v.MISSING):
         values = {"backend": backend, "policy": policy, "start_percent": start_percent, "end_percent": end_percent,
                   "block_start": block_start, "block_end": block_end, "quality_guard": quality_guard,
                   "guard_every": guard_every}
         return validate(SET_FIELDS, values, _window_rule, _block_rule, _availability_rule)
+
+    @classmethod
+    def validate_inputs(cls, **values):
+        return comfy_validate(cls, SET_FIELDS, values)
 
     @classmethod
     def execute(cls, model, backend, policy, start_percent, end_percent, trust=None, block_start=0, block_end=-1,
@@ -381,8 +398,12 @@ class SetClipAttentionBackend(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, backend=v.MISSING, policy=v.MISSING):
+    def check_inputs(cls, backend=v.MISSING, policy=v.MISSING):
         return validate(CLIP_FIELDS, {"backend": backend, "policy": policy}, _availability_rule)
+
+    @classmethod
+    def validate_inputs(cls, **values):
+        return comfy_validate(cls, CLIP_FIELDS, values)
 
     @classmethod
     def execute(cls, clip, backend, policy) -> io.NodeOutput:
@@ -416,8 +437,12 @@ class AttentionChecks(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, mode=v.MISSING, compare=v.MISSING, compare_every=v.MISSING):
+    def check_inputs(cls, mode=v.MISSING, compare=v.MISSING, compare_every=v.MISSING):
         return validate(CHECKS_FIELDS, {"mode": mode, "compare": compare, "compare_every": compare_every})
+
+    @classmethod
+    def validate_inputs(cls, **values):
+        return comfy_validate(cls, CHECKS_FIELDS, values)
 
     @classmethod
     def execute(cls, model, mode, compare, compare_every) -> io.NodeOutput:
@@ -453,11 +478,15 @@ class TrustRemoteKernels(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, publishers=v.MISSING):
+    def check_inputs(cls, publishers=v.MISSING):
         problems, good = v.check(TRUST_FIELDS, {"publishers": publishers})
         if "publishers" in good:
             problems += publisher_list(good["publishers"]).problems()
         return v.answer(problems)
+
+    @classmethod
+    def validate_inputs(cls, **values):
+        return comfy_validate(cls, TRUST_FIELDS, values)
 
     @classmethod
     def execute(cls, publishers) -> io.NodeOutput:

@@ -433,7 +433,7 @@ def test_patched_model_survives_a_fault_mid_sampling(nodes, how, policy):
     reports.clear()
     fn = Faulty(how, fail_on=(3,))
     pd.register_backend("faulty", fn, devices=("cpu",))
-    assert nodes.SetAttentionBackend.validate_inputs("faulty", policy, 0.0, 1.0) is True
+    assert nodes.SetAttentionBackend.check_inputs("faulty", policy, 0.0, 1.0) is True
     original = node_stub.FakeModel({"transformer_options": {"marker": 1}, "extra": [1, 2]})
     pristine = copy.deepcopy(original.model_options)
     before = snapshot_state(pd)
@@ -478,7 +478,7 @@ def test_patched_model_with_a_broken_hub_kernel(nodes, hub_env, monkeypatch):
     original = node_stub.FakeModel()
     pristine = copy.deepcopy(original.model_options)
     # strict: the queue-time check cannot know the kernel is broken (it loads nothing); the run says why
-    assert nodes.SetAttentionBackend.validate_inputs("badhub", "strict", 0.0, 1.0) is True
+    assert nodes.SetAttentionBackend.check_inputs("badhub", "strict", 0.0, 1.0) is True
     for policy in ("fallback", "strict"):
         (patched,) = nodes.SetAttentionBackend.execute(original, "badhub", policy, 0.0, 1.0, None).result
         if policy == "fallback":
