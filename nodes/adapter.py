@@ -183,8 +183,9 @@ class AttentionOverride:
 
     def __init__(self, backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
                  compare=None, previous=None, model: str | None = None, guard: str | None = None,
-                 guard_every: int | None = None, blocks=None, block_notes: dict | None = None):
+                 guard_every: int | None = None, blocks=None, block_notes: dict | None = None, tally=None):
         self.backend, self.policy, self.recorder = backend, policy, recorder
+        self.tally = tally
         self.window = tuple(window) if window is not None else None
         self.trust = frozenset(trust or ())
         self.checks, self.compare, self.previous = checks, compare, previous
@@ -310,7 +311,19 @@ class AttentionOverride:
 
     def _finish(self, out, site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, scale, gqa, label):
         if self.checks:
-            _checks.check_values({"output": out}, self.checks, label)
+            tally = self.tally
+            if tally is None:
+                _checks.check_values({"output": out}, self.checks, label)
+            else:  # judged as "raise" to see it; counted; a warn is then logged as the dispatcher would
+                try:
+                    _checks.check_values({"output": out}, "raise", label)
+                except _checks.AttentionInputError as exc:
+                    if self.checks == "raise":
+                        raise  # counted by CheckedOverride.__call__
+                    tally.non_finite(str(exc))
+                    _checks.check_values({"output": out}, self.checks, label)
+                else:
+                    tally.checked()
         compare = self.compare
         comparable = mask is None or mask.dtype == torch.bool or mask.is_floating_point()
         if compare is not None and comparable and (skip_reshape or heads) and compare.wants():
@@ -392,9 +405,22 @@ class AttentionOverride:
         return plan
 
 
+class CheckedOverride(AttentionOverride):
+    """An override with an Attention Checks node's tally: a call that fails its checks is counted, then raised."""
+
+    def __call__(self, func, *args, **kwargs):
+        try:
+            return AttentionOverride.__call__(self, func, *args, **kwargs)
+        except _checks.AttentionInputError as exc:
+            self.tally.non_finite(str(exc))
+            raise
+
+
 def make_override(backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
                   compare=None, previous=None, model=None, guard=None, guard_every=None, blocks=None,
-                  block_notes=None) -> AttentionOverride:
-    """An `optimized_attention_override` for one Set Attention Backend node (see `AttentionOverride`)."""
-    return AttentionOverride(backend, policy, recorder, window, trust, checks, compare, previous, model, guard,
-                             guard_every, blocks, block_notes)
+                  block_notes=None, tally=None) -> AttentionOverride:
+    """An `optimized_attention_override` for one Set Attention Backend node (see `AttentionOverride`), or for an
+    Attention Checks node (`tally`: its CheckTally)."""
+    kind = AttentionOverride if tally is None else CheckedOverride
+    return kind(backend, policy, recorder, window, trust, checks, compare, previous, model, guard, guard_every,
+                blocks, block_notes, tally)

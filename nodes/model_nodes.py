@@ -14,6 +14,7 @@ from . import raw_prompt, reports
 from . import validation as v
 from .adapter import AUTO, AUTO_EXACT, AUTO_FAST, AUTOS, COMFY_DEFAULT, PASS_THROUGH, make_override
 from .clip_patch import patch_clip
+from .check_tally import CheckTally
 from .compare import Comparison
 from .model_identity import model_key
 from .window import window_text
@@ -124,7 +125,9 @@ CLIP_FIELDS = (
 )
 CHECKS_FIELDS = (
     v.Field("mode", "combo", options=CHECK_MODES, default="warn", noun="checks mode",
-            tooltip="raise: a NaN/Inf fails the prompt; warn: it is logged."),
+            tooltip="raise: a NaN/Inf in an attention input or output fails the prompt, under either policy of "
+                    "Set Attention Backend; warn: it is logged and the output kept. The report says how many calls "
+                    "were checked and what was found."),
     v.Field("compare", "bool", default=False,
             tooltip="Also run PyTorch SDPA on a sample of calls and report the largest relative error (costs one "
                     "extra attention call per sample)."),
@@ -263,11 +266,13 @@ def _chain_notes(kind: str, node_id, chain) -> dict:
     return {"replaced_by": winner, "no_calls": True, "notes": [note]}
 
 
-def _run_wrapper(kind: str, node_id, recorder=None, compare=None, info=None, block_notes=None):
+def _run_wrapper(kind: str, node_id, recorder=None, compare=None, info=None, block_notes=None, tally=None):
     """WrappersMP.OUTER_SAMPLE: wraps one sampling run; resets the counters and publishes the report."""
     def wrapper(executor, *args, **kwargs):
         if recorder is not None:
             recorder.clear()
+        if tally is not None:
+            tally.clear()
         if compare is not None:
             compare.clear()
         if block_notes is not None:
@@ -290,11 +295,15 @@ def _run_wrapper(kind: str, node_id, recorder=None, compare=None, info=None, blo
             data.update(chained)
             if compare is not None:
                 data["compare"] = compare.snapshot()
-                if not data["compare"].get("samples"):
+            if tally is not None:
+                data["checked"] = tally.snapshot()
+                data["summary"] = tally.summary()
+                if not data["checked"]["calls"]:
                     data["no_calls"] = True
+                    data["summary"] = "No attention call reached these checks: nothing was checked."
                     if not chained:
-                        data["notes"].append("No attention call reached these checks, so nothing was compared "
-                                             "(0 samples is not a clean result).")
+                        data["notes"].append("No attention call reached these checks, so nothing was checked or "
+                                             "compared (0 calls is not a clean result).")
             reports.publish(kind, node_id, data)
     return wrapper
 
@@ -451,13 +460,16 @@ class AttentionChecks(io.ComfyNode):
         _add_to_chain(m, {"kind": "checks", "node": str(node_id)})
         to = m.model_options.setdefault("transformer_options", {})
         existing = to.get(OVERRIDE_KEY)
-        cmp = Comparison(compare_every) if compare else None
+        cmp = Comparison(compare_every) if compare is True else None
+        tally = CheckTally(mode)
         config = getattr(existing, "attention_dispatch", None)
         if config is not None:  # ours: the same backend, now with checks
-            to[OVERRIDE_KEY] = make_override(**{**config, "checks": mode, "compare": cmp})
+            to[OVERRIDE_KEY] = make_override(**{**config, "checks": mode, "compare": cmp, "tally": tally})
         else:  # none or another pack's: check around it
-            to[OVERRIDE_KEY] = make_override(PASS_THROUGH, recorder=None, checks=mode, compare=cmp, previous=existing)
-        _add_outer_sample_wrapper(m, _run_wrapper("checks", node_id, compare=cmp, info={"checks": mode}))
+            to[OVERRIDE_KEY] = make_override(PASS_THROUGH, recorder=None, checks=mode, compare=cmp, previous=existing,
+                                             tally=tally)
+        _add_outer_sample_wrapper(m, _run_wrapper("checks", node_id, compare=cmp, info={"checks": mode},
+                                                  tally=tally))
         return io.NodeOutput(m)
 
 

@@ -297,7 +297,7 @@ def test_checks_with_no_samples_never_read_as_clean(nodes, monkeypatch):
     (c,) = nodes.AttentionChecks.execute(s, "warn", True, 1).result
     report = _run(c)[("checks", "5")]  # the sampler made no attention call at all
     assert report["compare"]["samples"] == 0 and report["no_calls"] is True
-    assert "nothing was compared" in report["notes"][0] and "replaced_by" not in report
+    assert "nothing was checked or compared" in report["notes"][0] and "replaced_by" not in report
 
 
 def test_message_text_is_plain(nodes):

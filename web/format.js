@@ -346,16 +346,26 @@ function summarizeChecks(report) {
     return { badge: `${MARK_WARNING} no calls checked`, lines, level: "warn", calls: 0, served: {}, fallbacks: [],
              errors: [], timeMs: attentionTimeMs(report) };
   }
+  const checked = report.checked && typeof report.checked === "object" ? report.checked : null;
+  if (typeof report.summary === "string" && report.summary) lines.push(report.summary);
+  if (checked) {
+    badge = `checks: ${report.checks ?? "on"} \u00b7 ${plural(Number(checked.calls) || 0, "call")}`;
+    if (Number(checked.non_finite) > 0) {
+      level = checked.mode === "raise" ? "error" : "warn";
+      badge = `NaN/Inf in ${plural(Number(checked.non_finite), "call")}`;
+    }
+  }
   if (cmp && typeof cmp === "object") {
     const err = Number(cmp.max_rel_error);
     const e = Number.isFinite(err) ? err.toExponential(2) : "?";
     lines.push(`Compared ${plural(Number(cmp.samples) || 0, "sample")} with PyTorch SDPA (1 in ${cmp.every}): ` +
       `max relative error ${e}${cmp.worst_site ? ` at ${cmp.worst_site}` : ""}`);
-    badge = `max rel err ${e}`;
-    if (Number.isFinite(err) && err > 0.05) level = "warn";
+    if (level === "ok") badge = `max rel err ${e}`;
+    if (Number.isFinite(err) && err > 0.05 && level === "ok") level = "warn";
   }
   lines.push(...notesOf(report));
-  return { badge: `${level === "ok" ? MARK_AVAILABLE : MARK_WARNING} ${badge}`, lines, level, calls: 0,
+  const mark = level === "ok" ? MARK_AVAILABLE : level === "error" ? MARK_UNAVAILABLE : MARK_WARNING;
+  return { badge: `${mark} ${badge}`, lines, level, calls: Number(checked?.calls) || 0,
            served: {}, fallbacks: [], errors: [], timeMs: attentionTimeMs(report) };
 }
 

@@ -220,6 +220,20 @@ describe("the report badge", () => {
     assert.equal(c.badge, "\u2713 max rel err 1.23e-3");
     assert.match(c.lines[1], /^Compared 3 samples with PyTorch SDPA \(1 in 10\): max relative error 1\.23e-3 at self$/);
     assert.equal(summarizeReport({ kind: "checks", compare: { every: 1, samples: 1, max_rel_error: 0.5 } }).level, "warn");
+    // what the checks saw is said, never an empty panel: calls checked, and NaN/Inf found (raise: an error)
+    const ok = summarizeReport({ kind: "checks", checks: "raise", summary: "Checked 8 attention calls for NaN/Inf: all finite.",
+                                 checked: { mode: "raise", calls: 8, non_finite: 0, messages: [] } });
+    assert.equal(ok.level, "ok");
+    assert.equal(ok.badge, "\u2713 checks: raise \u00b7 8 calls");
+    assert.ok(ok.lines.includes("Checked 8 attention calls for NaN/Inf: all finite."), ok.lines);
+    const failed = summarizeReport({ kind: "checks", checks: "raise", summary: "NaN/Inf found, the prompt failed",
+                                     checked: { mode: "raise", calls: 3, non_finite: 1, messages: ["x"] },
+                                     compare: { every: 1, samples: 2, max_rel_error: 0.001 } });
+    assert.equal(failed.level, "error");
+    assert.equal(failed.badge, "\u2717 NaN/Inf in 1 call");
+    const warned = summarizeReport({ kind: "checks", checks: "warn", checked: { mode: "warn", calls: 3, non_finite: 2 } });
+    assert.equal(warned.level, "warn");
+    assert.equal(warned.badge, "\u26a0 NaN/Inf in 2 calls");
     const t = summarizeClipText(["auto: patched 4 text-encoder attention modules"]);
     assert.equal(t.badge, "\u2713 auto: patched 4 text-encoder attention \u2026");
     assert.equal(summarizeClipText([]), null);
