@@ -42,9 +42,24 @@ BLOCK_LIMIT = 10000
 
 
 def backend_options() -> list[str]:
-    """The dropdown: the two autos first, ComfyUI's own attention, then every registry backend. `auto` (= auto_exact)
-    is accepted but not listed (older workflows)."""
-    return [AUTO_EXACT, AUTO_FAST, COMFY_DEFAULT] + backend_names()
+    """The dropdown, in the order a user reads it: the two autos and ComfyUI's own attention, the backends that run
+    on this machine (best first), then those that cannot, grouped by family (the family of the best first; the
+    web extension heads each group with its reason). Private `_` names (a kernel variant an auto or a fallback
+    chain picks) are not listed; they, and `auto` (= auto_exact, older workflows), are still accepted
+    (`accepted_backends`)."""
+    public = [name for name in backend_names() if not name.startswith("_")]
+    runs, cannot = [], {}
+    for name in public:
+        if availability_reasons(name):
+            cannot.setdefault(get_backend_spec(name).family, []).append(name)
+        else:
+            runs.append(name)
+    return [AUTO_EXACT, AUTO_FAST, COMFY_DEFAULT] + runs + [name for family in cannot.values() for name in family]
+
+
+def accepted_backends() -> list[str]:
+    """Valid values the dropdown does not list: `auto`, and every private `_` backend (typed, or in a workflow)."""
+    return [AUTO] + [name for name in backend_names() if name.startswith("_")]
 
 
 def unavailable_message(backend: str, policy: str) -> str | bool:
@@ -73,7 +88,7 @@ def unavailable_message(backend: str, policy: str) -> str | bool:
 
 def _backend_field(tooltip: str) -> v.Field:
     return v.Field("backend", "combo", options=backend_options, default=AUTO_EXACT, noun="attention backend",
-                   tooltip=tooltip, accepted=(AUTO,))
+                   tooltip=tooltip, accepted=accepted_backends)
 
 
 def _policy_field(tooltip: str) -> v.Field:

@@ -27,22 +27,26 @@ MISSING = object()  # an input the prompt does not carry: ComfyUI reports it its
 class Field:
     """One widget input: kind is combo | float | int | bool | string. optional: an input added after the node was
     published (older API prompts lack it; execute's default applies). accepted: combo values that are valid but not
-    listed (a renamed option older workflows still carry)."""
+    listed (a renamed option older workflows still carry, a private name), or a function giving them."""
 
     __slots__ = ("name", "kind", "options", "default", "min", "max", "step", "tooltip", "noun", "rule", "optional",
                  "accepted", "extra")
 
     def __init__(self, name: str, kind: str, *, default=None, options: Sequence | Callable[[], Sequence] = None,
                  min=None, max=None, step=None, tooltip: str = "", noun: str | None = None, rule: str | None = None,
-                 optional: bool = False, accepted: Sequence = (), **extra):
+                 optional: bool = False, accepted: Sequence | Callable[[], Sequence] = (), **extra):
         self.name, self.kind, self.default = name, kind, default
         self.options, self.min, self.max, self.step = options, min, max, step
         self.tooltip, self.noun, self.rule, self.extra = tooltip, noun, rule, extra
-        self.optional, self.accepted = optional, tuple(accepted)
+        self.optional, self.accepted = optional, accepted
 
     def choices(self) -> list:
         options = self.options() if callable(self.options) else self.options
         return list(options or ())
+
+    def unlisted(self) -> list:
+        accepted = self.accepted() if callable(self.accepted) else self.accepted
+        return list(accepted or ())
 
 
 def _short(value, limit: int = 60) -> str:
@@ -66,11 +70,11 @@ def close_matches(value, options: Iterable, n: int = 1) -> list:
 
 
 def _combo(field: Field, value) -> str | None:
-    options = field.choices()
-    if any(type(option) is type(value) and option == value for option in (*options, *field.accepted)):
+    options, unlisted = field.choices(), field.unlisted()
+    if any(type(option) is type(value) and option == value for option in (*options, *unlisted)):
         return None
     noun = field.noun or "value"
-    close = close_matches(value, options)
+    close = close_matches(value, [*options, *unlisted])
     hint = f" Did you mean '{close[0]}'?" if close else ""
     return f"{field.name}: unknown {noun} {_short(value)}.{hint} Valid: {', '.join(map(str, options))}"
 

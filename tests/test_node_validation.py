@@ -100,9 +100,8 @@ def test_cross_field_rules(nodes):
 
 def test_unknown_values_name_the_close_match(nodes):
     answer = nodes.SetAttentionBackend.check_inputs("flsh", "fallback", 0.0, 1.0)
-    assert answer == ("backend: unknown attention backend 'flsh'. Did you mean 'flash'? Valid: auto_exact, auto_fast, "
-                      "comfy default, "
-                      + ", ".join(nodes.backend_names())), answer
+    assert answer == ("backend: unknown attention backend 'flsh'. Did you mean 'flash'? Valid: "
+                      + ", ".join(nodes.backend_options())), answer
     assert "Did you mean 'strict'?" in nodes.SetClipAttentionBackend.check_inputs("native", "Strict")
     explode = nodes.AttentionChecks.check_inputs("explode", False, 10)
     assert explode == "mode: unknown checks mode 'explode'. Valid: raise, warn", explode
@@ -149,6 +148,25 @@ def test_checks_compare_is_judged_as_sent(nodes):
     assert contextvars.copy_context().run(validate_as_comfyui_does) is True
     # a request that kept no copy (another node id, or none at all) judges the value ComfyUI hands over
     assert nodes.AttentionChecks.validate_inputs(mode="warn", compare=True, compare_every=10) is True
+
+
+def test_dropdown_leads_with_the_autos_and_what_runs_here(nodes):
+    """The autos and ComfyUI's attention first, then what runs on this machine (best first), then what cannot,
+    grouped by family; private `_` names are not listed but are still accepted, typed or from a workflow."""
+    options = nodes.backend_options()
+    assert options[:3] == ["auto_exact", "auto_fast", "comfy default"]
+    runs = [n for n in options[3:] if not nodes.availability_reasons(n)]
+    assert options[3:3 + len(runs)] == runs and {"native", "flex"} <= set(runs)  # a CPU machine
+    assert runs == [n for n in nodes.backend_names() if n in runs]  # best first
+    families = [nodes.get_backend_spec(n).family for n in options[3 + len(runs):]]
+    assert all(families[i] == families[i - 1] or families[i] not in families[:i] for i in range(1, len(families))), \
+        families  # each family in one block
+    assert not any(n.startswith("_") for n in options)
+    assert set(options[3:]) == {n for n in nodes.backend_names() if not n.startswith("_")}
+    for private in [n for n in nodes.backend_names() if n.startswith("_")] + ["auto"]:
+        assert nodes.SetAttentionBackend.check_inputs(private, "fallback", 0.0, 1.0) is True, private
+    assert "Did you mean '_native_math'?" in nodes.SetAttentionBackend.check_inputs("_native_mat", "fallback", 0.0,
+                                                                                    1.0)
 
 
 def test_inputs_the_prompt_does_not_carry_are_left_to_comfyui(nodes):
@@ -316,3 +334,21 @@ def test_step_windows_are_shown_as_the_numbers_they_are(window, text):
     window_mod = importlib.import_module(f"{PACK}.nodes.window")
     assert window_mod.window_text(*window) == text
     assert tuple(float(x) for x in text.split("..")) == window
+
+
+def test_library_errors_read_without_the_server_path():
+    """ComfyUI names an exception by module + qualname and loads the pack under its path: the exceptions the
+    library exports are named by the module they are exported from (attention_dispatch), never by a path."""
+    from helpers.pack import load_pack
+    load_pack()
+    error_names = importlib.import_module(f"{PACK}.nodes.error_names")
+    dispatcher = importlib.import_module(f"{PACK}.dispatcher")
+    error_names.name_for_comfyui()
+    named = {f"{cls.__module__}.{cls.__qualname__}" for cls in error_names.public_exceptions()}
+    assert {"attention_dispatch.AttentionQualityError", "attention_dispatch.AttentionInputError",
+            "attention_dispatch.BackendNotSupportedError", "attention_dispatch.parallel.ContextParallelError"} <= named
+    assert not any("/" in n or PACK in n for n in named), named
+    try:
+        raise dispatcher.AttentionQualityError("x")
+    except dispatcher.AttentionQualityError as exc:  # still the same class: only its name changed
+        assert type(exc).__module__ == "attention_dispatch"

@@ -18,7 +18,8 @@ routes = importlib.import_module(f"{PACK}.nodes.routes")
 adapter = importlib.import_module(f"{PACK}.nodes.adapter")
 dispatcher = importlib.import_module(f"{PACK}.dispatcher")
 ROOT = Path(__file__).resolve().parent.parent
-OUR_NODES = {"SetAttentionBackend", "SetClipAttentionBackend", "AttentionChecks", "TrustRemoteKernels"}
+OUR_NODES = {"SetAttentionBackend", "SetClipAttentionBackend", "AttentionChecks", "TrustRemoteKernels",
+             "ContextParallelAttention"}
 
 
 class Attention(torch.nn.Module):  # shaped like comfy.clip_model.CLIPAttention

@@ -350,7 +350,9 @@ def registered_handlers(monkeypatch):
     aiohttp = types.ModuleType("aiohttp")
     aiohttp.web = web
     server = types.ModuleType("server")
-    server.PromptServer = types.SimpleNamespace(instance=types.SimpleNamespace(routes=Routes()))
+    prompt_handlers = []  # the raw-prompt hook (nodes/raw_prompt.py): it reads the prompt, serves nothing
+    server.PromptServer = types.SimpleNamespace(instance=types.SimpleNamespace(
+        routes=Routes(), add_on_prompt_handler=prompt_handlers.append))
     monkeypatch.setitem(sys.modules, "aiohttp", aiohttp)
     monkeypatch.setitem(sys.modules, "aiohttp.web", web)
     monkeypatch.setitem(sys.modules, "server", server)
