@@ -74,6 +74,8 @@ def test_failed_set_node_with_trust_wired_refuses_the_prompt(comfy, inputs, expe
 @pytest.mark.parametrize("chain, node_id, expected", [
     ([("40", "AttentionChecks", checks_inputs(mode="explode"))], "40", "mode: unknown checks mode 'explode'"),
     ([("40", "AttentionChecks", checks_inputs(compare_every=0))], "40", "compare_every: 0 is below the minimum 1"),
+    # ComfyUI turns the text "no" into True before the node's check: the check reads what the client sent
+    ([("40", "AttentionChecks", checks_inputs(compare="no"))], "40", "compare: expected true or false, got 'no'"),
     ([("40", SET, set_inputs(start_percent="abc"))], "40", "start_percent: 'abc' is not a number"),
     ([("40", SET, set_inputs(end_percent=None))], "40", "end_percent: no value (null)"),
     ([("40", SET, set_inputs(end_percent=1.5))], "40", "end_percent: 1.5 is above the maximum 1"),

@@ -5,6 +5,9 @@ Needs COMFYUI_PATH (as tests/integration), Debian's `chromium` (CHROMIUM overrid
 Outside CI a missing piece skips these tests with the reason; under CI (CI=true) it fails them.
 The screenshot of the nodes with their badges lands in the test's tmp dir and is copied to
 $ATTN_DISPATCH_SCREENSHOT, by default tests/web/artifacts/web-report.png (git-ignored; CI prints its path).
+Two more land in tests/web/artifacts/: dropdown-order.png (the dropdown's groups, in order) and
+panel-no-overlap.png (a node's panel, and the node below it moved down rather than drawn over); the tests
+assert what they show (the order of the entries, the bounding boxes of the nodes).
 """
 
 from __future__ import annotations
