@@ -5,8 +5,10 @@ one of three routes:
 - static sizes: the whole decision is made by `_traced_plan`, which dynamo runs once per trace (an
   `assume_constant_result` function) and bakes into the graph: the chosen kernel is traced in, at no
   cost per call. The backend, policy, checks, trust scope and recorder active when the graph is traced
-  are the ones the graph keeps; a Recorder counts such a call once per trace, not once per run; a backend
-  that raises at run time is not demoted (no fallback inside a graph).
+  are the ones the graph keeps; a backend that raises at run time is not demoted (no fallback inside a
+  graph). A Recorder counts such a call on every run of the graph: the graph calls a tiny counting op
+  (`_count_op`, which names the recorder by serial and the row by number), so a graph compiled during
+  one prompt still counts in the next.
 - symbolic sizes (dynamic shapes, which torch.compile turns on once a size changes): a decision depends
   on the lengths (the tuner's choice, a kernel's length rules), which a constant cannot hold. The call
   becomes one opaque op whose body is the eager dispatcher, deciding with the real sizes on every run
@@ -34,6 +36,12 @@ from .inputs import AttentionInputs, describe_call
 from .report import by_serial, current_recorder
 
 _traced_candidates: dict[tuple, Any] = {}
+# What a traced call records (site, requested, served, reasons), numbered for the counting op (ints, not strings,
+# are what a graph holds cheaply).
+_traced_rows: dict[tuple, int] = {}
+_rows_by_number: dict[int, tuple] = {}
+# The tensor the counting op says it mutates: an op with no output and no mutation would be dropped from the graph.
+_COUNT_TOKEN = torch.zeros(1, dtype=torch.int8)
 RUNTIME = "<runtime op>"  # a traced plan that runs the call as the opaque op (the eager path inside)
 _FIELDS = tuple(f.name for f in fields(AttentionInputs))
 
@@ -66,7 +74,7 @@ def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial,
             checks.check_structure(inputs)
             if registry.needs_live_values(requested):
                 _runtime_op()
-                return RUNTIME, state.active_checks(), False
+                return RUNTIME, state.active_checks(), False, 0, 0
             # a choice made eagerly (or on disk) before, else the priority order
             chosen = resolve(inputs, None, model=model, timing=False)[0]
         decision = decisions.decision_for(chosen, policy, inputs, layout, model, quality_guard)
@@ -78,16 +86,20 @@ def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial,
                                                            dict.fromkeys(attention_kwargs_keys))[0]
     if candidate.guard:  # the guard compares and may recompute: host work a graph cannot hold
         _runtime_op()
-        return RUNTIME, state.active_checks(), False
+        return RUNTIME, state.active_checks(), False, 0, 0
     name = candidate.name
     _traced_candidates[(name, layout)] = candidate
     reasons = decision.reasons_for(name) if name != decision.requested else ()
     if reasons:
         decisions.log_once(decision.requested, name, reasons)
     recorder = by_serial(recorder_serial) if recorder_serial else current_recorder()
-    if recorder is not None:
-        recorder.record(call_site, requested, name, reasons)
-    return name, state.active_checks(), candidate.convert_mask
+    serial = _serial_of(recorder) or 0
+    row = 0
+    if serial:  # counted by the graph on every run (_count_op), not here at trace time
+        _count_op()
+        row = _traced_rows.setdefault((call_site, requested, name, tuple(reasons)), len(_traced_rows) + 1)
+        _rows_by_number[row] = (call_site, requested, name, tuple(reasons))
+    return name, state.active_checks(), candidate.convert_mask, serial, row
 
 
 def _symbolic_sizes() -> bool:
@@ -119,6 +131,28 @@ _traced_plan._dynamo_marked_constant = True
 _symbolic_sizes._dynamo_marked_constant = True
 
 _op = None
+_counter = None
+
+
+def _count_op():
+    """The op a traced call runs to count itself in its recorder (registered on first use, eagerly)."""
+    global _counter
+    if _counter is None:
+        _counter = define_once("count", __name__, _define_count)
+    return _counter
+
+
+def _define_count(name: str):
+    @torch.library.custom_op(name, mutates_args=("token",))
+    def count(token: torch.Tensor, recorder_serial: int, row: int) -> None:
+        recorder = by_serial(recorder_serial)
+        if recorder is not None and row in _rows_by_number:
+            recorder.record(*_rows_by_number[row])
+
+    @count.register_fake
+    def _(token, recorder_serial, row):
+        return None
+    return count
 
 
 def _runtime_op():
@@ -189,7 +223,9 @@ def dispatch_traced(call: AttentionCall):
                         tuple(sorted(attention_kwargs)) if attention_kwargs else (), model, quality_guard)
     if plan is None:
         return _eager()(call)
-    name, mode, convert_mask = plan
+    name, mode, convert_mask, count_serial, row = plan
+    if count_serial:
+        _count_op()(_COUNT_TOKEN, count_serial, row)
     if name == RUNTIME:
         return _as_op(call, serial) if opaque else _eager()(call)
     # The plan's constants, not only the cached candidate: dynamo reads _traced_candidates as it was at its first

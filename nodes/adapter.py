@@ -61,7 +61,7 @@ from ..dispatcher.guard import settings as guard_settings
 from ..dispatcher.report import register as register_recorder
 from .blocks import Ordinals, block_name, block_position, blocks_text, in_blocks, is_default
 from .overrides import OverrideChainError, chain, comfy_default_attention, describe
-from .window import in_window
+from .window import in_window, window_text
 
 COMFY_DEFAULT = "comfy default"
 PASS_THROUGH = "pass through"  # checks/compare only: every call goes to `previous` (or `func`)
@@ -271,9 +271,10 @@ class AttentionOverride:
     def __init__(self, backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
                  compare=None, previous=None, model: str | None = None, guard: str | None = None,
                  guard_every: int | None = None, blocks=None, block_notes: dict | None = None,
-                 default_attention=None, precision_notes: dict | None = None, sparse=None):
+                 default_attention=None, precision_notes: dict | None = None, sparse=None, tally=None):
         self.backend, self.policy, self.recorder = backend, policy, recorder
         self.sparse = (sparse or SolAttnOptions()) if backend == SOL_ATTN else None
+        self.tally = tally
         self.window = tuple(window) if window is not None else None
         self.trust = frozenset(trust or ())
         self.checks, self.compare, self.previous = checks, compare, previous
@@ -364,7 +365,7 @@ class AttentionOverride:
                 self._plans[signature] = plan
         window = self.window
         if window is not None and not in_window(to, window):
-            return plan, f"outside the step window {window[0]:.2f}..{window[1]:.2f}"
+            return plan, f"outside the step window {window_text(*window)}"
         if self.blocks is not None:
             inside = in_blocks(to, self.blocks)
             if inside is False:
@@ -446,7 +447,19 @@ class AttentionOverride:
 
     def _finish(self, out, site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, scale, gqa, label):
         if self.checks:
-            _checks.check_values({"output": out}, self.checks, label)
+            tally = self.tally
+            if tally is None:
+                _checks.check_values({"output": out}, self.checks, label)
+            else:  # judged as "raise" to see it; counted; a warn is then logged as the dispatcher would
+                try:
+                    _checks.check_values({"output": out}, "raise", label)
+                except _checks.AttentionInputError as exc:
+                    if self.checks == "raise":
+                        raise  # counted by CheckedOverride.__call__
+                    tally.non_finite(str(exc))
+                    _checks.check_values({"output": out}, self.checks, label)
+                else:
+                    tally.checked()
         compare = self.compare
         comparable = mask is None or mask.dtype == torch.bool or mask.is_floating_point()
         if compare is not None and comparable and (skip_reshape or heads) and compare.wants():
@@ -589,9 +602,30 @@ class AttentionOverride:
         return plan
 
 
+class CheckedOverride(AttentionOverride):
+    """An override with an Attention Checks node's tally: a call that fails its checks is counted, then raised."""
+
+    def __call__(self, func, *args, **kwargs):
+        try:
+            return AttentionOverride.__call__(self, func, *args, **kwargs)
+        except _checks.AttentionInputError as exc:
+            self.tally.non_finite(str(exc))
+            raise
+
+    def container_function(self, *args, **kwargs):  # ComfyUI 0.38's container form, counted the same way
+        try:
+            return AttentionOverride.container_function(self, *args, **kwargs)
+        except _checks.AttentionInputError as exc:
+            self.tally.non_finite(str(exc))
+            raise
+
+
 def make_override(backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
                   compare=None, previous=None, model=None, guard=None, guard_every=None, blocks=None,
-                  block_notes=None, default_attention=None, precision_notes=None, sparse=None) -> AttentionOverride:
-    """An `optimized_attention_override` for one Set Attention Backend node (see `AttentionOverride`)."""
-    return AttentionOverride(backend, policy, recorder, window, trust, checks, compare, previous, model, guard,
-                             guard_every, blocks, block_notes, default_attention, precision_notes, sparse)
+                  block_notes=None, default_attention=None, precision_notes=None, sparse=None,
+                  tally=None) -> AttentionOverride:
+    """An `optimized_attention_override` for one Set Attention Backend node (see `AttentionOverride`), or for an
+    Attention Checks node (`tally`: its CheckTally)."""
+    kind = AttentionOverride if tally is None else CheckedOverride
+    return kind(backend, policy, recorder, window, trust, checks, compare, previous, model, guard, guard_every,
+                blocks, block_notes, default_attention, precision_notes, sparse, tally)

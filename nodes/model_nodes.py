@@ -11,12 +11,14 @@ from ..dispatcher.auto import FAST_BOUND
 from ..dispatcher.backends import kitchen as _kitchen
 from ..dispatcher.guard import DEFAULT_EVERY
 from . import blocks as _blocks
-from . import comfy_names, overrides, reports
+from . import comfy_names, overrides, raw_prompt, reports
 from . import validation as v
 from .adapter import AUTO, AUTO_EXACT, AUTO_FAST, AUTOS, COMFY_DEFAULT, PASS_THROUGH, make_override
 from .clip_patch import patch_clip
+from .check_tally import CheckTally
 from .compare import Comparison
 from .model_identity import model_key
+from .window import window_text
 
 CATEGORY = "advanced/attention"
 OVERRIDE_KEY = "optimized_attention_override"
@@ -42,9 +44,25 @@ BLOCK_LIMIT = 10000
 
 
 def backend_options() -> list[str]:
-    """The dropdown: the two autos first, ComfyUI's own attention, then every registry backend. `auto` (= auto_exact)
-    is accepted but not listed (older workflows)."""
-    return [AUTO_EXACT, AUTO_FAST, COMFY_DEFAULT] + backend_names()
+    """The dropdown, in the order a user reads it: the two autos and ComfyUI's own attention, the backends that run
+    on this machine (best first), then those that cannot, grouped by family (the family of the best first; the
+    web extension heads each group with its reason). Private `_` names (a kernel variant an auto or a fallback
+    chain picks) are not listed; they, and `auto` (= auto_exact, older workflows), are still accepted
+    (`accepted_backends`)."""
+    public = [name for name in backend_names() if not name.startswith("_")]
+    runs, cannot = [], {}
+    for name in public:
+        if availability_reasons(name):
+            cannot.setdefault(get_backend_spec(name).family, []).append(name)
+        else:
+            runs.append(name)
+    return [AUTO_EXACT, AUTO_FAST, COMFY_DEFAULT] + runs + [name for family in cannot.values() for name in family]
+
+
+def accepted_backends() -> list[str]:
+    """Valid values the dropdown does not list: `auto`, every private `_` backend (typed, or in a workflow) and
+    ComfyUI's own attention names (nodes/comfy_names.py: resolved or explained when queued)."""
+    return [AUTO, *comfy_names.COMFY_NAMES] + [name for name in backend_names() if name.startswith("_")]
 
 
 def unavailable_message(backend: str, policy: str) -> str | bool:
@@ -78,7 +96,7 @@ def unavailable_message(backend: str, policy: str) -> str | bool:
 
 def _backend_field(tooltip: str) -> v.Field:
     return v.Field("backend", "combo", options=backend_options, default=AUTO_EXACT, noun="attention backend",
-                   tooltip=tooltip + COMFY_NAMES_TOOLTIP, accepted=(AUTO, *comfy_names.COMFY_NAMES))
+                   tooltip=tooltip + COMFY_NAMES_TOOLTIP, accepted=accepted_backends)
 
 
 def _policy_field(tooltip: str) -> v.Field:
@@ -151,7 +169,9 @@ CLIP_FIELDS = (
 )
 CHECKS_FIELDS = (
     v.Field("mode", "combo", options=CHECK_MODES, default="warn", noun="checks mode",
-            tooltip="raise: a NaN/Inf fails the prompt; warn: it is logged."),
+            tooltip="raise: a NaN/Inf in an attention input or output fails the prompt, under either policy of "
+                    "Set Attention Backend; warn: it is logged and the output kept. The report says how many calls "
+                    "were checked and what was found."),
     v.Field("compare", "bool", default=False,
             tooltip="Also run PyTorch SDPA on a sample of calls and report the largest relative error (costs one "
                     "extra attention call per sample)."),
@@ -209,6 +229,18 @@ def validate(fields, values: dict, *rules) -> bool | str:
     return v.answer(problems)
 
 
+def comfy_validate(node, fields, values: dict) -> bool:
+    """ComfyUI's `validate_inputs(**values)`: the node's `check_inputs` on its widget values, a refusal raised
+    once (validation.refuse). A BOOLEAN value is judged as the client sent it (raw_prompt: ComfyUI has already
+    made "no" True)."""
+    values = v.only(fields, values)
+    node_id = getattr(getattr(node, "hidden", None), "unique_id", None)
+    for field in fields:
+        if field.kind == "bool" and field.name in values:
+            values[field.name] = raw_prompt.raw_value(node_id, field.name, values[field.name])
+    return v.refuse(node.check_inputs(**values))
+
+
 def hub_publishers() -> dict[str, list[str]]:
     """Publisher -> the backends whose Hub kernel it publishes (what a Trust Remote Kernels entry can change)."""
     out: dict[str, list[str]] = {}
@@ -234,11 +266,11 @@ def _chain_of_run(executor):
 
 def _window_text(entry) -> str:
     start, end = entry.get("window") or (0.0, 1.0)
-    return "" if (start <= 0.0 and end >= 1.0) else f"{start:.2f}..{end:.2f}"
+    return "" if (start <= 0.0 and end >= 1.0) else window_text(start, end)
 
 
 def _scope_text(entry) -> str:
-    """'step window 0.50..1.00', 'block range 2..-1', both joined by 'and', or '' (every call)."""
+    """'step window 0.5..1', 'block range 2..-1', both joined by 'and', or '' (every call)."""
     parts = []
     window = _window_text(entry)
     if window:
@@ -341,10 +373,10 @@ def _precision_notes(notes: dict) -> dict:
 
 
 def _run_wrapper(kind: str, node_id, recorder=None, compare=None, info=None, block_notes=None, override=None,
-                 precision_notes=None):
+                 precision_notes=None, tally=None):
     """WrappersMP.OUTER_SAMPLE: wraps one sampling run; resets the counters and publishes the report."""
     def wrapper(executor, *args, **kwargs):
-        for counters in (recorder, compare, block_notes, precision_notes):
+        for counters in (recorder, compare, block_notes, precision_notes, tally):
             if counters is not None:
                 counters.clear()
         try:
@@ -370,11 +402,15 @@ def _run_wrapper(kind: str, node_id, recorder=None, compare=None, info=None, blo
             data.update(chained)
             if compare is not None:
                 data["compare"] = compare.snapshot()
-                if not data["compare"].get("samples"):
+            if tally is not None:
+                data["checked"] = tally.snapshot()
+                data["summary"] = tally.summary()
+                if not data["checked"]["calls"]:
                     data["no_calls"] = True
+                    data["summary"] = "No attention call reached these checks: nothing was checked."
                     if not chained:
-                        data["notes"].append("No attention call reached these checks, so nothing was compared "
-                                             "(0 samples is not a clean result).")
+                        data["notes"].append("No attention call reached these checks, so nothing was checked or "
+                                             "compared (0 calls is not a clean result).")
             reports.publish(kind, node_id, data)
     return wrapper
 
@@ -441,12 +477,16 @@ class SetAttentionBackend(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, backend=v.MISSING, policy=v.MISSING, start_percent=v.MISSING, end_percent=v.MISSING,
-                        block_start=v.MISSING, block_end=v.MISSING, quality_guard=v.MISSING, guard_every=v.MISSING):
+    def check_inputs(cls, backend=v.MISSING, policy=v.MISSING, start_percent=v.MISSING, end_percent=v.MISSING,
+                     block_start=v.MISSING, block_end=v.MISSING, quality_guard=v.MISSING, guard_every=v.MISSING):
         values = {"backend": backend, "policy": policy, "start_percent": start_percent, "end_percent": end_percent,
                   "block_start": block_start, "block_end": block_end, "quality_guard": quality_guard,
                   "guard_every": guard_every}
         return validate(SET_FIELDS, values, _window_rule, _block_rule, _availability_rule)
+
+    @classmethod
+    def validate_inputs(cls, **values):
+        return comfy_validate(cls, SET_FIELDS, values)
 
     @classmethod
     def execute(cls, model, backend, policy, start_percent, end_percent, trust=None, block_start=0, block_end=-1,
@@ -514,8 +554,12 @@ class SetClipAttentionBackend(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, backend=v.MISSING, policy=v.MISSING):
+    def check_inputs(cls, backend=v.MISSING, policy=v.MISSING):
         return validate(CLIP_FIELDS, {"backend": backend, "policy": policy}, _availability_rule)
+
+    @classmethod
+    def validate_inputs(cls, **values):
+        return comfy_validate(cls, CLIP_FIELDS, values)
 
     @classmethod
     def execute(cls, clip, backend, policy) -> io.NodeOutput:
@@ -550,8 +594,12 @@ class AttentionChecks(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, mode=v.MISSING, compare=v.MISSING, compare_every=v.MISSING):
+    def check_inputs(cls, mode=v.MISSING, compare=v.MISSING, compare_every=v.MISSING):
         return validate(CHECKS_FIELDS, {"mode": mode, "compare": compare, "compare_every": compare_every})
+
+    @classmethod
+    def validate_inputs(cls, **values):
+        return comfy_validate(cls, CHECKS_FIELDS, values)
 
     @classmethod
     def execute(cls, model, mode, compare, compare_every) -> io.NodeOutput:
@@ -560,13 +608,16 @@ class AttentionChecks(io.ComfyNode):
         _add_to_chain(m, {"kind": "checks", "node": str(node_id)})
         to = m.model_options.setdefault("transformer_options", {})
         existing = to.get(OVERRIDE_KEY)
-        cmp = Comparison(compare_every) if compare else None
+        cmp = Comparison(compare_every) if compare is True else None
+        tally = CheckTally(mode)
         config = getattr(existing, "attention_dispatch", None)
         if config is not None:  # ours: the same backend, now with checks
-            to[OVERRIDE_KEY] = make_override(**{**config, "checks": mode, "compare": cmp})
+            to[OVERRIDE_KEY] = make_override(**{**config, "checks": mode, "compare": cmp, "tally": tally})
         else:  # none or another pack's: check around it
-            to[OVERRIDE_KEY] = make_override(PASS_THROUGH, recorder=None, checks=mode, compare=cmp, previous=existing)
-        _add_outer_sample_wrapper(m, _run_wrapper("checks", node_id, compare=cmp, info={"checks": mode}))
+            to[OVERRIDE_KEY] = make_override(PASS_THROUGH, recorder=None, checks=mode, compare=cmp, previous=existing,
+                                             tally=tally)
+        _add_outer_sample_wrapper(m, _run_wrapper("checks", node_id, compare=cmp, info={"checks": mode},
+                                                  tally=tally))
         return io.NodeOutput(m)
 
 
@@ -585,13 +636,17 @@ class SparseAttentionOptions(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, tau=v.MISSING, dense_blocks=v.MISSING, min_tokens=v.MISSING):
+    def check_inputs(cls, tau=v.MISSING, dense_blocks=v.MISSING, min_tokens=v.MISSING):
         problems, good = v.check(SPARSE_FIELDS, {"tau": tau, "dense_blocks": dense_blocks, "min_tokens": min_tokens})
         if "dense_blocks" in good:
             _, why = _kitchen.parse_dense_blocks(good["dense_blocks"])
             if why:
                 problems.append(why)
         return v.answer(problems)
+
+    @classmethod
+    def validate_inputs(cls, **values):
+        return comfy_validate(cls, SPARSE_FIELDS, values)
 
     @classmethod
     def execute(cls, tau, dense_blocks, min_tokens) -> io.NodeOutput:
@@ -620,11 +675,15 @@ class TrustRemoteKernels(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, publishers=v.MISSING):
+    def check_inputs(cls, publishers=v.MISSING):
         problems, good = v.check(TRUST_FIELDS, {"publishers": publishers})
         if "publishers" in good:
             problems += publisher_list(good["publishers"]).problems()
         return v.answer(problems)
+
+    @classmethod
+    def validate_inputs(cls, **values):
+        return comfy_validate(cls, TRUST_FIELDS, values)
 
     @classmethod
     def execute(cls, publishers) -> io.NodeOutput:

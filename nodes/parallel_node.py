@@ -18,11 +18,18 @@ from comfy_api.latest import io
 from ..dispatcher.parallel import ContextParallelError
 from ..dispatcher.parallel.replicated import ReplicatedConfig, replicated_parallel
 from . import cp_runtime, reports
+from . import validation as v
 from .adapter import make_override
 from .model_nodes import CATEGORY, OVERRIDE_KEY, WRAPPER_KEY
 
 MODES = ["off", "heads", "sequence"]
 DEFAULT_BACKEND = "native"
+
+
+def default_mode() -> str:
+    """'heads' in a ComfyUI started by torchrun with more than one rank, else 'off': a node dropped into an
+    ordinary workflow must not get the prompt refused."""
+    return "heads" if cp_runtime.launched() else "off"
 
 
 def make_cp_override(config: ReplicatedConfig, inner, stats: dict):
@@ -72,10 +79,12 @@ class ContextParallelAttention(io.ComfyNode):
                         "Pick the backend with Set Attention Backend.",
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model whose attention is split (a clone is patched)."),
-                io.Combo.Input("mode", options=MODES, default="heads",
+                io.Combo.Input("mode", options=MODES, default=default_mode(),
                                tooltip="heads: each GPU computes a share of the attention heads over the whole "
                                        "sequence; sequence: each GPU computes a share of the query tokens against "
-                                       "all keys. Both are exact, with any backend; off: unchanged."),
+                                       "all keys. Both are exact, with any backend; off: unchanged (the default "
+                                       "when ComfyUI was not started by torchrun: the node then changes nothing "
+                                       "and the prompt runs)."),
                 io.Int.Input("degree", default=0, min=0, max=4096,
                              tooltip="How many ranks split each attention call: 0 = all ranks of the launch; "
                                      "otherwise a divisor of the number of ranks (torchrun's world size)."),
@@ -86,7 +95,7 @@ class ContextParallelAttention(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, mode="heads", degree=0):
+    def check_inputs(cls, mode="off", degree=0):
         if mode not in MODES:
             return f"unknown mode '{mode}'; valid: {', '.join(MODES)}"
         if isinstance(degree, bool) or not isinstance(degree, int) or degree < 0:
@@ -94,10 +103,14 @@ class ContextParallelAttention(io.ComfyNode):
         return cp_runtime.validation_message(mode, degree)
 
     @classmethod
+    def validate_inputs(cls, mode="off", degree=0):
+        return v.refuse(cls.check_inputs(mode=mode, degree=degree))  # raised: ComfyUI shows it once
+
+    @classmethod
     def execute(cls, model, mode, degree) -> io.NodeOutput:
         if mode == "off":
             return io.NodeOutput(model)
-        problem = cls.validate_inputs(mode=mode, degree=degree)
+        problem = cls.check_inputs(mode=mode, degree=degree)
         if problem is not True:
             raise ContextParallelError(problem)
         node_id = cls.hidden.unique_id

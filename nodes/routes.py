@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from ..dispatcher import current_machine, list_backends, loaded_kernels
-from . import comfy_names, reports
+from . import comfy_names, raw_prompt, reports
 
 _registered = False
 
@@ -43,6 +43,8 @@ def register() -> None:
     from server import PromptServer
 
     routes = PromptServer.instance.routes
+    # raw BOOLEAN values for the queue-time checks (ComfyUI turns "no" into True before they run)
+    PromptServer.instance.add_on_prompt_handler(raw_prompt.remember)
 
     @routes.get("/attention_dispatch/report")
     async def _report(request):

@@ -7,9 +7,12 @@ still calls `validate_inputs` with the raw value ("abc", null). So each node dec
 as `Field`s (the schema is built from them) and its `validate_inputs` runs `check` on every value it
 gets: type, finite, whole, range, option (with the close match), then the node's cross-field rules.
 
-The answer is True or one message naming every problem by input name. ComfyUI repeats that message
-once per input the function names (its `custom_validation_failed` errors): the message says which
-input is wrong, whichever line is read.
+Each node's `check_inputs` answers True or one message naming every problem by input name. ComfyUI
+repeats a message that `validate_inputs` returns once per input the function names (one
+`custom_validation_failed` error per input: the list of backends 8 times for one typo), so `validate_inputs`
+raises that message instead (`refuse`): ComfyUI reports an exception in validation once
+(`exception_during_inner_validation`, "Exception when validating inner node: <message>"). It raises a
+ValueError, a builtin, because ComfyUI names an exception by its module and a pack's modules by their path.
 """
 
 from __future__ import annotations
@@ -24,22 +27,26 @@ MISSING = object()  # an input the prompt does not carry: ComfyUI reports it its
 class Field:
     """One widget input: kind is combo | float | int | bool | string. optional: an input added after the node was
     published (older API prompts lack it; execute's default applies). accepted: combo values that are valid but not
-    listed (a renamed option older workflows still carry)."""
+    listed (a renamed option older workflows still carry, a private name), or a function giving them."""
 
     __slots__ = ("name", "kind", "options", "default", "min", "max", "step", "tooltip", "noun", "rule", "optional",
                  "accepted", "extra")
 
     def __init__(self, name: str, kind: str, *, default=None, options: Sequence | Callable[[], Sequence] = None,
                  min=None, max=None, step=None, tooltip: str = "", noun: str | None = None, rule: str | None = None,
-                 optional: bool = False, accepted: Sequence = (), **extra):
+                 optional: bool = False, accepted: Sequence | Callable[[], Sequence] = (), **extra):
         self.name, self.kind, self.default = name, kind, default
         self.options, self.min, self.max, self.step = options, min, max, step
         self.tooltip, self.noun, self.rule, self.extra = tooltip, noun, rule, extra
-        self.optional, self.accepted = optional, tuple(accepted)
+        self.optional, self.accepted = optional, accepted
 
     def choices(self) -> list:
         options = self.options() if callable(self.options) else self.options
         return list(options or ())
+
+    def unlisted(self) -> list:
+        accepted = self.accepted() if callable(self.accepted) else self.accepted
+        return list(accepted or ())
 
 
 def _short(value, limit: int = 60) -> str:
@@ -63,11 +70,11 @@ def close_matches(value, options: Iterable, n: int = 1) -> list:
 
 
 def _combo(field: Field, value) -> str | None:
-    options = field.choices()
-    if any(type(option) is type(value) and option == value for option in (*options, *field.accepted)):
+    options, unlisted = field.choices(), field.unlisted()
+    if any(type(option) is type(value) and option == value for option in (*options, *unlisted)):
         return None
     noun = field.noun or "value"
-    close = close_matches(value, options)
+    close = close_matches(value, [*options, *unlisted])
     hint = f" Did you mean '{close[0]}'?" if close else ""
     return f"{field.name}: unknown {noun} {_short(value)}.{hint} Valid: {', '.join(map(str, options))}"
 
@@ -127,9 +134,22 @@ def check(fields: Sequence[Field], values: dict) -> tuple[list[str], dict]:
 
 
 def answer(problems: Iterable[str]) -> bool | str:
-    """validate_inputs' answer: True, or every problem in one message."""
+    """check_inputs' answer: True, or every problem in one message."""
     problems = [p for p in problems if p]
     return True if not problems else "; ".join(problems)
+
+
+def refuse(result: bool | str) -> bool:
+    """validate_inputs' answer to ComfyUI: True, or the message raised once (see the module docstring)."""
+    if result is True:
+        return True
+    raise ValueError(str(result))
+
+
+def only(fields: Sequence[Field], values: dict) -> dict:
+    """The values of `fields` among what ComfyUI hands a `validate_inputs(**values)` (links arrive as None)."""
+    names = {f.name for f in fields}
+    return {k: x for k, x in values.items() if k in names}
 
 
 # ------------------------------------------------------------------------------------------------ publishers
@@ -140,18 +160,29 @@ _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 WILDCARDS = frozenset("*?[]")
 
 
-def _publisher_problem(token: str) -> str | None:
+def _path_like_problem(token: str, publishers: Sequence[str]) -> str:
+    """A repo id, URL or file path: the advice names a value the node accepts, or the publishers that apply."""
+    parts = [p for p in token.replace("\\", "/").split("/")
+             if p and p not in ("https:", "http:", "huggingface.co", "hf.co", "www.huggingface.co")]
+    candidate = parts[0] if parts and not token.startswith(("/", ".", "~")) and ":" not in parts[0] else ""
+    exact = [p for p in publishers if candidate and p.lower() == candidate.lower()]
+    if exact:
+        return (f"{_short(token)} is a repo id or URL: trust is per publisher (the part before '/'), so write "
+                f"'{exact[0]}' to trust every Hub kernel of {exact[0]}")
+    what = "a repo id or URL" if candidate else "a path, not a publisher name"
+    return (f"{_short(token)} is {what}, and no backend here loads Hub kernels from "
+            f"{repr(candidate) if candidate else 'a path'}. Trust names a Hugging Face publisher; publishers of "
+            f"Hub backends here: {', '.join(publishers)}")
+
+
+def _publisher_problem(token: str, publishers: Sequence[str] = ()) -> str | None:
     if any(ord(c) < 32 or ord(c) == 127 or c.isspace() for c in token):
         return f"{_short(token)} contains spaces or control characters; write one name per line or comma"
     if any(c in WILDCARDS for c in token):
         return (f"{_short(token)}: wildcards are not supported, publishers match exactly; name each publisher "
                 "(DIFFUSERS_TRUST_REMOTE_KERNELS=true trusts every publisher, for the whole ComfyUI)")
-    if "/" in token:
-        parts = [p for p in token.split("/") if p and p not in ("https:", "http:", "huggingface.co", "hf.co")]
-        publisher = parts[0] if parts else ""
-        return (f"{_short(token)} is a repo id or URL: trust is per publisher (the part before '/'), so write "
-                f"'{publisher}' to trust every Hub kernel of {publisher}" if publisher else
-                f"{_short(token)} is not a publisher name")
+    if "/" in token or "\\" in token:
+        return _path_like_problem(token, publishers)
     if len(token) > 96 or any(c not in _NAME_CHARS for c in token) or token[0] in "-." or token[-1] in "-.":
         return f"{_short(token)} is not a Hugging Face user or organisation name"
     return None
@@ -174,7 +205,7 @@ class PublisherList:
         for token in tokens:
             if not token:
                 continue
-            problem = _publisher_problem(token)
+            problem = _publisher_problem(token, sorted(set(self.known) | self.default_set))
             if problem is None and token not in self.known and token not in self.default_set:
                 exact = [p for p in (*self.known, *self.default_set) if p.lower() == token.lower()]
                 if exact:

@@ -45,3 +45,15 @@ def in_window(transformer_options: dict | None, window: tuple[float, float] | No
         return True
     percent = sampling_percent(transformer_options)
     return percent is None or start <= percent <= end
+
+
+def percent_text(x: float) -> str:
+    """A window bound as text that reads back as the same number: 0.5, 1, 1e-300, 0.3333333333333333 (a
+    fixed 2 decimals would show 1e-300 as 0.00, and a call at 0 'outside the step window 0.00..1.00')."""
+    x = float(x)
+    short = format(x, "g")
+    return short if float(short) == x else repr(x)
+
+
+def window_text(start: float, end: float) -> str:
+    return f"{percent_text(start)}..{percent_text(end)}"

@@ -437,7 +437,7 @@ def test_every_call_fallbacks():
     every = reports.every_call_fallbacks(_snapshot([
         ("self", "flex", "native", 8, ["flex: needs torch.compile"]),
         ("cross", "flex", "native", 8, ["flex: needs torch.compile"]),
-        ("self", "flex", "comfy:attention_pytorch", 4, ["outside the step window 0.50..1.00"]),  # delegated
+        ("self", "flex", "comfy:attention_pytorch", 4, ["outside the step window 0.5..1"]),  # delegated
     ]))
     assert len(every) == 1 and every[0]["every_site"] and every[0]["sites"] == ["cross", "self"]
     assert every[0]["text"] == "flex fell back to native on every call: flex: needs torch.compile"
@@ -525,9 +525,9 @@ def test_dropdown_lists_the_two_autos_first_and_still_accepts_auto(nodes):
     assert nodes.SET_FIELDS[0].default == "auto_exact" and nodes.CLIP_FIELDS[0].default == "auto_exact"
     good = {"policy": "strict", "start_percent": 0.0, "end_percent": 1.0}
     for backend in ("auto", "auto_exact", "auto_fast"):
-        assert nodes.SetAttentionBackend.validate_inputs(backend, **good) is True
-        assert nodes.SetClipAttentionBackend.validate_inputs(backend, "strict") is True
-    assert "auto_exact, auto_fast, comfy default" in nodes.SetAttentionBackend.validate_inputs("aut", **good)
+        assert nodes.SetAttentionBackend.check_inputs(backend, **good) is True
+        assert nodes.SetClipAttentionBackend.check_inputs(backend, "strict") is True
+    assert "auto_exact, auto_fast, comfy default" in nodes.SetAttentionBackend.check_inputs("aut", **good)
     tooltip = nodes.SET_FIELDS[0].tooltip
     assert "never a quantised kernel" in tooltip and "5e-02" in tooltip and "quality guard" in tooltip
 
@@ -544,7 +544,7 @@ def test_dropdown_lists_the_two_autos_first_and_still_accepts_auto(nodes):
 ])
 def test_new_inputs_are_checked_at_queue_time(nodes, inputs, expected):
     values = {"backend": "native", "policy": "fallback", "start_percent": 0.0, "end_percent": 1.0, **inputs}
-    answer = nodes.SetAttentionBackend.validate_inputs(**values)
+    answer = nodes.SetAttentionBackend.check_inputs(**values)
     assert isinstance(answer, str) and expected in answer, answer
 
 
@@ -552,8 +552,8 @@ def test_new_inputs_are_optional_for_older_prompts(nodes):
     fields = {f.name: f for f in nodes.SET_FIELDS}
     assert all(fields[n].optional for n in ("block_start", "block_end", "quality_guard", "guard_every"))
     assert not any(fields[n].optional for n in ("backend", "policy", "start_percent", "end_percent"))
-    assert nodes.SetAttentionBackend.validate_inputs("native", "fallback", 0.0, 1.0) is True
-    assert nodes.SetAttentionBackend.validate_inputs("native", "fallback", 0.0, 1.0, -3, 4, "off", 1) is True
+    assert nodes.SetAttentionBackend.check_inputs("native", "fallback", 0.0, 1.0) is True
+    assert nodes.SetAttentionBackend.check_inputs("native", "fallback", 0.0, 1.0, -3, 4, "off", 1) is True
     (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "native", "fallback", 0.0, 1.0).result
     assert m.override.guard == ("quantised", nodes.DEFAULT_EVERY) and m.override.blocks is None
     assert m.override.model.startswith("FakeModel:")

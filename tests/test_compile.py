@@ -165,8 +165,8 @@ def test_fallback_inside_compile_is_recorded_with_its_reasons():
     rows = recorder.snapshot()["rows"]
     assert {r["served"] for r in rows} == {"_native_flash"}
     assert all(r["fell_back"] and any("pip install" in x for x in r["reasons"]) for r in rows)
-    # A compiled call is recorded when traced (once), the three eager calls each time.
-    assert recorder.served_by("_native_flash") == 1 + 3
+    # Every run of the compiled graph counts (its counting op), as do the three eager calls.
+    assert recorder.served_by("_native_flash") == 3 + 3
 
 
 def test_a_new_backend_argument_retraces():

@@ -198,7 +198,7 @@ def _run_case(c: Case, rank: int) -> dict:
                 foreign_calls.append(1)
                 return func(*a, **kw)
             model.model_options["transformer_options"]["optimized_attention_override"] = foreign
-        assert parallel_node.ContextParallelAttention.validate_inputs(mode=c.mode, degree=c.degree) is True
+        assert parallel_node.ContextParallelAttention.check_inputs(mode=c.mode, degree=c.degree) is True
         patched = parallel_node.ContextParallelAttention.execute(model=model, mode=c.mode, degree=c.degree).result[0]
         to = patched.model_options["transformer_options"]
         override = to["optimized_attention_override"]
@@ -300,14 +300,28 @@ def test_validate_inputs_without_a_launch_says_how_to_launch(node, monkeypatch):
     _, parallel_node = node
     monkeypatch.chdir("/")
     node_cls = parallel_node.ContextParallelAttention
-    assert node_cls.validate_inputs(mode="off", degree=0) is True
+    assert node_cls.check_inputs(mode="off", degree=0) is True
     for mode in ("heads", "sequence"):
-        message = node_cls.validate_inputs(mode=mode, degree=0)
+        message = node_cls.check_inputs(mode=mode, degree=0)
         assert isinstance(message, str) and f"mode '{mode}'" in message
         assert "torchrun --nproc-per-node 2 main.py <your usual main.py arguments>" in message
         assert "torch.distributed is not initialized" in message and "mode to 'off'" in message
-    assert "unknown mode" in node_cls.validate_inputs(mode="ring", degree=0)
-    assert "degree" in node_cls.validate_inputs(mode="heads", degree=-1)
+    assert "unknown mode" in node_cls.check_inputs(mode="ring", degree=0)
+    assert "degree" in node_cls.check_inputs(mode="heads", degree=-1)
+
+
+def test_mode_defaults_to_off_outside_torchrun(node, monkeypatch):
+    """Dropped into a workflow of a ComfyUI not started by torchrun, the node's default changes nothing and the
+    prompt is not refused; under a torchrun launch of several ranks the default splits by heads."""
+    _, parallel_node = node
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert parallel_node.default_mode() == "off"
+    assert parallel_node.ContextParallelAttention.validate_inputs() is True  # the defaults ComfyUI would use
+    monkeypatch.setenv("RANK", "0"), monkeypatch.setenv("WORLD_SIZE", "2"), monkeypatch.setenv("LOCAL_RANK", "0")
+    assert parallel_node.default_mode() == "heads"
+    with pytest.raises(ValueError, match="needs one ComfyUI process per GPU"):  # raised: ComfyUI shows it once
+        parallel_node.ContextParallelAttention.validate_inputs(mode="heads", degree=0)
 
 
 def test_execute_off_returns_the_model_and_on_refuses_without_a_launch(node):

@@ -81,15 +81,37 @@ def sampling(steps, calls_per_step, backend=None, policy=None, seed=0):
 
 # ------------------------------------------------------------------------------------------ a faulty backend
 
-@pytest.mark.parametrize("how", FAULTS)
+@pytest.mark.parametrize("how", ["nan", "inf"])
+@pytest.mark.parametrize("policy", ["fallback", "strict"])
+def test_non_finite_output_with_checks_raise_fails_under_every_policy(how, policy):
+    """Checks "raise" mean what they say: a non-finite output fails the call, under the default fallback policy
+    too (it is not handed to the next backend as if the kernel had raised); "warn" logs and keeps the output."""
+    fn = Faulty(how, fail_on=(3,))
+    register_backend("faulty", fn, devices=("cpu",))
+    recorder = Recorder()
+    # the quality guard, which checks a custom kernel's outputs by default and recomputes a NaN one exactly
+    # (tests/test_guard.py), is off: this is about what checks do with the output they are given
+    with recording(recorder), attention_checks("raise"), attention_backend("faulty", policy=policy), \
+            dispatcher.quality_guard("off"):
+        with pytest.raises(AttentionInputError, match="output of attention backend 'faulty'"):
+            sampling(steps=4, calls_per_step=2)
+    assert {row["served"]: row["calls"] for row in recorder.snapshot()["rows"]} == {"faulty": 2}
+    assert fn.calls == 3
+    with attention_checks("warn"), attention_backend("faulty", policy=policy), dispatcher.quality_guard("off"):
+        fn.calls, fn.fail_on = 0, (1,)
+        ((out, _),) = sampling(steps=1, calls_per_step=1)
+    assert not torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("how", ["oom", "illegal", "type"])
 def test_fault_mid_run_fallback_completes_and_reports(how):
     fn = Faulty(how, fail_on=(3,))
     register_backend("faulty", fn, devices=("cpu",))
     recorder = Recorder()
     before = snapshot_state()
-    checks = "raise" if how in ("nan", "inf") else "off"  # non-finite outputs are seen by checks ...
-    # ... and by the quality guard, which checks a custom kernel's outputs by default (tests/test_guard.py): off
-    # here, this is about checks and the fallback chain
+    checks = "off"  # non-finite outputs with checks "raise": test_non_finite_output_with_checks_raise_fails_...
+    # the quality guard checks a custom kernel's outputs by default (tests/test_guard.py): off here, this is about
+    # the fallback chain
     with recording(recorder), attention_checks(checks), attention_backend("faulty"), dispatcher.quality_guard("off"):
         outs = sampling(steps=4, calls_per_step=2)
     assert snapshot_state() == before
@@ -443,7 +465,7 @@ def test_patched_model_survives_a_fault_mid_sampling(nodes, how, policy):
     reports.clear()
     fn = Faulty(how, fail_on=(3,))
     pd.register_backend("faulty", fn, devices=("cpu",))
-    assert nodes.SetAttentionBackend.validate_inputs("faulty", policy, 0.0, 1.0) is True
+    assert nodes.SetAttentionBackend.check_inputs("faulty", policy, 0.0, 1.0) is True
     original = node_stub.FakeModel({"transformer_options": {"marker": 1}, "extra": [1, 2]})
     pristine = copy.deepcopy(original.model_options)
     before = snapshot_state(pd)
@@ -456,7 +478,8 @@ def test_patched_model_survives_a_fault_mid_sampling(nodes, how, policy):
         (patched,) = nodes.AttentionChecks.execute(patched, "raise", False, 10).result
     assert original.model_options == pristine and patched is not original
     patched_options = copy.copy(patched.model_options["transformer_options"])
-    if policy == "fallback":
+    fails = policy == "strict" or how == "nan"  # Attention Checks "raise" fail the prompt under fallback too
+    if not fails:
         result, outs = sample(patched)
         assert result == "latent"
         for out, expected in outs:
@@ -468,8 +491,14 @@ def test_patched_model_survives_a_fault_mid_sampling(nodes, how, policy):
     assert original.model_options == pristine  # the model the user loaded is untouched
     assert patched.model_options["transformer_options"] == patched_options  # and the clone keeps its patch
     report = [r for r in reports.latest()["reports"] if r["kind"] == "model"][-1]  # published even on failure
+    if how == "nan":  # the Attention Checks report says what it checked and what failed the prompt
+        checks = [r for r in reports.latest()["reports"] if r["kind"] == "checks"][-1]
+        assert checks["checked"] == {"mode": "raise", "calls": 3, "non_finite": 1,
+                                     "messages": [checks["checked"]["messages"][0]]}, checks
+        assert checks["summary"].startswith("NaN/Inf found, the prompt failed (checks: raise) after 3 attention "
+                                            "calls: output of attention backend 'faulty' has"), checks["summary"]
     rows = report["recorder"]["rows"]
-    if policy == "fallback":
+    if not fails:
         assert served_calls(rows) == {"faulty": 2, "native": 4}
         assert report["recorder"]["errors"][0]["backend"] == "faulty"
     else:
@@ -481,7 +510,7 @@ def test_patched_model_survives_a_fault_mid_sampling(nodes, how, policy):
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     report = [r for r in reports.latest()["reports"] if r["kind"] == "model"][-1]
     counts = served_calls(report["recorder"]["rows"])
-    assert counts == ({"native": 6} if policy == "fallback" else {"faulty": 6})
+    assert counts == ({"faulty": 6} if fails else {"native": 6})
 
 
 def test_patched_model_with_a_broken_hub_kernel(nodes, hub_env, monkeypatch):
@@ -492,7 +521,7 @@ def test_patched_model_with_a_broken_hub_kernel(nodes, hub_env, monkeypatch):
     original = node_stub.FakeModel()
     pristine = copy.deepcopy(original.model_options)
     # strict: the queue-time check cannot know the kernel is broken (it loads nothing); the run says why
-    assert nodes.SetAttentionBackend.validate_inputs("badhub", "strict", 0.0, 1.0) is True
+    assert nodes.SetAttentionBackend.check_inputs("badhub", "strict", 0.0, 1.0) is True
     for policy in ("fallback", "strict"):
         (patched,) = nodes.SetAttentionBackend.execute(original, "badhub", policy, 0.0, 1.0, None).result
         if policy == "fallback":
@@ -504,3 +533,29 @@ def test_patched_model_with_a_broken_hub_kernel(nodes, hub_env, monkeypatch):
                 sample(patched)
         assert original.model_options == pristine
     assert pd.hub.loaded_kernels() == []
+
+
+@pytest.mark.parametrize("mode", ["warn", "raise"])
+def test_checks_report_says_what_was_checked(nodes, mode):
+    """The Attention Checks report is never empty: calls checked and, under warn, the NaN/Inf it logged and kept."""
+    reports = importlib.import_module(f"{PACK}.nodes.reports")
+    pack_dispatcher.register_backend("faulty", Faulty("nan", fail_on=(2,)), devices=("cpu",))
+    # the guard off: it would recompute the custom kernel's NaN output exactly before checks see it (test_guard.py)
+    (patched,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "faulty", "fallback", 0.0, 1.0, None,
+                                                   quality_guard="off").result
+    (patched,) = nodes.AttentionChecks.execute(patched, mode, False, 10).result
+    if mode == "raise":
+        (patched_clean,) = nodes.AttentionChecks.execute(
+            nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "native", "fallback", 0.0, 1.0, None).result[0],
+            mode, False, 10).result
+        sample(patched_clean)
+        checks = [r for r in reports.latest()["reports"] if r["kind"] == "checks"][-1]
+        assert checks["summary"] == "Checked 6 attention calls for NaN/Inf: all finite.", checks
+        assert checks["checked"]["non_finite"] == 0 and "no_calls" not in checks
+        return
+    result, outs = sample(patched)
+    assert result == "latent" and not torch.isfinite(outs[1][0]).all()  # warn keeps the output
+    checks = [r for r in reports.latest()["reports"] if r["kind"] == "checks"][-1]
+    assert checks["checked"]["calls"] == 6 and checks["checked"]["non_finite"] == 1, checks
+    assert checks["summary"].startswith("NaN/Inf in 1 of 6 attention calls (checks: warn, logged; the output was "
+                                        "kept): output of attention backend 'faulty' has"), checks["summary"]

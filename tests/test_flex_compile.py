@@ -115,8 +115,8 @@ def test_flex_serves_every_call_with_symbolic_sizes_under_inductor():
 @pytest.mark.parametrize("dim", [DIM, 16])
 def test_flex_serves_every_call_with_static_sizes_under_inductor(dim):
     """The traced route: flex is traced into the caller's graph, without a break, and inductor compiles it there
-    (a call counts once per trace, and dynamo may trace a frame more than once). Head dim 16 is one that
-    inductor's C++ flex template gets wrong unless padded."""
+    (each run of the graph counts its calls, once per run, not once per trace: a graph compiled for one prompt
+    counts in the next). Head dim 16 is one that inductor's C++ flex template gets wrong unless padded."""
     recorder = Recorder()
     block = Block(recorder, dim=dim)
     reference = Block(None, dim=dim, attend=sdpa)
@@ -126,10 +126,14 @@ def test_flex_serves_every_call_with_static_sizes_under_inductor(dim):
         explanation = torch._dynamo.explain(block)(*args)
     assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
     torch._dynamo.reset()
+    recorder.clear()  # explain ran the block once
     compiled = torch.compile(block, backend="inductor")
     check(compiled, block, reference, args)
     check(compiled, block, reference, inputs(seed=2))
-    assert_flex_served_every_call(recorder, calls_per_site=None)
+    assert_flex_served_every_call(recorder, calls_per_site=2)
+    recorder.clear()  # the next prompt: the graph is cached, no trace, and its calls still count
+    check(compiled, block, reference, inputs(seed=3))
+    assert_flex_served_every_call(recorder, calls_per_site=1)
 
 
 @pytest.mark.parametrize("backend", ["native", "flex"])

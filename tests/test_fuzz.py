@@ -560,10 +560,10 @@ def test_node_validate_inputs_answer_true_or_a_message(monkeypatch, backend, pol
     """ComfyUI hands validate_inputs the raw prompt JSON for the inputs it declares (it skips its own
     range and option checks for those); FLOAT inputs are already float(). Never an exception."""
     nodes = node_stub.install(monkeypatch)
-    for result in (nodes.SetAttentionBackend.validate_inputs(backend, policy, start, end),
-                   nodes.SetClipAttentionBackend.validate_inputs(backend, policy)):
+    for result in (nodes.SetAttentionBackend.check_inputs(backend, policy, start, end),
+                   nodes.SetClipAttentionBackend.check_inputs(backend, policy)):
         assert result is True or (isinstance(result, str) and result), result
-    ok = nodes.SetAttentionBackend.validate_inputs(backend, policy, start, end)
+    ok = nodes.SetAttentionBackend.check_inputs(backend, policy, start, end)
     if policy not in ("fallback", "strict"):
         assert ok is not True and "policy" in ok
     elif not (0.0 <= start <= end <= 1.0):

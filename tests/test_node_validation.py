@@ -61,11 +61,11 @@ def test_every_node_checks_every_input(nodes):
     that input; nothing raises; the good values pass."""
     cases = 0
     for node, (fields, good) in _good(nodes).items():
-        assert node.validate_inputs(**good) is True, node
+        assert node.check_inputs(**good) is True, node
         assert {f.name for f in fields} == set(good), node
         for field in fields:
             for bad in _bad_values(field):
-                answer = node.validate_inputs(**{**good, field.name: bad})
+                answer = node.check_inputs(**{**good, field.name: bad})
                 assert isinstance(answer, str) and answer.startswith(f"{field.name}:") or \
                     f"{field.name}:" in answer, (node, field.name, bad, answer)
                 cases += 1
@@ -80,42 +80,101 @@ def test_every_node_checks_every_input(nodes):
     (-0.1, "start_percent: -0.1 is below the minimum 0"),
 ])
 def test_set_window_numbers_never_crash(nodes, value, expected):
-    answer = nodes.SetAttentionBackend.validate_inputs("native", "fallback", value, 1.0)
+    answer = nodes.SetAttentionBackend.check_inputs("native", "fallback", value, 1.0)
     assert answer.startswith(expected), answer
     assert "0 <= start_percent <= end_percent <= 1" in answer
 
 
 def test_cross_field_rules(nodes):
-    answer = nodes.SetAttentionBackend.validate_inputs("native", "fallback", 0.8, 0.2)
+    answer = nodes.SetAttentionBackend.check_inputs("native", "fallback", 0.8, 0.2)
     assert answer == "start_percent 0.8 is after end_percent 0.2 (the step window needs 0 <= start_percent <= " \
                      "end_percent <= 1)"
-    strict = nodes.SetAttentionBackend.validate_inputs("flash", "strict", 0.0, 1.0)
+    strict = nodes.SetAttentionBackend.check_inputs("flash", "strict", 0.0, 1.0)
     assert strict.startswith("backend: attention backend 'flash' cannot run on this machine (policy strict)")
     assert "pip install" in strict
-    assert nodes.SetAttentionBackend.validate_inputs("flash", "fallback", 0.0, 1.0) is True
-    assert "cannot run" in nodes.SetClipAttentionBackend.validate_inputs("flash", "strict")
+    assert nodes.SetAttentionBackend.check_inputs("flash", "fallback", 0.0, 1.0) is True
+    assert "cannot run" in nodes.SetClipAttentionBackend.check_inputs("flash", "strict")
     # every problem at once, each named
-    many = nodes.SetAttentionBackend.validate_inputs("flsh", "Strict", "abc", None)
+    many = nodes.SetAttentionBackend.check_inputs("flsh", "Strict", "abc", None)
     assert [p.split(":")[0] for p in many.split("; ") if ":" in p.split(" ")[0]] == [
         "backend", "policy", "start_percent", "end_percent"], many
 
 
 def test_unknown_values_name_the_close_match(nodes):
-    answer = nodes.SetAttentionBackend.validate_inputs("flsh", "fallback", 0.0, 1.0)
-    assert answer == ("backend: unknown attention backend 'flsh'. Did you mean 'flash'? Valid: auto_exact, auto_fast, "
-                      "comfy default, "
-                      + ", ".join(nodes.backend_names())), answer
-    assert "Did you mean 'strict'?" in nodes.SetClipAttentionBackend.validate_inputs("native", "Strict")
-    explode = nodes.AttentionChecks.validate_inputs("explode", False, 10)
+    answer = nodes.SetAttentionBackend.check_inputs("flsh", "fallback", 0.0, 1.0)
+    assert answer == ("backend: unknown attention backend 'flsh'. Did you mean 'flash'? Valid: "
+                      + ", ".join(nodes.backend_options())), answer
+    assert "Did you mean 'strict'?" in nodes.SetClipAttentionBackend.check_inputs("native", "Strict")
+    explode = nodes.AttentionChecks.check_inputs("explode", False, 10)
     assert explode == "mode: unknown checks mode 'explode'. Valid: raise, warn", explode
-    assert "Did you mean 'raise'?" in nodes.AttentionChecks.validate_inputs("RAISE", False, 10)
-    assert nodes.AttentionChecks.validate_inputs("warn", False, 0) == "compare_every: 0 is below the minimum 1"
+    assert "Did you mean 'raise'?" in nodes.AttentionChecks.check_inputs("RAISE", False, 10)
+    assert nodes.AttentionChecks.check_inputs("warn", False, 0) == "compare_every: 0 is below the minimum 1"
+
+
+def test_comfyui_gets_one_refusal_per_node(nodes):
+    """ComfyUI repeats a returned message once per input validate_inputs names (8 copies for Set Attention
+    Backend); validate_inputs raises the message once instead, a builtin ValueError (ComfyUI names a pack's own
+    exception classes by the server's path). Links arrive as None and are ignored."""
+    good = {"backend": "native", "policy": "fallback", "start_percent": 0.0, "end_percent": 1.0, "block_start": 0,
+            "block_end": -1, "quality_guard": "off", "guard_every": 1}
+    assert nodes.SetAttentionBackend.validate_inputs(model=None, trust=None, **good) is True
+    with pytest.raises(ValueError) as refused:
+        nodes.SetAttentionBackend.validate_inputs(model=None, **{**good, "backend": "flsh"})
+    assert type(refused.value) is ValueError
+    assert str(refused.value) == nodes.SetAttentionBackend.check_inputs(**{**good, "backend": "flsh"})
+    assert str(refused.value).count("Did you mean 'flash'?") == 1
+    for node, values in ((nodes.SetClipAttentionBackend, {"clip": None, "backend": "natve", "policy": "fallback"}),
+                         (nodes.AttentionChecks, {"model": None, "mode": "rase", "compare": False,
+                                                  "compare_every": 1}),
+                         (nodes.TrustRemoteKernels, {"publishers": "*"})):
+        with pytest.raises(ValueError, match="Did you mean|wildcards"):
+            node.validate_inputs(**values)
+
+
+def test_checks_compare_is_judged_as_sent(nodes):
+    """ComfyUI makes a BOOLEAN value True with bool() before validate_inputs runs ("no" -> True); the raw value
+    the client sent is kept per request (raw_prompt) and judged: "no" is refused, not run as True."""
+    raw_prompt = importlib.import_module(f"{PACK}.nodes.raw_prompt")
+    sent = {"prompt": {"7": {"class_type": "AttentionChecks",
+                             "inputs": {"model": ["1", 0], "mode": "warn", "compare": "no", "compare_every": 10}}}}
+    import contextvars
+
+    def validate_as_comfyui_does():
+        raw_prompt.remember(sent)
+        sent["prompt"]["7"]["inputs"]["compare"] = bool("no")  # what ComfyUI does to the prompt next
+        return nodes.AttentionChecks.validate_inputs(model=None, mode="warn", compare=True, compare_every=10)
+
+    with pytest.raises(ValueError, match="compare: expected true or false, got 'no'"):
+        contextvars.copy_context().run(validate_as_comfyui_does)
+    sent["prompt"]["7"]["inputs"]["compare"] = False
+    assert contextvars.copy_context().run(validate_as_comfyui_does) is True
+    # a request that kept no copy (another node id, or none at all) judges the value ComfyUI hands over
+    assert nodes.AttentionChecks.validate_inputs(mode="warn", compare=True, compare_every=10) is True
+
+
+def test_dropdown_leads_with_the_autos_and_what_runs_here(nodes):
+    """The autos and ComfyUI's attention first, then what runs on this machine (best first), then what cannot,
+    grouped by family; private `_` names are not listed but are still accepted, typed or from a workflow."""
+    options = nodes.backend_options()
+    assert options[:3] == ["auto_exact", "auto_fast", "comfy default"]
+    runs = [n for n in options[3:] if not nodes.availability_reasons(n)]
+    assert options[3:3 + len(runs)] == runs and {"native", "flex"} <= set(runs)  # a CPU machine
+    assert runs == [n for n in nodes.backend_names() if n in runs]  # best first
+    families = [nodes.get_backend_spec(n).family for n in options[3 + len(runs):]]
+    assert all(families[i] == families[i - 1] or families[i] not in families[:i] for i in range(1, len(families))), \
+        families  # each family in one block
+    assert not any(n.startswith("_") for n in options)
+    assert set(options[3:]) == {n for n in nodes.backend_names() if not n.startswith("_")}
+    for private in [n for n in nodes.backend_names() if n.startswith("_")] + ["auto"]:
+        assert nodes.SetAttentionBackend.check_inputs(private, "fallback", 0.0, 1.0) is True, private
+    assert "Did you mean '_native_math'?" in nodes.SetAttentionBackend.check_inputs("_native_mat", "fallback", 0.0,
+                                                                                    1.0)
 
 
 def test_inputs_the_prompt_does_not_carry_are_left_to_comfyui(nodes):
     """ComfyUI reports a missing required input itself; validate_inputs does not add a second message."""
-    assert nodes.SetAttentionBackend.validate_inputs(backend="native") is True
-    assert nodes.AttentionChecks.validate_inputs() is True
+    assert nodes.SetAttentionBackend.check_inputs(backend="native") is True
+    assert nodes.AttentionChecks.check_inputs() is True
 
 
 # ------------------------------------------------------------------------------------------------ Trust
@@ -137,7 +196,7 @@ def test_trust_refuses_what_cannot_apply(nodes, text, fragment):
     publisher, _ = _untrusted(nodes)
     values = {"P": publisher, "P_SWAP": publisher.swapcase()}
     text, fragment = text.format(**values), fragment.format(**values)
-    answer = nodes.TrustRemoteKernels.validate_inputs(f"{publisher}\n{text}")
+    answer = nodes.TrustRemoteKernels.check_inputs(f"{publisher}\n{text}")
     assert isinstance(answer, str) and answer.startswith("publishers: ") and fragment in answer, answer
     out = nodes.TrustRemoteKernels.execute(text)
     (names,) = out.result
@@ -146,10 +205,29 @@ def test_trust_refuses_what_cannot_apply(nodes, text, fragment):
         assert names == (), names  # can never match: not passed on
 
 
+@pytest.mark.parametrize("text", [
+    "https://huggingface.co/{P}/sage-attention", "{P}/sage-attention", "kernels-community/flash-attn2",
+    "someone/kernel", "hf.co/someone", "/home/me/kernels", "./kernels", "~/kernels", "C:\\kernels\\flash",
+    "https://example.com/x",
+])
+def test_trust_advice_for_a_path_like_entry_is_accepted(nodes, text):
+    """Whatever the advice for a repo id, URL or path tells the user to write, the node then accepts; where no
+    publisher can be read from it, the advice lists the publishers that apply here."""
+    import re
+    publisher, _ = _untrusted(nodes)
+    answer = nodes.TrustRemoteKernels.check_inputs(text.format(P=publisher))
+    assert isinstance(answer, str), answer
+    suggested = re.findall(r"write '([^']+)'", answer)
+    for value in suggested:
+        assert nodes.TrustRemoteKernels.check_inputs(value) is True, (answer, value)
+    if not suggested:
+        assert f"publishers of Hub backends here: " in answer and publisher in answer, answer
+
+
 def test_trust_confirms_only_what_applies(nodes, monkeypatch):
     publisher, backends = _untrusted(nodes)
-    assert nodes.TrustRemoteKernels.validate_inputs(f"{publisher}, kernels-community\n\n") is True
-    assert nodes.TrustRemoteKernels.validate_inputs("") is True
+    assert nodes.TrustRemoteKernels.check_inputs(f"{publisher}, kernels-community\n\n") is True
+    assert nodes.TrustRemoteKernels.check_inputs("") is True
     out = nodes.TrustRemoteKernels.execute(f"{publisher}, kernels-community\n{publisher}")
     assert out.result == (tuple(sorted(["kernels-community", publisher])),)
     lines = out.ui["text"][0].split("\n")
@@ -215,8 +293,8 @@ def test_windowed_downstream_set_node_leaves_calls_outside_its_window(nodes, mon
     _as(monkeypatch, nodes.SetAttentionBackend, "2")
     (b,) = nodes.SetAttentionBackend.execute(a, "flex", "fallback", 0.5, 1.0).result
     got = _run(b)
-    assert "wins inside its step window 0.50..1.00" in got[("model", "1")]["notes"][0]
-    assert "outside this node's step window 0.50..1.00 #1's backend runs" in got[("model", "2")]["notes"][0]
+    assert "wins inside its step window 0.5..1" in got[("model", "1")]["notes"][0]
+    assert "outside this node's step window 0.5..1 #1's backend runs" in got[("model", "2")]["notes"][0]
 
 
 @pytest.mark.parametrize("compare", [False, True])
@@ -239,11 +317,40 @@ def test_checks_with_no_samples_never_read_as_clean(nodes, monkeypatch):
     (c,) = nodes.AttentionChecks.execute(s, "warn", True, 1).result
     report = _run(c)[("checks", "5")]  # the sampler made no attention call at all
     assert report["compare"]["samples"] == 0 and report["no_calls"] is True
-    assert "nothing was compared" in report["notes"][0] and "replaced_by" not in report
+    assert "nothing was checked or compared" in report["notes"][0] and "replaced_by" not in report
 
 
 def test_message_text_is_plain(nodes):
     """Messages quote odd values with repr (control characters stay visible) and stay short."""
-    answer = nodes.SetAttentionBackend.validate_inputs("x\x1b[31m" * 40, "fallback", 0.0, 1.0)
+    answer = nodes.SetAttentionBackend.check_inputs("x\x1b[31m" * 40, "fallback", 0.0, 1.0)
     assert "\x1b" not in answer and "\u2026" in answer
     assert not math.isnan(len(answer))
+
+
+@pytest.mark.parametrize("window, text", [((1e-300, 1.0), "1e-300..1"), ((0.5, 1.0), "0.5..1"),
+                                          ((0.0, 0.25), "0..0.25"), ((1 / 3, 1.0), "0.3333333333333333..1")])
+def test_step_windows_are_shown_as_the_numbers_they_are(window, text):
+    """A window of 1e-300..1 is not 'outside the step window 0.00..1.00': each bound reads back as itself."""
+    from helpers.pack import load_pack
+    load_pack()
+    window_mod = importlib.import_module(f"{PACK}.nodes.window")
+    assert window_mod.window_text(*window) == text
+    assert tuple(float(x) for x in text.split("..")) == window
+
+
+def test_library_errors_read_without_the_server_path():
+    """ComfyUI names an exception by module + qualname and loads the pack under its path: the exceptions the
+    library exports are named by the module they are exported from (attention_dispatch), never by a path."""
+    from helpers.pack import load_pack
+    load_pack()
+    error_names = importlib.import_module(f"{PACK}.nodes.error_names")
+    dispatcher = importlib.import_module(f"{PACK}.dispatcher")
+    error_names.name_for_comfyui()
+    named = {f"{cls.__module__}.{cls.__qualname__}" for cls in error_names.public_exceptions()}
+    assert {"attention_dispatch.AttentionQualityError", "attention_dispatch.AttentionInputError",
+            "attention_dispatch.BackendNotSupportedError", "attention_dispatch.parallel.ContextParallelError"} <= named
+    assert not any("/" in n or PACK in n for n in named), named
+    try:
+        raise dispatcher.AttentionQualityError("x")
+    except dispatcher.AttentionQualityError as exc:  # still the same class: only its name changed
+        assert type(exc).__module__ == "attention_dispatch"

@@ -19,7 +19,7 @@ adapter = importlib.import_module(f"{PACK}.nodes.adapter")
 dispatcher = importlib.import_module(f"{PACK}.dispatcher")
 ROOT = Path(__file__).resolve().parent.parent
 OUR_NODES = {"SetAttentionBackend", "SetClipAttentionBackend", "AttentionChecks", "SparseAttentionOptions",
-             "TrustRemoteKernels"}
+             "TrustRemoteKernels", "ContextParallelAttention"}
 
 
 class Attention(torch.nn.Module):  # shaped like comfy.clip_model.CLIPAttention

@@ -179,9 +179,9 @@ def test_disable_wins_in_queue_time_validation(nodes, monkeypatch, disable):
     monkeypatch.setenv(DISABLE, disable)
     monkeypatch.setenv(TRUST, "true")
     for name in ("someorg_hub", "kernels_community_hub", "flash_hub"):
-        message = nodes.SetAttentionBackend.validate_inputs(name, "strict", 0.0, 1.0)
+        message = nodes.SetAttentionBackend.check_inputs(name, "strict", 0.0, 1.0)
         assert message is not True and DISABLE in message, message
-        assert nodes.SetAttentionBackend.validate_inputs(name, "fallback", 0.0, 1.0) is True  # runs native, says why
+        assert nodes.SetAttentionBackend.check_inputs(name, "fallback", 0.0, 1.0) is True  # runs native, says why
 
 
 def test_disable_wins_in_the_dispatcher_for_every_trust_source(monkeypatch, repos, spy, tmp_path):
@@ -350,7 +350,9 @@ def registered_handlers(monkeypatch):
     aiohttp = types.ModuleType("aiohttp")
     aiohttp.web = web
     server = types.ModuleType("server")
-    server.PromptServer = types.SimpleNamespace(instance=types.SimpleNamespace(routes=Routes()))
+    prompt_handlers = []  # the raw-prompt hook (nodes/raw_prompt.py): it reads the prompt, serves nothing
+    server.PromptServer = types.SimpleNamespace(instance=types.SimpleNamespace(
+        routes=Routes(), add_on_prompt_handler=prompt_handlers.append))
     monkeypatch.setitem(sys.modules, "aiohttp", aiohttp)
     monkeypatch.setitem(sys.modules, "aiohttp.web", web)
     monkeypatch.setitem(sys.modules, "server", server)

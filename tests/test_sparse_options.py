@@ -38,10 +38,10 @@ GOOD = {"tau": 1.3, "dense_blocks": "0, 1, 47-49", "min_tokens": 12288}
 
 
 def test_good_options_pass_and_make_the_options(nodes):
-    assert nodes.SparseAttentionOptions.validate_inputs(**GOOD) is True
+    assert nodes.SparseAttentionOptions.check_inputs(**GOOD) is True
     (options,) = nodes.SparseAttentionOptions.execute(**GOOD).result
     assert options == kitchen.SolAttnOptions(tau=1.3, min_tokens=12288, dense_blocks=frozenset({0, 1, 47, 48, 49}))
-    assert nodes.SparseAttentionOptions.validate_inputs(**{**GOOD, "dense_blocks": ""}) is True
+    assert nodes.SparseAttentionOptions.check_inputs(**{**GOOD, "dense_blocks": ""}) is True
 
 
 @pytest.mark.parametrize("field, value, expected", [
@@ -57,7 +57,7 @@ def test_good_options_pass_and_make_the_options(nodes):
     ("dense_blocks", None, "dense_blocks:"),
 ])
 def test_bad_options_are_refused_at_queue_time_naming_the_input(nodes, field, value, expected):
-    answer = nodes.SparseAttentionOptions.validate_inputs(**{**GOOD, field: value})
+    answer = nodes.SparseAttentionOptions.check_inputs(**{**GOOD, field: value})
     assert isinstance(answer, str) and expected in answer, answer
 
 

@@ -9,7 +9,7 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import {
-  displayLabel, fallbackToast, indexBackends, isUnavailable, menuEntry, mergeReports, resolveNode,
+  displayLabel, fallbackToast, groupedEntry, indexBackends, isUnavailable, menuGroups, mergeReports, resolveNode,
   selectionWarning, summarizeClipText, summarizeReport, summarizeTrustText, visibleValues, wrapText,
 } from "./format.js";
 
@@ -163,13 +163,34 @@ function applyVisibleValues(w) {
   w.__attnShown = shown;
 }
 
+function entryValue(el) {
+  return typeof el.value === "string" ? el.value : el.dataset?.value;
+}
+
+/** Keep the menu inside the window: it scrolls (CSS max-height) and its top moves up when it runs off. */
+function fitMenu(root) {
+  const r = root.getBoundingClientRect();
+  if (r.bottom > window.innerHeight - 4) root.style.top = `${Math.max(4, window.innerHeight - r.height - 4)}px`;
+}
+
 function annotateMenu(root) {
   if (!state.index) return;
   root.classList.add("attention-dispatch-menu");
-  for (const el of root.querySelectorAll(".litemenu-entry")) {
-    const value = typeof el.value === "string" ? el.value : el.dataset?.value;
-    if (typeof value !== "string") continue;
-    const entry = menuEntry(state.index, value);
+  const entries = [...root.querySelectorAll(".litemenu-entry")].filter((el) => typeof entryValue(el) === "string");
+  const groups = menuGroups(state.index, entries.map(entryValue));
+  const groupOf = new Map();
+  for (const group of groups) for (const value of group.values) groupOf.set(value, group);
+  for (const el of entries) {
+    const value = entryValue(el);
+    const group = groupOf.get(value);
+    if (group && group.values[0] === value) { // the group's heading, before its first entry (not clickable)
+      const heading = document.createElement("div");
+      heading.className = "attention-dispatch-group";
+      heading.dataset.group = group.key;
+      heading.textContent = group.title;
+      el.before(heading);
+    }
+    const entry = groupedEntry(state.index, value, group?.shared);
     el.textContent = entry.label; // what the entry shows; the click still sends el.value (the real name)
     if (entry.note) {
       const note = document.createElement("span");
@@ -181,6 +202,7 @@ function annotateMenu(root) {
     el.dataset.attentionDispatch = entry.unavailable ? "unavailable" : "available";
     if (entry.unavailable) el.classList.add("attention-dispatch-unavailable");
   }
+  fitMenu(root);
 }
 
 function decorateBackendWidget(node, w) {
@@ -253,6 +275,24 @@ function decorateBackendWidget(node, w) {
   };
 }
 
+/** The frontend sizes a node to computeSize() (a widget change, a reload): keep room for the panel there too, or
+ * the "Last run" text would be cut off. On the node itself: the frontend's node class defines its own. */
+function keepRoomForPanel(node, st) {
+  const original = node.computeSize;
+  if (typeof original !== "function") return;
+  node.computeSize = function computeSize(...args) {
+    const size = original.apply(this, args);
+    try {
+      if (size?.length >= 2 && st.layout && st.need && panelBlocks(st).length) { // an array or a Float32Array
+        size[1] = Math.max(size[1], widgetsBottom(this) + 2 + st.need); // where drawPanel puts it
+      }
+    } catch (err) {
+      warnOnce("computeSize", err);
+    }
+    return size;
+  };
+}
+
 function setupNode(node, { fresh }) {
   const type = typeOf(node);
   if (!REPORT_NODES.has(type)) return;
@@ -260,6 +300,7 @@ function setupNode(node, { fresh }) {
   if (st.setUp) return;
   st.setUp = true;
   addBadge(node, st);
+  keepRoomForPanel(node, st);
   if (!BACKEND_NODES.has(type)) return;
   const w = widgetNamed(node, "backend");
   decorateBackendWidget(node, w);
@@ -316,6 +357,32 @@ function panelBlocks(st) {
   return blocks;
 }
 
+/**
+ * The panel made `node` taller: move the nodes it now reaches (below it, overlapping it across) down, and those
+ * they reach in turn, so a panel never draws over another node. Nodes that overlapped it before are left alone.
+ */
+function makeRoom(node, heightBefore) {
+  const graph = node.graph;
+  const nodes = graph?._nodes ?? graph?.nodes ?? [];
+  const title = window.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
+  const gap = 12;
+  const queue = [[node, node.pos[1] + heightBefore]];
+  for (let guard = 0; queue.length && guard < 500; guard++) {
+    const [a, bottomBefore] = queue.shift();
+    const bottom = a.pos[1] + a.size[1];
+    for (const b of nodes) {
+      if (!b || b === a || b === node || !b.pos || !b.size) continue;
+      if (b.pos[0] + b.size[0] <= a.pos[0] || b.pos[0] >= a.pos[0] + a.size[0]) continue; // not across from it
+      const top = b.pos[1] - (b.flags?.collapsed ? 0 : title);
+      if (top < bottomBefore - 1 || top >= bottom + gap) continue; // above it before, or still clear of it
+      const heightB = b.size[1];
+      const shift = bottom + gap - top;
+      b.pos[1] += shift;
+      queue.push([b, b.pos[1] - shift + heightB]);
+    }
+  }
+}
+
 function roundRect(ctx, x, y, w, h, r) {
   ctx.beginPath();
   if (ctx.roundRect) ctx.roundRect(x, y, w, h, r);
@@ -352,9 +419,12 @@ function drawBlocks(node, ctx, canvas, st, blocks, top, width) {
     st.layout = blocks.map((b) => ({ ...b, lines: wrapText(b.text, width, (s) => ctx.measureText(s).width) }));
   }
   const need = st.layout.reduce((h, b) => h + b.lines.length * LINE_H + 2 * PAD + PAD, 0);
+  st.need = need;
   if (node.size[1] < top + need) {
+    const before = node.size[1];
     node.setSize?.([node.size[0], top + need]);
     st.grown = true;
+    makeRoom(node, before);
     redraw(node);
   }
   const lowQuality = !!canvas?.low_quality;
@@ -436,6 +506,12 @@ function loadBackends() {
 }
 
 const STYLE = `
+.litecontextmenu.attention-dispatch-menu { max-height: calc(100vh - 8px); overflow-y: auto; }
+.litecontextmenu .attention-dispatch-group {
+  font-size: 0.78em; opacity: 0.85; padding: 6px 8px 2px; max-width: 36em; white-space: normal; line-height: 1.2;
+  border-top: 1px solid rgba(255, 255, 255, 0.15); pointer-events: none; color: #c9d1d9;
+}
+.litecontextmenu .attention-dispatch-group[data-group="picks"] { border-top: none; }
 .litecontextmenu .litemenu-entry.attention-dispatch-unavailable { opacity: 0.72; }
 .litecontextmenu .litemenu-entry .attention-dispatch-note {
   display: block; font-size: 0.78em; opacity: 0.8; max-width: 28em; white-space: normal; line-height: 1.2;

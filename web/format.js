@@ -51,6 +51,7 @@ export function indexBackends(payload) {
       hints: [...new Set(parts.map((p) => p.hint).filter(Boolean))],
       fallback: Array.isArray(row.fallback) ? row.fallback.map(String) : [],
       description: typeof row.description === "string" ? row.description : "",
+      family: typeof row.family === "string" ? row.family : "",
     });
   }
   return map;
@@ -82,6 +83,48 @@ export function menuEntry(index, value) {
   const title = [`${value} cannot run here: ${why}.`, ...s.hints.map((h) => `Install: ${h}`)];
   if (s.description) title.push(s.description);
   return { value, label: `${MARK_UNAVAILABLE} ${value}`, note: why, title: title.join("\n"), unavailable: true };
+}
+
+/**
+ * The dropdown's groups, in the order the server lists the values (autos and ComfyUI's attention, what runs
+ * here, then what cannot, by family): [{key, title, values, shared}], where `shared` is the reasons every member
+ * of an unavailable family has (said once, in the group's title; each entry's note keeps only its own).
+ */
+export function menuGroups(index, values) {
+  const groups = [];
+  const list = Array.isArray(values) ? values : [];
+  for (const value of list) {
+    const s = statusOf(index, value);
+    const key = !s ? "picks" : s.available ? "runs" : `family:${s.family || value}`;
+    let group = groups.length && groups[groups.length - 1].key === key ? groups[groups.length - 1] : null;
+    if (!group) {
+      group = { key, title: "", values: [], shared: [] };
+      groups.push(group);
+    }
+    group.values.push(value);
+  }
+  for (const group of groups) {
+    if (group.key === "picks") {
+      group.title = "Automatic, or ComfyUI's own";
+    } else if (group.key === "runs") {
+      group.title = `${MARK_AVAILABLE} Runs on this machine`;
+    } else {
+      const whys = group.values.map((v) => statusOf(index, v)?.why ?? []);
+      group.shared = whys.length ? whys[0].filter((w) => whys.every((list) => list.includes(w))) : [];
+      const family = statusOf(index, group.values[0])?.family || group.values[0];
+      group.title = `${MARK_UNAVAILABLE} ${family}: ` + (group.shared.length ? group.shared.join("; ")
+        : "cannot run here");
+    }
+  }
+  return groups;
+}
+
+/** The menu entry of `value` inside its group: the reason the group's title already says is left out. */
+export function groupedEntry(index, value, shared) {
+  const entry = menuEntry(index, value);
+  if (!entry.unavailable || !Array.isArray(shared) || !shared.length) return entry;
+  const own = (statusOf(index, value)?.why ?? []).filter((w) => !shared.includes(w));
+  return { ...entry, note: own.join("; ") };
 }
 
 /** The combo's displayed label on the node (the widget's value stays the real name). */
@@ -361,16 +404,26 @@ function summarizeChecks(report) {
     return { badge: `${MARK_WARNING} no calls checked`, lines, level: "warn", calls: 0, served: {}, fallbacks: [],
              errors: [], timeMs: attentionTimeMs(report) };
   }
+  const checked = report.checked && typeof report.checked === "object" ? report.checked : null;
+  if (typeof report.summary === "string" && report.summary) lines.push(report.summary);
+  if (checked) {
+    badge = `checks: ${report.checks ?? "on"} \u00b7 ${plural(Number(checked.calls) || 0, "call")}`;
+    if (Number(checked.non_finite) > 0) {
+      level = checked.mode === "raise" ? "error" : "warn";
+      badge = `NaN/Inf in ${plural(Number(checked.non_finite), "call")}`;
+    }
+  }
   if (cmp && typeof cmp === "object") {
     const err = Number(cmp.max_rel_error);
     const e = Number.isFinite(err) ? err.toExponential(2) : "?";
     lines.push(`Compared ${plural(Number(cmp.samples) || 0, "sample")} with PyTorch SDPA (1 in ${cmp.every}): ` +
       `max relative error ${e}${cmp.worst_site ? ` at ${cmp.worst_site}` : ""}`);
-    badge = `max rel err ${e}`;
-    if (Number.isFinite(err) && err > 0.05) level = "warn";
+    if (level === "ok") badge = `max rel err ${e}`;
+    if (Number.isFinite(err) && err > 0.05 && level === "ok") level = "warn";
   }
   lines.push(...notesOf(report));
-  return { badge: `${level === "ok" ? MARK_AVAILABLE : MARK_WARNING} ${badge}`, lines, level, calls: 0,
+  const mark = level === "ok" ? MARK_AVAILABLE : level === "error" ? MARK_UNAVAILABLE : MARK_WARNING;
+  return { badge: `${mark} ${badge}`, lines, level, calls: Number(checked?.calls) || 0,
            served: {}, fallbacks: [], errors: [], timeMs: attentionTimeMs(report) };
 }
 

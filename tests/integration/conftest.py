@@ -80,14 +80,18 @@ class Comfy:
         """Queue a prompt and wait for its history entry; fails with ComfyUI's messages on error."""
         status, body = self.post_prompt(prompt)
         assert status == 200, f"/prompt answered {status}: {body}"
-        pid = body["prompt_id"]
+        entry = self.wait(body["prompt_id"], timeout)
+        if entry["status"].get("status_str") != "success":
+            raise AssertionError(f"prompt failed: {json.dumps(entry['status'])[:4000]}\n{self.tail()}")
+        return entry
+
+    def wait(self, pid: str, timeout: float = 180) -> dict:
+        """The history entry of a queued prompt once it has finished, successful or not."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             hist = self.get(f"/history/{pid}")
             if pid in hist and hist[pid].get("status", {}).get("completed") is not None:
                 entry = hist[pid]
-                if entry["status"].get("status_str") != "success":
-                    raise AssertionError(f"prompt failed: {json.dumps(entry['status'])[:4000]}\n{self.tail()}")
                 entry["prompt_id"] = pid
                 return entry
             time.sleep(0.2)

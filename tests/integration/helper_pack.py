@@ -39,6 +39,21 @@ class TestRandomConditioning:
         return ([[cond, {"pooled_output": torch.randn(1, pooled_dim, generator=g)}]],)
 
 
+class TestNaNConditioning:
+    """A conditioning with one NaN: the cross-attention keys and values of a model sampled with it hold NaN."""
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"conditioning": ("CONDITIONING",)}}
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "poison"
+    CATEGORY = "testing"
+
+    def poison(self, conditioning):
+        cond = conditioning[0][0].clone()
+        cond[0, 0, 0] = float("nan")
+        return ([[cond, dict(conditioning[0][1])]],)
+
+
 class TestTinyClip:
     @classmethod
     def INPUT_TYPES(cls):
@@ -250,7 +265,7 @@ class TestOtherOverride:
 NODE_CLASS_MAPPINGS = {"TestRandomConditioning": TestRandomConditioning, "TestTinyClip": TestTinyClip,
                        "TestConditioningStats": TestConditioningStats, "TestTinyFlux": TestTinyFlux,
                        "TestAttentionMask": TestAttentionMask, "TestKwargsDiT": TestKwargsDiT,
-                       "TestOtherOverride": TestOtherOverride}
+                       "TestOtherOverride": TestOtherOverride, "TestNaNConditioning": TestNaNConditioning}
 '''
 
 MAKE_MODELS = r'''

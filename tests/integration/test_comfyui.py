@@ -279,7 +279,7 @@ def test_example_workflows_match_the_node_schemas(comfy):
     for path in sorted(root.glob("*.json")):
         for node in json.loads(path.read_text())["nodes"]:
             assert node["type"] in info, f"{path.name}: unknown node {node['type']}"
-            if node["type"] not in NODES:
+            if node["type"] not in NODES + ("ContextParallelAttention",):
                 continue
             spec = info[node["type"]]["input"]
             widgets = [name for section in ("required", "optional") for name, s in spec.get(section, {}).items()
@@ -288,3 +288,19 @@ def test_example_workflows_match_the_node_schemas(comfy):
             sockets = {i["name"] for i in node["inputs"]}
             assert sockets == {name for section in ("required", "optional") for name, s in spec.get(section, {}).items()
                                if name not in widgets}, (path.name, node["type"])
+
+
+def test_context_parallel_is_off_by_default_outside_torchrun(comfy):
+    """Dropped into an ordinary workflow (ComfyUI not started by torchrun) with its defaults, Context Parallel
+    Attention changes nothing and the prompt runs (it used to default to 'heads' and be refused with HTTP 400)."""
+    info = comfy.get("/object_info/ContextParallelAttention")["ContextParallelAttention"]
+    assert info["input"]["required"]["mode"][1]["default"] == "off"
+    prompt, _ = wan_prompt(["native"], seed=31)
+    prompt["105"] = {"class_type": "ContextParallelAttention", "inputs": {"model": ["100", 0], "mode": "off",
+                                                                         "degree": 0}}
+    prompt["101"]["inputs"]["model"] = ["105", 0]
+    comfy.run(prompt)
+    prompt["105"]["inputs"]["mode"] = "heads"  # asked for explicitly: refused once, with the launch command
+    status, body = comfy.post_prompt(prompt)
+    assert status == 400 and len(body["node_errors"]["105"]["errors"]) == 1, body
+    assert "torchrun --nproc-per-node" in body["node_errors"]["105"]["errors"][0]["details"], body

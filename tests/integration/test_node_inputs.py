@@ -74,6 +74,8 @@ def test_failed_set_node_with_trust_wired_refuses_the_prompt(comfy, inputs, expe
 @pytest.mark.parametrize("chain, node_id, expected", [
     ([("40", "AttentionChecks", checks_inputs(mode="explode"))], "40", "mode: unknown checks mode 'explode'"),
     ([("40", "AttentionChecks", checks_inputs(compare_every=0))], "40", "compare_every: 0 is below the minimum 1"),
+    # ComfyUI turns the text "no" into True before the node's check: the check reads what the client sent
+    ([("40", "AttentionChecks", checks_inputs(compare="no"))], "40", "compare: expected true or false, got 'no'"),
     ([("40", SET, set_inputs(start_percent="abc"))], "40", "start_percent: 'abc' is not a number"),
     ([("40", SET, set_inputs(end_percent=None))], "40", "end_percent: no value (null)"),
     ([("40", SET, set_inputs(end_percent=1.5))], "40", "end_percent: 1.5 is above the maximum 1"),
@@ -162,3 +164,37 @@ def test_sol_attn_on_a_cpu_says_why_and_applies_the_dense_rules(comfy):
     assert rows and all(r["served"].startswith("comfy:") for r in rows), rows
     assert all(any("< min_tokens 1048576: short sequences run faster dense" in reason for reason in r["reasons"])
                for r in rows), rows
+
+
+def test_a_refusal_appears_once_in_the_error_response(comfy):
+    """ComfyUI repeats a message validate_inputs returns once per input it names (the list of backends 8 times
+    for a typo): the pack's refusal reaches the /prompt answer, and so the error dialog, once."""
+    status, body = comfy.post_prompt(sampled([("31", SET, set_inputs(backend="flsh"))], seed=310))
+    assert status == 400, body
+    errors = body["node_errors"]["31"]["errors"]
+    assert len(errors) == 1, errors
+    (error,) = errors
+    assert error["details"].startswith("backend: unknown attention backend 'flsh'. Did you mean 'flash'?"), error
+    # what the frontend's dialog shows: the top-level error, then "message: details" per node error
+    dialog = [body["error"]["details"]] + [f"{e['message']}: {e['details']}" for node in body["node_errors"].values()
+                                           for e in node["errors"]]
+    assert "\n".join(dialog).count("Did you mean 'flash'?") == 1, dialog
+    assert error["extra_info"]["exception_type"] == "ValueError"  # no server path in the type's name
+
+
+def test_checks_raise_fails_the_prompt_under_fallback_with_a_readable_error(comfy):
+    """Attention Checks 'raise' after Set Attention Backend (policy fallback): a NaN in the attention inputs fails
+    the prompt; the error's type names the library, not the server's path; the checks' report says what it saw."""
+    prompt = sampled([("70", SET, set_inputs(backend="native")), ("71", "AttentionChecks", checks_inputs(mode="raise"))],
+                     seed=311, extra={"5": {"class_type": "TestNaNConditioning", "inputs": {"conditioning": ["2", 0]}}})
+    prompt["90"]["inputs"]["positive"] = ["5", 0]
+    status, body = comfy.post_prompt(prompt)
+    assert status == 200, body
+    entry = comfy.wait(body["prompt_id"])
+    assert entry["status"]["status_str"] == "error", entry["status"]
+    (error,) = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
+    assert error["exception_type"] == "attention_dispatch.AttentionInputError", error["exception_type"]
+    assert "NaN" in error["exception_message"] and "/" not in error["exception_type"], error
+    checks = [r for r in comfy.reports(body["prompt_id"]) if r["kind"] == "checks" and r["node"] == "71"]
+    assert checks and checks[-1]["checked"]["non_finite"] >= 1, checks
+    assert checks[-1]["summary"].startswith("NaN/Inf found, the prompt failed (checks: raise)"), checks[-1]

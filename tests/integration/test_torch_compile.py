@@ -46,3 +46,15 @@ def test_flex_serves_every_call_inside_torch_compile_model(comfy):
     result = latent(comfy, entry, out)
     assert (result - reference).abs().max() <= 1e-3 * max(1.0, float(reference.abs().max())), \
         float((result - reference).abs().max())
+
+
+def test_compiled_calls_count_on_every_prompt(comfy):
+    """The graph TorchCompileModel compiled for one prompt runs the next without a trace: its calls still count
+    (they once counted only when traced, and the second prompt's report said "no attention calls recorded")."""
+    prompt, _ = compiled_wan_prompt("flex", seed=23)
+    first = model_report(comfy, comfy.run(prompt, timeout=600), "100")["recorder"]
+    prompt["101"]["inputs"]["seed"] = 24  # only the sampler runs again: Set Attention Backend and the compile are cached
+    second = model_report(comfy, comfy.run(prompt, timeout=600), "100")["recorder"]
+    for recorder in (first, second):
+        assert served({"recorder": recorder}) == {"flex": recorder["calls"]} and recorder["calls"] >= 8, recorder
+    assert second["calls"] == first["calls"], (first, second)

@@ -4,7 +4,7 @@ import { describe, test } from "node:test";
 
 import {
   ALWAYS_AVAILABLE, attentionTimeMs, displayLabel, fallbackTarget, fallbackToast, formatMs, indexBackends,
-  isUnavailable, menuEntry, mergeReports, parseExecutionId, reasonText, resolveNode, selectionWarning, splitReason,
+  groupedEntry, isUnavailable, menuEntry, menuGroups, mergeReports, parseExecutionId, reasonText, resolveNode, selectionWarning, splitReason,
   statusOf, summarizeClipText, summarizeReport, visibleValues, wrapText,
 } from "../../web/format.js";
 
@@ -220,6 +220,20 @@ describe("the report badge", () => {
     assert.equal(c.badge, "\u2713 max rel err 1.23e-3");
     assert.match(c.lines[1], /^Compared 3 samples with PyTorch SDPA \(1 in 10\): max relative error 1\.23e-3 at self$/);
     assert.equal(summarizeReport({ kind: "checks", compare: { every: 1, samples: 1, max_rel_error: 0.5 } }).level, "warn");
+    // what the checks saw is said, never an empty panel: calls checked, and NaN/Inf found (raise: an error)
+    const ok = summarizeReport({ kind: "checks", checks: "raise", summary: "Checked 8 attention calls for NaN/Inf: all finite.",
+                                 checked: { mode: "raise", calls: 8, non_finite: 0, messages: [] } });
+    assert.equal(ok.level, "ok");
+    assert.equal(ok.badge, "\u2713 checks: raise \u00b7 8 calls");
+    assert.ok(ok.lines.includes("Checked 8 attention calls for NaN/Inf: all finite."), ok.lines);
+    const failed = summarizeReport({ kind: "checks", checks: "raise", summary: "NaN/Inf found, the prompt failed",
+                                     checked: { mode: "raise", calls: 3, non_finite: 1, messages: ["x"] },
+                                     compare: { every: 1, samples: 2, max_rel_error: 0.001 } });
+    assert.equal(failed.level, "error");
+    assert.equal(failed.badge, "\u2717 NaN/Inf in 1 call");
+    const warned = summarizeReport({ kind: "checks", checks: "warn", checked: { mode: "warn", calls: 3, non_finite: 2 } });
+    assert.equal(warned.level, "warn");
+    assert.equal(warned.badge, "\u26a0 NaN/Inf in 2 calls");
     const t = summarizeClipText(["auto: patched 4 text-encoder attention modules"]);
     assert.equal(t.badge, "\u2713 auto: patched 4 text-encoder attention \u2026");
     assert.equal(summarizeClipText([]), null);
@@ -285,5 +299,38 @@ describe("layout and node lookup", () => {
     assert.equal(resolveNode(null, "10"), null);
     const named = { id: "abc" };
     assert.equal(resolveNode(graph([named]), "abc"), named);
+  });
+});
+
+
+describe("the dropdown's groups", () => {
+  // As the server orders them: autos and ComfyUI's attention, what runs here, then by family.
+  const index = indexBackends({ backends: [
+    { name: "native", family: "sdpa", available: true, reasons: [] },
+    { name: "flex", family: "flex", available: true, reasons: [] },
+    { name: "flash", family: "flash2", available: false,
+      reasons: ["flash-attn is not installed: pip install flash-attn", "needs an NVIDIA CUDA GPU; this machine has a CPU"] },
+    { name: "flash_hub", family: "flash2", available: false, reasons: ["needs an NVIDIA CUDA GPU; this machine has a CPU"] },
+    { name: "xformers", family: "xformers", available: false, reasons: ["xformers is not installed: pip install xformers"] },
+  ] });
+  const values = ["auto_exact", "auto_fast", "comfy default", "native", "flex", "flash", "flash_hub", "xformers"];
+
+  test("autos, what runs here, then each family once with the reason its members share", () => {
+    const groups = menuGroups(index, values);
+    assert.deepEqual(groups.map((g) => g.values), [["auto_exact", "auto_fast", "comfy default"], ["native", "flex"],
+                                                    ["flash", "flash_hub"], ["xformers"]]);
+    assert.equal(groups[1].title, "\u2713 Runs on this machine");
+    assert.equal(groups[2].title, "\u2717 flash2: needs an NVIDIA CUDA GPU; this machine has a CPU");
+    assert.equal(groups[3].title, "\u2717 xformers: xformers is not installed");
+    // the shared reason is said once, in the title; an entry keeps only its own
+    assert.equal(groupedEntry(index, "flash", groups[2].shared).note, "flash-attn is not installed");
+    assert.equal(groupedEntry(index, "flash_hub", groups[2].shared).note, "");
+    assert.equal(groupedEntry(index, "flash_hub", groups[2].shared).value, "flash_hub");
+    assert.equal(groupedEntry(index, "native", groups[1].shared).label, "\u2713 native");
+  });
+
+  test("a list not loaded yet is one group of plain names", () => {
+    assert.deepEqual(menuGroups(null, ["auto_exact", "flash"]).map((g) => g.values), [["auto_exact", "flash"]]);
+    assert.deepEqual(menuGroups(index, undefined), []);
   });
 });

@@ -5,6 +5,9 @@ Needs COMFYUI_PATH (as tests/integration), Debian's `chromium` (CHROMIUM overrid
 Without COMFYUI_PATH they skip (helpers/comfyui.py); with it, a missing browser or package fails them.
 The screenshot of the nodes with their badges lands in the test's tmp dir and is copied to
 $ATTN_DISPATCH_SCREENSHOT, by default tests/web/artifacts/web-report.png (git-ignored; CI prints its path).
+Two more land in tests/web/artifacts/: dropdown-order.png (the dropdown's groups, in order) and
+panel-no-overlap.png (a node's panel, and the node below it moved down rather than drawn over); the tests
+assert what they show (the order of the entries, the bounding boxes of the nodes).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
 SETTINGS = {"policy": "AttentionDispatch.DefaultPolicy", "show": "AttentionDispatch.ShowUnavailableBackends",
             "toast": "AttentionDispatch.FallbackToast"}
 APP = "window.comfyAPI.app.app"
+API = "window.comfyAPI.api.api"
 
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
@@ -239,6 +243,94 @@ def test_dropdown_marks_what_cannot_run_here(ui):
     st = ui.node_state()
     assert st["warning"]["strict"] is True and "Policy strict: the prompt will be rejected." in st["warning"]["text"]
     ui.page.screenshot(path=str(ui.shots / "warning.png"))
+
+
+def _artifact(ui, name):
+    """A screenshot kept for people to look at: tests/web/artifacts/<name> (git-ignored)."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / name
+    ui.page.screenshot(path=str(path))
+    return path
+
+
+def test_dropdown_leads_with_the_autos_and_groups_the_rest(ui):
+    """The dropdown in the server's order (autos and ComfyUI's attention, what runs here, the rest by family), each
+    group headed (a family with the reason its members share), no private `_` name, and inside the window."""
+    comfy = ui.comfy
+    route = {b["name"]: b for b in comfy.get("/attention_dispatch/backends")["backends"]}
+    options = comfy.get("/object_info/SetAttentionBackend")["SetAttentionBackend"]["input"]["required"]["backend"]
+    ui.add_node(pos=(220, 60))
+    entries = ui.open_dropdown()
+    shot = _artifact(ui, "dropdown-order.png")
+    values = [e["value"] for e in entries]
+    assert values == options[1]["options"], values  # the server's order, every value under its real name
+    assert values[:3] == ["auto_exact", "auto_fast", "comfy default"]
+    runs = [v for v in values[3:] if route[v]["available"]]
+    assert values[3:3 + len(runs)] == runs and "native" in runs and "flex" in runs
+    assert not any(v.startswith("_") for v in values)
+    menu = ui.js("""() => { const m = document.querySelector('.litecontextmenu'); const r = m.getBoundingClientRect();
+        const items = [...m.children].map((e) => e.classList.contains('attention-dispatch-group')
+            ? {group: e.textContent} : {value: typeof e.value === 'string' ? e.value : e.dataset.value});
+        return {top: r.top, bottom: r.bottom, height: window.innerHeight, items}; }""")
+    assert menu["top"] >= 0 and menu["bottom"] <= menu["height"], (menu["top"], menu["bottom"], shot)
+    headings = [i["group"] for i in menu["items"] if "group" in i]
+    assert headings[:2] == ["Automatic, or ComfyUI's own", "\u2713 Runs on this machine"], headings
+    families = []
+    for item in menu["items"]:  # each family heading comes right before its members, once
+        if "group" in item and item["group"].startswith("\u2717 "):
+            families.append(item["group"].split(":")[0][2:])
+        elif "value" in item and not route.get(item["value"], {"available": True})["available"]:
+            assert route[item["value"]]["family"] == families[-1], (item, families)
+    assert len(families) == len(set(families)) and "flash2" in families, families
+    assert any(h.startswith("\u2717 flash2: needs an NVIDIA CUDA GPU") for h in headings), headings
+    ui.close_menus()
+
+
+def _report(node_id, backend="flash", served="_native_flash", calls=8):
+    """The attention_dispatch.report message of a Set Attention Backend node whose backend fell back."""
+    reason = "flash: flash-attn is not installed: pip install 'flash-attn>=2.6.3' --no-build-isolation"
+    rows = [{"site": site, "requested": backend, "served": served, "calls": calls // 2, "fell_back": True,
+             "reasons": [reason]} for site in ("cross", "self")]
+    return {"kind": "model", "node": str(node_id), "prompt_id": "browser-panel", "backend": backend,
+            "policy": "fallback", "recorder": {"calls": calls, "rows": rows, "errors": []}}
+
+
+def test_panel_never_covers_the_node_below(ui):
+    """A Set Attention Backend with a node right under it: the warning and the "Last run" panel make it taller,
+    and the node below moves down instead of being drawn over; the panel fits in its node (not cut off)."""
+    ui.add_node(pos=(220, 60))
+    below = ui.js(f"""() => {{ const app = {APP}; const a = window.__adNode;
+        const b = LiteGraph.createNode('KSampler'); app.graph.add(b);
+        b.pos = [a.pos[0] + 40, a.pos[1] + a.size[1] + LiteGraph.NODE_TITLE_HEIGHT + 10];
+        window.__adBelow = b; app.canvas.setDirty(true, true); return b.id; }}""")
+    ui.frames()
+    start = ui.js("() => [...window.__adBelow.pos]")
+    ui.js("() => { window.__adNode.widgets.find((w) => w.name === 'backend').value = 'flash'; }")
+    ui.js(f"""(r) => {{ {API}.dispatchEvent(
+        new CustomEvent('attention_dispatch.report', {{ detail: r }})); }}""", _report(ui.js("() => window.__adNode.id")))
+    ui.frames(8)
+    boxes = ui.js(f"""() => {{ const t = LiteGraph.NODE_TITLE_HEIGHT;
+        const box = (n) => ({{x: n.pos[0], y: n.pos[1] - t, w: n.size[0], h: n.size[1] + t}});
+        const a = window.__adNode, st = a.attention_dispatch;
+        const bottom = Math.max(...a.widgets.map((w) => (w.y ?? 0) + (w.computedHeight ?? 24)));
+        return {{a: box(a), b: box(window.__adBelow), panelTop: a.pos[1] + bottom, need: st.need,
+                 blocks: (st.layout || []).map((b) => b.lines.join('\\n')), canvas: [...{APP}.canvas.ds.offset]}}; }}""")
+    shot = _artifact(ui, "panel-no-overlap.png")
+    a, b = boxes["a"], boxes["b"]
+    assert any(block.startswith("Last run:") for block in boxes["blocks"]), boxes["blocks"]
+    assert any("Install: pip install 'flash-attn" in block for block in boxes["blocks"]), boxes["blocks"]
+    overlap_x = min(a["x"] + a["w"], b["x"] + b["w"]) - max(a["x"], b["x"])
+    overlap_y = min(a["y"] + a["h"], b["y"] + b["h"]) - max(a["y"], b["y"])
+    assert overlap_x > 0 and overlap_y <= 0, (boxes, shot)  # across from each other, and not overlapping
+    moved = ui.js("() => [...window.__adBelow.pos]")
+    assert moved[0] == start[0] and moved[1] > start[1], (start, moved)  # the node below was moved down
+    assert boxes["panelTop"] + boxes["need"] <= a["y"] + a["h"] + 1, (boxes, shot)  # the whole panel inside its node
+    # the frontend's own resize to computeSize() (on a widget change, a reload) keeps room for the panel
+    fits = ui.js("""() => { const a = window.__adNode; const before = a.size[1]; a.setSize(a.computeSize());
+        const bottom = Math.max(...a.widgets.map((w) => (w.y ?? 0) + (w.computedHeight ?? 24)));
+        return [bottom + a.attention_dispatch.need, a.size[1], before]; }""")
+    assert fits[0] <= fits[1] + 1, fits
+    ui.js(f"() => {{ {APP}.graph.clear(); }}")
 
 
 def test_settings_hide_unavailable_and_default_policy(ui):
