@@ -9,15 +9,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import logging
 import os
 import tempfile
 from pathlib import Path
 from typing import Callable
 
 from .fingerprint import fingerprint_key, machine_fingerprint
+from ..log import logger
 
-logger = logging.getLogger("attention_dispatch")
 
 ENV_CACHE = "ATTN_DISPATCH_TUNE_CACHE"
 CACHE_FORMAT = 3  # 3: per signature, timings shared by every model and accuracy verdicts per model
