@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension
 
-from . import cp_runtime, routes
+from . import cp_runtime, host_hooks, routes
 from .model_nodes import NODES
 from .parallel_node import NODES as PARALLEL_NODES
 
@@ -14,5 +14,6 @@ class AttentionDispatchExtension(ComfyExtension):
         # Routes here rather than at import: the server exists by now (main.py creates it before
         # loading custom nodes), and importing the pack outside ComfyUI stays side-effect free.
         routes.register()
+        host_hooks.register()  # tuning's progress text, Cancel, and its cache in ComfyUI's user directory
         cp_runtime.setup_from_env()  # under torchrun only: join the ranks, prompts in lockstep
         return list(NODES) + list(PARALLEL_NODES)

@@ -83,7 +83,7 @@ def test_progress_events_from_start_to_the_pick(tmp_path):
     assert events[-1].chosen == record.chosen and events[-1].model == "unet" and events[-1].kind == "auto_fast"
     assert all(e.budget_s == 1 for e in events)
     assert "trying h_b (2 of 2)" in [e.text() for e in events if e.stage == "candidate"][1]
-    assert events[-1].text().startswith(f"auto_fast: {record.chosen} for q (B=1")
+    assert events[-1].text().startswith(f"auto_fast: {record.chosen} for q 1x32x2x16 (")
 
 
 def test_a_failing_progress_hook_is_said_once_and_never_breaks_tuning(tmp_path, caplog):

@@ -24,7 +24,7 @@ class TuningProgress:
     """One step of tuning a call signature: `stage` is "start", "candidate" (about to try `candidate`, the
     `done`+1-th of `total`), "final round" (the front-runners side by side) or "done" (`chosen` picked)."""
     kind: str  # auto_exact | auto_fast
-    signature: str
+    signature: str  # short: "q 2x1024x8x40" (batch x length x heads x head dim), the k/v length if it differs
     model: str
     stage: str
     done: int

@@ -386,8 +386,11 @@ class Tuner:
                              return_lse=run_sig.return_lse), run_sig, False
 
     def _progress(self, record, stage, done, total, start, candidate=None, chosen=None) -> None:
+        sig = record.signature
+        shape = f"q {sig.batch}x{sig.len_q}x{sig.heads_q}x{sig.head_dim}" + (
+            f", k/v length {sig.len_kv}" if sig.len_kv != sig.len_q else "")
         hooks.progress(hooks.TuningProgress(
-            "auto_exact" if record.exact else "auto_fast", record.signature.describe(), record.model, stage, done,
+            "auto_exact" if record.exact else "auto_fast", shape, record.model, stage, done,
             total, time.perf_counter() - start, self.budget(record.signature.device), candidate, chosen))
 
     def _measure(self, sig, record, names, layout, live, start):
