@@ -1,13 +1,17 @@
-"""Version strings compared by their numeric release part (enough for requirement floors)."""
+"""Version strings compared by their release part (enough for requirement floors), parsed by `packaging`."""
 
 from __future__ import annotations
 
-import re
+from packaging.version import InvalidVersion, Version
 
 
 def release(version: str) -> tuple[int, ...]:
-    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", version or "")
-    return tuple(int(p) for p in match.group(1).split(".")) if match else ()
+    """'2.13.0+cpu' -> (2, 13, 0); a pre-release or dev build counts as its release ('2.8.0.dev2025' -> (2, 8, 0):
+    a nightly meets the floor of the version it leads to); () when it is not a version."""
+    try:
+        return Version(str(version or "").strip()).release
+    except InvalidVersion:
+        return ()
 
 
 def at_least(version: str, minimum: str) -> bool:
