@@ -129,7 +129,8 @@ def test_the_doctor_script_inspects_comfyuis_venv(tmp_path):
     run = _run_doctor(pack)
     assert run.returncode == 0, run.stderr[-3000:]
     first = run.stdout.splitlines()[0]
-    assert first.startswith(f"Python: {python} (") and "ComfyUI's Python (venv/bin/python in the ComfyUI folder)" in first
+    assert first.startswith(f"Python: {python} (")
+    assert "ComfyUI's Python (venv/bin/python in the ComfyUI folder)" in first
     assert f"inspecting ComfyUI's Python {python}" in run.stderr
     assert not (pack / ".venv").exists()  # nothing built, nothing installed
 

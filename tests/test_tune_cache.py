@@ -34,8 +34,8 @@ def test_two_processes_writing_at_once_keep_every_decision(tmp_path):
     from a read taken before the other's replace dropped the other's decisions."""
     path, go = tmp_path / "tune.json", tmp_path / "go"
     count = 40
-    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), who, str(count), str(tmp_path / who), str(go)],
-                                cwd=ROOT, stderr=subprocess.PIPE, text=True) for who in ("a", "b")]
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), who, str(count), str(tmp_path / who),
+                                 str(go)], cwd=ROOT, stderr=subprocess.PIPE, text=True) for who in ("a", "b")]
     try:
         for who in ("a", "b"):
             ready = tmp_path / who

@@ -532,8 +532,8 @@ class Tuner:
         fit = left / FINAL_ROUNDS / max(one_each, 1e-9) - 1  # calls per sample that fit FINAL_ROUNDS rounds
         if fit < 1:
             return
-        per_sample = [max(1, min(100, int(fit), math.ceil(FINAL_SAMPLE_MS / max(c.median_ms, 1e-6))))
-                      for c in contenders]
+        per_sample = [max(min(2, int(fit)), min(100, int(fit), math.ceil(FINAL_SAMPLE_MS / max(c.median_ms, 1e-6))))
+                      for c in contenders]  # 2 to 100 calls, fewer only when the budget has no room for 2
         per_round = sum(c.median_ms * (n + 1) for c, n in zip(contenders, per_sample)) / 1e3
         rounds = max(FINAL_ROUNDS, min(2 * self.runs, int(left / max(per_round, 1e-9))))
         self.timing_calls += 1
