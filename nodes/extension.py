@@ -14,6 +14,6 @@ class AttentionDispatchExtension(ComfyExtension):
         # Routes here rather than at import: the server exists by now (main.py creates it before
         # loading custom nodes), and importing the pack outside ComfyUI stays side-effect free.
         routes.register()
-        host_hooks.register()  # tuning's progress text, Cancel, and its cache in ComfyUI's user directory
-        cp_runtime.setup_from_env()  # under torchrun only: join the ranks, prompts in lockstep
+        ranks = cp_runtime.setup_from_env()  # under torchrun only: join the ranks, prompts in lockstep
+        host_hooks.register(cancel=not ranks)  # tuning's progress text, Cancel, its cache in ComfyUI's user dir
         return list(NODES) + list(PARALLEL_NODES)

@@ -9,14 +9,17 @@ import os
 from ..dispatcher.auto import cache, hooks
 
 
-def register() -> None:
+def register(cancel: bool = True) -> None:
+    """cancel=False under torchrun: there Cancel is a collective check the ranks make in lockstep (cp_runtime), and
+    tuning takes a different number of steps on each rank, so it must not check on its own."""
     import comfy.model_management
     import folder_paths
 
     cache.set_default_dir(os.path.join(folder_paths.get_user_directory(), "attention_dispatch"))
-    # Raises InterruptProcessingException (and clears the flag) when the user cancelled: the prompt ends as
-    # interrupted, the way ComfyUI's own loops stop.
-    hooks.set_interrupt_check(comfy.model_management.throw_exception_if_processing_interrupted)
+    if cancel:
+        # Raises InterruptProcessingException (and clears the flag) when the user cancelled: the prompt ends as
+        # interrupted, the way ComfyUI's own loops stop.
+        hooks.set_interrupt_check(comfy.model_management.throw_exception_if_processing_interrupted)
     hooks.set_progress_hook(show_progress)
 
 
