@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from ..dispatcher.auto import cache, hooks
+from ..dispatcher import auto
 
 
 def register(cancel: bool = True) -> None:
@@ -15,15 +15,15 @@ def register(cancel: bool = True) -> None:
     import comfy.model_management
     import folder_paths
 
-    cache.set_default_dir(os.path.join(folder_paths.get_user_directory(), "attention_dispatch"))
+    auto.set_default_dir(os.path.join(folder_paths.get_user_directory(), "attention_dispatch"))
     if cancel:
         # Raises InterruptProcessingException (and clears the flag) when the user cancelled: the prompt ends as
         # interrupted, the way ComfyUI's own loops stop.
-        hooks.set_interrupt_check(comfy.model_management.throw_exception_if_processing_interrupted)
-    hooks.set_progress_hook(show_progress)
+        auto.set_interrupt_check(comfy.model_management.throw_exception_if_processing_interrupted)
+    auto.set_progress_hook(show_progress)
 
 
-def show_progress(event: hooks.TuningProgress) -> None:
+def show_progress(event: auto.TuningProgress) -> None:
     """The step as progress text on the running node (the sampler: tuning happens in its first steps)."""
     from comfy_execution.utils import get_executing_context
     from server import PromptServer
