@@ -9,7 +9,6 @@ call only while checks are on (DIFFUSERS_ATTN_CHECKS=yes, `set_checks`, or `atte
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 import numbers
 from collections.abc import Mapping
@@ -19,8 +18,7 @@ import torch
 
 from .inputs import LAYOUTS, AttentionInputs
 from .masks import broadcast_problem
-
-logger = logging.getLogger("attention_dispatch")
+from .log import logger
 
 
 class AttentionInputError(ValueError):

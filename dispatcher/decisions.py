@@ -7,7 +7,6 @@ limits these inputs hit), and a backend that fails at run time is demoted with i
 
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
@@ -18,8 +17,8 @@ from . import caches, checks, guard, registry, trust
 from .hub import KernelLoadError
 from .inputs import AttentionInputs
 from .machine import current_machine
+from .log import logger
 
-logger = logging.getLogger("attention_dispatch")
 
 # The exact end of every chain: SDPA, then its math kernel (which runs anything SDPA accepts).
 FINAL_FALLBACKS = ("native", "_native_math")

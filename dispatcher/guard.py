@@ -29,14 +29,13 @@ is its own declaration).
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 
+from .log import logger
 from .reference import error_terms, exact_attention, non_finite, strided_rows, to_bhsd
 
-logger = logging.getLogger("attention_dispatch")
 
 GUARD_MODES = ("quantised", "all", "off")
 DEFAULT_MODE = "quantised"

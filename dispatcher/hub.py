@@ -11,7 +11,6 @@ HF_HUB_OFFLINE needed, while the kernels library would still pick that build for
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import threading
@@ -23,10 +22,10 @@ from . import env, kernels_api, trust
 from .machine import current_machine
 from .spec import HubKernel
 from .versions import at_least
+from .log import logger
 
 DEFAULT_LOCK = Path(__file__).resolve().parent.parent / "kernels.lock.json"
 
-logger = logging.getLogger("attention_dispatch")
 
 # <cache>/kernels--org--name/snapshots/<commit>/build/<variant>: where an HF-cache load came from.
 _SNAPSHOT = re.compile(r"[\\/]snapshots[\\/]([0-9a-f]{40})[\\/]build[\\/]")

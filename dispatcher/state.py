@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import logging
 import threading
 from typing import NamedTuple
 
 from . import env, guard, registry
+from .log import logger
 
-logger = logging.getLogger("attention_dispatch")
 
 POLICIES = ("fallback", "strict")
 CHECK_MODES = ("off", "raise", "warn")
@@ -25,7 +24,6 @@ _lock = threading.Lock()
 _default_backend: str | None = None  # None: not read from the environment yet
 _default_policy = "fallback"
 _checks_override: str | None = None  # registry switch; None: follow DIFFUSERS_ATTN_CHECKS
-
 
 
 class Scope(NamedTuple):

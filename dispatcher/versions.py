@@ -1,34 +1,37 @@
-"""Version strings compared by their release part, then their pre-release tag (enough for requirement floors).
+"""Version strings compared as requirement floors, parsed by `packaging`.
 
-A floor that names a pre-release also orders the tags: 4.0.0b36 < 4.0.0b40 < 4.0.0rc1 < 4.0.0 (flash-attn-4 ships
-only betas, and a floor of 4.0.0b40 must refuse b36). A floor of a final release compares the release part only,
-so torch 2.5.0a0+872d972 (NVIDIA's containers) meets torch>=2.5. Local parts (+cu130) and dev/post tags are
-ignored.
+A floor of a final release compares the release part only, so torch 2.5.0a0+872d972 (NVIDIA's containers) and
+a nightly 2.8.0.dev2025 meet torch>=2.5 and >=2.8 (a build leading to a release meets that release's floor). A
+floor that names a pre-release also orders the tags: 4.0.0b36 < 4.0.0b40 < 4.0.0rc1 < 4.0.0 (flash-attn-4 ships
+only betas, and a floor of 4.0.0b40 must refuse b36).
 """
 
 from __future__ import annotations
 
-import re
+from packaging.version import InvalidVersion, Version
 
-_PRE = {"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "rc": 2}
-_FINAL = (3, 0)
+
+def _parse(version: str) -> Version | None:
+    try:
+        return Version(str(version or "").strip())
+    except InvalidVersion:
+        return None
 
 
 def release(version: str) -> tuple[int, ...]:
-    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", version or "")
-    return tuple(int(p) for p in match.group(1).split(".")) if match else ()
-
-
-def pre_release(version: str) -> tuple[int, int]:
-    """(phase, number) of a pre-release tag (a < b < rc), or the final release's, which sorts after them."""
-    match = re.match(r"\s*v?\d+(?:\.\d+)*[-_.]?(alpha|beta|rc|a|b|c)[-_.]?(\d*)", (version or "").lower())
-    return (_PRE[match.group(1)], int(match.group(2) or 0)) if match else _FINAL
+    """'2.13.0+cpu' -> (2, 13, 0); a pre-release or dev build counts as its release; () when it is not a version."""
+    parsed = _parse(version)
+    return parsed.release if parsed is not None else ()
 
 
 def at_least(version: str, minimum: str) -> bool:
-    have, need = release(version), release(minimum)
-    width = max(len(have), len(need))
-    have, need = have + (0,) * (width - len(have)), need + (0,) * (width - len(need))
-    if pre_release(minimum) == _FINAL:
-        return have >= need
-    return (have, pre_release(version)) >= (need, pre_release(minimum))
+    have, need = _parse(version), _parse(minimum)
+    if have is None or need is None:
+        return False
+    width = max(len(have.release), len(need.release))
+    have_release = have.release + (0,) * (width - len(have.release))
+    need_release = need.release + (0,) * (width - len(need.release))
+    if need.pre is None:
+        return have_release >= need_release
+    final = (chr(0x7F), 0)  # a final release sorts after every pre-release tag of the same release
+    return (have_release, have.pre or final) >= (need_release, need.pre)

@@ -55,6 +55,7 @@ def register(name, fn, **kw):
 @pytest.fixture
 def tuner(tmp_path):
     def make(*names, **kw):
+        kw.setdefault("time_budget_s", 2.0)  # not the 0.5 s CPU default: these kernels sleep, the machine is loaded
         t = Tuner(cache_path=tmp_path / "tune.json", backends=names, **kw)
         return auto.using(t)
     return make

@@ -228,8 +228,9 @@ def test_warn_mode_logs_instead_of_raising(caplog):
         out = dispatch_attention_fn(q, k, v)
     assert torch.isnan(out).any()
     warned = [r.getMessage() for r in caplog.records if r.name == "attention_dispatch"]
-    assert any(m.startswith("value of attention backend 'native'") and "1 NaN" in m for m in warned), warned
-    assert any(m.startswith("output of attention backend 'native'") for m in warned), warned
+    assert any(m.startswith("[attention-dispatch] value of attention backend 'native'") and "1 NaN" in m
+               for m in warned), warned
+    assert any(m.startswith("[attention-dispatch] output of attention backend 'native'") for m in warned), warned
 
 
 def test_set_checks_turns_value_checks_on():

@@ -1,12 +1,17 @@
-"""The doctor talks: progress during set-up, numpy, the default backend and where it comes from, a bad
-DIFFUSERS_ATTN_BACKEND, a readable machine line."""
+"""The doctor talks: which Python it inspects (ComfyUI's when the pack sits in custom_nodes/), a recommendation
+first, usable backends before the rest, each reason once; progress during set-up, the default backend and where it
+comes from, a bad DIFFUSERS_ATTN_BACKEND, a readable machine line."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
+
+import pytest
 
 from dispatcher.tools import doctor
 
@@ -47,14 +52,118 @@ def test_the_doctor_command_shows_them(tmp_path):
                          timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.splitlines()
-    assert lines[0].startswith("Machine: CPU only: no GPU visible to torch")
+    assert lines[0].startswith(f"Python: {sys.executable} (") and "the Python that ran this command" in lines[0]
+    assert lines[1].startswith("Machine: CPU only: no GPU visible to torch")
     assert any(l.startswith("Default backend: PROBLEM: DIFFUSERS_ATTN_BACKEND='flsh'") for l in lines)
     assert "Failed to initialize NumPy" not in run.stderr
+    # the recommendation leads, usable backends come next (autos first), each reason is stated once
+    text = run.stdout
+    assert text.index("Recommended here: auto_exact") < text.index("Run here (") < text.index("Not for this machine")
+    run_here = text[text.index("Run here ("):text.index("Not for this machine")].split("\n")
+    rows = [l.split()[0] for l in run_here[1:] if l.startswith("  ") and not l.startswith("    ")]
+    assert rows[:4] == ["auto_exact", "auto_fast", "comfy", "native"]
+    assert text.count("needs an NVIDIA CUDA GPU; this machine has a CPU") == 1
+    assert "auto_fast gains nothing here" in text and "nothing to install" in text
 
 
 def test_the_doctor_script_says_what_it_is_doing():
     script = (ROOT / "doctor").read_text()
     assert "numpy" in script and "torch==2.13.0" in script
-    for words in ("creating .venv", "installing torch", "inspecting this machine"):
+    for words in ("creating .venv", "installing torch", "inspecting this machine", "inspecting ComfyUI's Python"):
         assert words in script
     assert "set -euo pipefail" in script
+    # the sizes it states are the installed ones: the CPU build without a GPU, the CUDA build with one
+    assert "CPU build: about 200 MB to download, 1 GB installed" in script and "about 5.5 GB installed" in script
+    assert "download.pytorch.org/whl/cpu" in script
+
+
+def test_grouped_reasons_put_the_device_before_any_package():
+    from dispatcher.machine import use_machine
+    from dispatcher.tools import install_plan
+    with use_machine(install_plan.SIMULATED["cpu"]):
+        data = doctor.report()
+    reasons = [row["reason"] for row in data["groups"]["not_here"]]
+    assert len(reasons) == len(set(reasons))  # each once, with its backends
+    cuda = next(row for row in data["groups"]["not_here"] if row["reason"].startswith("needs an NVIDIA CUDA GPU"))
+    assert {"flash", "sage", "xformers", "flash_hub"} <= set(cuda["backends"]) and "pip install" not in cuda["reason"]
+    assert data["groups"]["usable"][0] == "native" and data["recommendation"]["use"] == "auto_exact"
+
+
+def test_bench_figures_for_this_gpu_model():
+    from dispatcher.tools import install_plan
+    figures = doctor.bench_figures(install_plan.SIMULATED["h200"])
+    assert figures is not None and figures["file"].startswith("bench/results/")
+    wan = next(s for s in figures["shapes"] if s["label"].startswith("Wan 2.1 14B"))
+    assert wan["native_ms"] and wan["exact"][1] <= wan["native_ms"] and wan["quantised"] is not None
+    assert doctor.bench_figures(install_plan.SIMULATED["cpu"]) is None
+
+
+# ------------------------------------------------------------------------------------ the doctor inside ComfyUI
+
+def _comfyui_layout(tmp_path) -> Path:
+    """ComfyUI/custom_nodes/<pack> with the doctor script and the library (what `./doctor` needs)."""
+    pack = tmp_path / "ComfyUI" / "custom_nodes" / "attention_dispatch"
+    pack.mkdir(parents=True)
+    shutil.copy2(ROOT / "doctor", pack / "doctor")
+    shutil.copytree(ROOT / "dispatcher", pack / "dispatcher", ignore=shutil.ignore_patterns("__pycache__"))
+    return pack
+
+
+def _python_link(venv: Path) -> Path:
+    """A venv at `venv`: a link to the one running the tests (which has torch); its bin/python."""
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    venv.symlink_to(Path(sys.prefix), target_is_directory=True)
+    return venv / "bin" / "python"
+
+
+def _run_doctor(pack: Path, **env_extra) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("COMFYUI_PYTHON", "ATTN_DISPATCH_DOCTOR_PYTHON")}
+    env.update(CUDA_VISIBLE_DEVICES="", **env_extra)
+    return subprocess.run(["bash", str(pack / "doctor")], capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the doctor script is bash")
+def test_the_doctor_script_inspects_comfyuis_venv(tmp_path):
+    pack = _comfyui_layout(tmp_path)
+    python = _python_link(tmp_path / "ComfyUI" / "venv")
+    run = _run_doctor(pack)
+    assert run.returncode == 0, run.stderr[-3000:]
+    first = run.stdout.splitlines()[0]
+    assert first.startswith(f"Python: {python} (")
+    assert "ComfyUI's Python (venv/bin/python in the ComfyUI folder)" in first
+    assert f"inspecting ComfyUI's Python {python}" in run.stderr
+    assert not (pack / ".venv").exists()  # nothing built, nothing installed
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the doctor script is bash")
+def test_the_doctor_script_finds_the_python_running_comfyui(tmp_path):
+    """No venv in the ComfyUI folder: the interpreter of a running `python main.py` there, as it was started (a
+    venv's python is a link: following /proc/PID/exe would lose the venv)."""
+    pack = _comfyui_layout(tmp_path)
+    root = tmp_path / "ComfyUI"
+    (root / "main.py").write_text("import time\ntime.sleep(120)\n")
+    python = _python_link(tmp_path / "envs" / "comfy")
+    server = subprocess.Popen([str(python), "main.py", "--cpu"], cwd=root)
+    try:
+        run = _run_doctor(pack)
+    finally:
+        server.kill()
+        server.wait()
+    assert run.returncode == 0, run.stderr[-3000:]
+    first = run.stdout.splitlines()[0]
+    assert first.startswith(f"Python: {python} (") and f"the Python running this ComfyUI, process {server.pid}" in first
+    assert not (pack / ".venv").exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the doctor script is bash")
+def test_comfyui_python_from_the_environment_and_a_broken_one(tmp_path):
+    pack = _comfyui_layout(tmp_path)
+    python = _python_link(tmp_path / "elsewhere")
+    run = _run_doctor(pack, COMFYUI_PYTHON=str(python))
+    assert run.returncode == 0 and "ComfyUI's Python (COMFYUI_PYTHON)" in run.stdout.splitlines()[0]
+    broken = tmp_path / "broken-python"
+    broken.write_text("#!/bin/sh\nexit 1\n")
+    broken.chmod(0o755)
+    run = _run_doctor(pack, COMFYUI_PYTHON=str(broken))
+    assert run.returncode == 1 and "cannot import torch" in run.stderr and "nothing was changed" in run.stderr
+    assert not (pack / ".venv").exists()

@@ -8,6 +8,7 @@ themselves are checked against exact attention in tests/gpu/test_gpu_backends.py
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -176,16 +177,18 @@ def test_auto_exact_lists_why_it_skips_them():
 
 
 def test_doctor_and_the_dropdown_say_why_they_cannot_run_here():
-    """The doctor's table and the backends route (the dropdown's source) carry the registry's reasons."""
-    data = doctor.report()
-    rows = {b["name"]: b for b in data["backends"]}
-    for name in NEW:
-        assert not rows[name]["available"] and rows[name]["reasons"], name
-        assert rows[name]["precision"] == get_backend_spec(name).precision
-    text = doctor.render(data)
-    for name in NEW:
-        assert name in text
-    assert "comfy-kitchen" in text and "flash-attn-4" in text
+    """The doctor's table and the backends route (the dropdown's source) carry the registry's reasons: on this CPU
+    the device reason; on a Hopper GPU without the packages, what to pip install."""
+    for machine, words in ((None, ("needs an NVIDIA CUDA GPU",)), (cuda_machine((9, 0)), ("comfy-kitchen", "flash-attn-4"))):
+        with contextlib.nullcontext() if machine is None else use_machine(machine):
+            data = doctor.report()
+            text = doctor.render(data)
+        rows = {b["name"]: b for b in data["backends"]}
+        for name in NEW:
+            assert not rows[name]["available"] and rows[name]["reasons"], name
+            assert rows[name]["precision"] == get_backend_spec(name).precision
+            assert name in text
+        assert all(word in text for word in words), text
 
 
 def test_tau():

@@ -79,6 +79,16 @@ def test_the_readme_library_example_runs_from_another_folder(wheel, tmp_path):
     cli = subprocess.run([sys.executable, "-m", "attention_dispatch", "doctor", "--json"], cwd=elsewhere,
                          capture_output=True, text=True, timeout=300, env=env)
     assert cli.returncode == 0 and '"default_backend"' in cli.stdout, cli.stderr[-2000:]
+    # installed, the command line names itself as it was started: never the pack's `python -m dispatcher`
+    usage = subprocess.run([sys.executable, "-m", "attention_dispatch", "--help"], cwd=elsewhere,
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: python -m attention_dispatch"), usage.stderr
+    assert "python -m dispatcher" not in usage.stdout
+    script = target / "bin" / "attention-dispatch"  # the console script pip writes
+    usage = subprocess.run([sys.executable, str(script), "bench", "--help"], cwd=elsewhere, capture_output=True,
+                           text=True, timeout=300, env=env)
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: attention-dispatch bench"), usage.stderr
+    assert "python -m dispatcher" not in usage.stdout
 
 
 def test_the_pack_archive_leaves_out_tests_and_bench_data():

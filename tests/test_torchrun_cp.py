@@ -135,7 +135,7 @@ def test_runtime_keeps_ranks_in_step_relays_cancel_and_stops_on_a_dead_rank(per_
 def _driver(out_dir: str) -> None:
     """One rank: stand-ins for ComfyUI's modules, the real cp_runtime, a prompt worker loop."""
     import asyncio
-    import importlib.util
+    import importlib
     import signal
 
     rank = int(os.environ["RANK"])
@@ -217,9 +217,9 @@ def _driver(out_dir: str) -> None:
     sys.modules.update({"comfy": comfy, "comfy.model_management": mm, "comfy.cli_args": cli_args,
                         "folder_paths": folder_paths, "server": server})
 
-    spec = importlib.util.spec_from_file_location("cp_runtime", ROOT / "nodes" / "cp_runtime.py")
-    cp_runtime = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cp_runtime)
+    from helpers.pack import PACK, load_pack
+    load_pack()  # cp_runtime logs through the pack's dispatcher (one logger, one prefix)
+    cp_runtime = importlib.import_module(f"{PACK}.nodes.cp_runtime")
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)

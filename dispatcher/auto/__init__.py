@@ -24,7 +24,9 @@ every model; verdicts are kept per model and reused only for the same model (cal
 keep theirs in memory). `tune(signature)` without tensors times on noise and leaves verdicts to the first
 live call; noise never admits a quantised kernel. Past `max_signatures` timed signatures per process, or
 when timing is impossible (dropout, a traced `auto_exact` call), the priority order decides among exact
-kernels. `report()` / `explain()` say what was judged, timed, rejected and chosen, and what it cost.
+kernels. `report()` / `explain()` say what was judged, timed, rejected and chosen, and what it cost. A host shows
+tuning's progress and stops it through `set_progress_hook` / `set_interrupt_check`, and names the cache's folder
+with `set_default_dir` (ComfyUI's nodes: nodes/host_hooks.py).
 
     from dispatcher import auto, model_scope
     with model_scope("my-unet"):
@@ -43,7 +45,8 @@ from typing import Any
 
 from .. import caches, registry
 from ..inputs import AttentionInputs
-from .cache import CACHE_FORMAT, ENV_CACHE, default_cache_path  # noqa: F401  (public names)
+from .cache import CACHE_FORMAT, ENV_CACHE, default_cache_path, set_default_dir  # noqa: F401  (public names)
+from .hooks import TuningProgress, set_interrupt_check, set_progress_hook  # noqa: F401  (for a host: ComfyUI's nodes)
 from .fingerprint import cpu_model, fingerprint_key, machine_fingerprint  # noqa: F401
 from .measure import QUADRATIC_MEMORY  # noqa: F401
 from ..reference import exact_attention, first_line, non_finite, relative_error, sample_rows  # noqa: F401

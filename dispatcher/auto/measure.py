@@ -65,15 +65,16 @@ def balanced_order(count: int, rounds: int) -> list[list[int]]:
     return [rows[r % len(rows)] for r in range(rounds)]
 
 
-def time_rounds(calls: list, device: torch.device, rounds: int, per_sample: list[int] | None = None
-                ) -> list[list[float]]:
+def time_rounds(calls: list, device: torch.device, rounds: int, per_sample: list[int] | None = None,
+                between=None) -> list[list[float]]:
     """Milliseconds per call of each call over `rounds` rounds. A round takes one sample of each call in turn:
     drift (clocks, other work) falls on all of them alike, which timing one after the other does not give (the
     same kernel under two names timed 5% apart that way on the H200). A sample is one untimed call, then
     `per_sample[i]` back-to-back calls timed together: at its power cap the H200's clocks follow what ran just
     before, so single calls alternating time each kernel partly at the others' clocks: on Wan 14B attention FA3
     and Sage came out 2.4% apart that way and 13% apart in samples of several calls, which is what a model step
-    shows (bench/results, 2026-12-04). The order changes each round (`balanced_order`)."""
+    shows (bench/results, 2026-12-04). The order changes each round (`balanced_order`). `between()` runs before
+    each round (the host's interrupt check)."""
     per_sample = per_sample or [1] * len(calls)
     times: list[list[float]] = [[] for _ in calls]
     order = balanced_order(len(calls), rounds)
@@ -82,6 +83,8 @@ def time_rounds(calls: list, device: torch.device, rounds: int, per_sample: list
                   for _ in order]
         sync(device)
         for turn, round_events in zip(order, events):
+            if between is not None:
+                between()
             for i in turn:
                 calls[i]()  # settles the clocks on this kernel
                 begin, end = round_events[i]
@@ -95,6 +98,8 @@ def time_rounds(calls: list, device: torch.device, rounds: int, per_sample: list
                 times[i].append(begin.elapsed_time(end) / per_sample[i])
         return times
     for turn in order:
+        if between is not None:
+            between()
         for i in turn:
             calls[i]()
             sync(device)

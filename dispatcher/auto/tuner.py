@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import statistics
 import threading
@@ -19,16 +18,20 @@ from ..call import AttentionCall
 from ..checks import check_shapes, check_structure
 from ..execute import run
 from ..inputs import AttentionInputs, describe_call
-from . import cache
+from . import cache, hooks
 from .fingerprint import fingerprint_key, machine_fingerprint
 from .measure import QUADRATIC_MEMORY, random_inputs, shrink, sync, time_calls, time_rounds, validate
 from ..reference import exact_attention, first_line, sample_rows
+from ..log import logger
 
-logger = logging.getLogger("attention_dispatch")
 
 ENV_BUDGET = "ATTN_DISPATCH_TUNE_BUDGET"  # seconds per signature
 ENV_MAX_SIGNATURES = "ATTN_DISPATCH_TUNE_MAX_SIGNATURES"
-DEFAULT_BUDGET_S = 2.0
+DEFAULT_BUDGET_S = 2.0  # on a GPU
+# On a CPU: its kernels differ by wide margins (flex runs eagerly there, ten times slower than SDPA) and the clock
+# drift the final round guards against on a GPU does not arise, while each prompt meets as many signatures as on
+# a GPU: 2 s each made a tiny model's first prompt on a CPU 36 s instead of 9 s.
+CPU_BUDGET_S = 0.5
 DEFAULT_MAX_SIGNATURES = 32
 DEFAULT_TIE_MARGIN = 0.03  # at most: how much a later backend in priority order must beat an earlier one by
 # `auto_fast` admits a quantised kernel whose relative error on the model's own activations (sampled query rows
@@ -120,16 +123,17 @@ class Tuner:
     def __init__(self, *, cache_path=_DEFAULT_PATH, time_budget_s: float | None = None,
                  max_signatures: int | None = None, warmup: int = 1, runs: int = 5, validation_rows: int = 64,
                  memory_cap_bytes: int | None = None, backends=None, tie_margin: float = DEFAULT_TIE_MARGIN):
-        """cache_path: the JSON file (None: memory only; default: ATTN_DISPATCH_TUNE_CACHE or ~/.cache/...);
-        time_budget_s: seconds per signature (ATTN_DISPATCH_TUNE_BUDGET, 2); max_signatures: timed per process
+        """cache_path: the JSON file (None: memory only; default: `cache.default_cache_path()`);
+        time_budget_s: seconds per signature, everything included (ATTN_DISPATCH_TUNE_BUDGET; default 2 on a GPU,
+        0.5 on a CPU); max_signatures: timed per process
         (ATTN_DISPATCH_TUNE_MAX_SIGNATURES, 32); warmup/runs: calls per candidate; validation_rows: query
         rows checked against exact attention; memory_cap_bytes: for the tuning inputs (default: a quarter
         of free GPU memory up to 8 GiB, 512 MiB on a CPU); backends: consider only these names; tie_margin:
         how much faster than a preferred backend another must be to win (timings carry host noise)."""
         self._cache_path = cache_path
         self.backends = None if backends is None else tuple(backends)
-        self.time_budget_s = float(time_budget_s if time_budget_s is not None
-                                   else env.value(ENV_BUDGET, str(DEFAULT_BUDGET_S)))
+        budget = time_budget_s if time_budget_s is not None else env.value(ENV_BUDGET)
+        self.time_budget_s = None if budget is None else float(budget)  # None: by device (`budget`)
         self.max_signatures = int(max_signatures if max_signatures is not None
                                   else env.value(ENV_MAX_SIGNATURES, str(DEFAULT_MAX_SIGNATURES)))
         self.warmup, self.runs, self.validation_rows = int(warmup), max(1, int(runs)), int(validation_rows)
@@ -151,6 +155,17 @@ class Tuner:
         if self._cache_path is _DEFAULT_PATH:
             return cache.default_cache_path()
         return None if self._cache_path is None else Path(self._cache_path)
+
+    def budget(self, device: str | torch.device) -> float:
+        """Seconds of tuning per signature on `device`: the one set, else by device type."""
+        if self.time_budget_s is not None:
+            return self.time_budget_s
+        return CPU_BUDGET_S if torch.device(device).type == "cpu" else DEFAULT_BUDGET_S
+
+    def _budget_text(self) -> str:
+        if self.time_budget_s is not None:
+            return f"{self.time_budget_s:g} s"
+        return f"{DEFAULT_BUDGET_S:g} s ({CPU_BUDGET_S:g} s on a CPU)"
 
     def _memory_cap(self, device: torch.device) -> int:
         if self.memory_cap_bytes is not None:
@@ -230,7 +245,8 @@ class Tuner:
     def report(self) -> dict[str, Any]:
         """Per signature: candidates, timings, errors, rejections, chosen and seconds; plus the totals."""
         records = self.records()
-        return {"time_budget_s": self.time_budget_s, "max_signatures": self.max_signatures,
+        return {"time_budget_s": self.time_budget_s if self.time_budget_s is not None else
+                {"gpu": DEFAULT_BUDGET_S, "cpu": CPU_BUDGET_S}, "max_signatures": self.max_signatures,
                 "timed_signatures": self._timed, "total_seconds": round(sum(r.seconds for r in records), 4),
                 "cache_path": str(self.cache_path) if self.cache_path else None,
                 "machine": machine_fingerprint(), "signatures": [r.as_dict() for r in records]}
@@ -240,7 +256,7 @@ class Tuner:
         if not records:
             return "auto: no attention signature tuned in this process"
         lines = [f"auto: {len(records)} signatures, {self._timed} timed, "
-                 f"{sum(r.seconds for r in records):.2f} s spent (budget {self.time_budget_s:g} s per signature, "
+                 f"{sum(r.seconds for r in records):.2f} s spent (budget {self._budget_text()} per signature, "
                  f"at most {self.max_signatures} timed)"]
         for r in records:
             kind = "auto_exact" if r.exact else "auto_fast"
@@ -286,12 +302,17 @@ class Tuner:
                 skipped.append((name, [f"a{'n' if spec.precision == 'approximate' else ''} {spec.precision} kernel: "
                                        "auto_exact runs exact kernels only"]))
                 continue
-            reasons = registry.availability_reasons(name)
+            try:
+                reasons = registry.availability_reasons(name)
+                unsupported = [] if reasons else decisions.input_reasons(spec, inputs)  # the decision's own answer
+            except Exception as exc:  # a custom backend's own checks: they drop that backend, never the tuning
+                skipped.append((name, [f"its support check raised {first_line(exc)}"]))
+                continue
             if spec.hub is not None:
                 verdict = trust.decide(spec.hub.repo_id)
                 if not [r for r in reasons if verdict.allowed or r != verdict.reason]:
                     sensitive = True  # only trust stands between this Hub kernel and the candidates
-            reasons = reasons or decisions.input_reasons(spec, inputs)  # the decision's own answer
+            reasons = reasons or unsupported
             if not reasons and spec.hub is not None:
                 if fetched is None:
                     fetched = _fetched_repos()
@@ -341,13 +362,17 @@ class Tuner:
         elif self._timed >= self.max_signatures and not (timed and live is not None):
             record.reason = (f"the limit of {self.max_signatures} timed signatures per process is reached "
                              f"({ENV_MAX_SIGNATURES}): preference order")
-        elif self.time_budget_s <= 0 and not (timed and live is not None):
-            record.reason = f"the time budget is {self.time_budget_s:g} s ({ENV_BUDGET}): preference order"
+        elif self.budget(sig.device) <= 0 and not (timed and live is not None):
+            record.reason = f"the time budget is {self.budget(sig.device):g} s ({ENV_BUDGET}): preference order"
         else:
             if not timed:
                 self._timed += 1
             try:
                 self._measure(sig, record, names, layout, live, start)
+            except hooks.TuningInterrupted as stop:  # the host's own interrupt: nothing is decided or saved
+                if not timed:
+                    self._timed -= 1
+                raise stop.original from None
             except Exception as exc:  # tuning must never break the call it was made for
                 logger.warning("auto: tuning %s failed (%s: %s); using the preference order", sig.describe(),
                                type(exc).__name__, exc)
@@ -367,6 +392,7 @@ class Tuner:
         self._records[(sig, exact, model, block)] = record
         if record.source in ("timed", "judged"):
             where = f"model {model}" + (f", {block}" if block else "")
+            self._progress(record, "done", len(names), len(names), start, chosen=record.chosen)
             rejected = "; ".join(f"{c.name} ({c.reason})" for c in record.rejected)
             logger.info("auto: %s (%s) -> %s (%d candidates, judged on %s, %.2f s)%s", sig.describe(), where,
                         record.chosen, len(names), record.judged_on, record.seconds,
@@ -387,9 +413,21 @@ class Tuner:
         return AttentionCall(q, k, v, mask, 0.0, run_sig.is_causal, scale, run_sig.enable_gqa, None, layout=layout,
                              return_lse=run_sig.return_lse), run_sig, False
 
+    def _progress(self, record, stage, done, total, start, candidate=None, chosen=None) -> None:
+        sig = record.signature
+        shape = f"q {sig.batch}x{sig.len_q}x{sig.heads_q}x{sig.head_dim}" + (
+            f", k/v length {sig.len_kv}" if sig.len_kv != sig.len_q else "")
+        hooks.progress(hooks.TuningProgress(
+            "auto_exact" if record.exact else "auto_fast", shape, record.model, stage, done,
+            total, time.perf_counter() - start, self.budget(record.signature.device), candidate, chosen))
+
     def _measure(self, sig, record, names, layout, live, start):
-        """Judge (on live values) and time (where the disk has no timing) every candidate not known yet."""
+        """Judge (on live values) and time (where the disk has no timing) every candidate not known yet, within
+        the budget: every call counts, first calls (which may load or compile a kernel) included. The budget is
+        checked before each step, so one step at most runs past it; candidates left untried are tried again by
+        the next process (their verdicts are not saved)."""
         device = torch.device(sig.device)
+        budget = self.budget(device)
         cap = self._memory_cap(device)
         attention_call, run_sig, is_live = self._inputs(sig, layout, live, cap)
         if run_sig != sig:
@@ -403,87 +441,61 @@ class Tuner:
         by_name = {c.name: c for c in record.candidates}
         calls = {}  # name -> its call on these inputs, for the final round
         timed_any = False
-        # A first call may JIT-compile (Triton, inductor): that one-off cost is not charged to the budget,
-        # or the first candidate in preference order would use it up and win untimed.
-        compiling = 0.0
+        self._progress(record, "start", 0, len(names), start)
+
+        def spent() -> bool:  # once one candidate is valid and timed, the budget decides what else runs
+            return (time.perf_counter() - start >= budget
+                    and any(c.status == "valid" and c.median_ms is not None for c in record.candidates))
+
         for position, name in enumerate(names):
+            hooks.check_interrupt()
             result = by_name[name]
             known = result.status in ("valid", "rejected")  # this model's verdict, from disk
             if known and (result.status == "rejected" or result.median_ms is not None):
                 continue
-            spec = registry.get(name)
             if name in QUADRATIC_MEMORY and score_bytes > cap:
                 result.reason = (f"not run: it materialises the {score_bytes >> 20} MiB score matrix, over the "
                                  f"tuning memory cap")
                 continue
+            if spent():
+                result.reason = f"not {'timed' if known else 'tried'}: the {budget:g} s budget for this signature " \
+                                "was spent"
+                continue
+            self._progress(record, "candidate", position, len(names), start, candidate=name)
             try:
-                runner = registry.prepare(name)
-            except Exception as exc:
-                result.status, result.reason = "rejected", f"could not be loaded: {type(exc).__name__}: {exc}"
-                continue
-            candidate = decisions.candidate(name, spec, runner, run_sig, layout)  # run as the decision runs it
-
-            def call(candidate=candidate):
-                return run(candidate, attention_call)
-            calls[name] = call
-
-            if not known:
-                try:
-                    with torch.no_grad():
-                        t0 = time.perf_counter()
-                        result_value = call()
-                        sync(device)
-                        first = time.perf_counter() - t0
-                        compiling += first
-                except Exception as exc:
-                    if device.type == "cuda":
-                        with contextlib.suppress(Exception):
-                            torch.cuda.empty_cache()
-                    result.status = "rejected"
-                    result.reason = f"raised {first_line(exc)}"
+                call = self._try(name, result, record, attention_call, run_sig, layout, device, rows, ref_out,
+                                 ref_lse, is_live, known)
+                if call is None:
                     continue
-                result.first_call_ms = first * 1e3
-                out, lse = result_value if run_sig.return_lse else (result_value, None)
-                # Noise has none of the locality an approximate kernel relies on (sol_attn: 0.76 on N(0,1)): there
-                # only a broken output (NaN, shape) rejects it; its error is judged on live values alone.
-                bound = math.inf if spec.approximate and not is_live else result.error_bound
-                problem = validate(out, lse, ref_out, ref_lse, rows, layout, bound, result)
-                del result_value, out, lse
-                if problem:
-                    result.status = "rejected"
-                    result.reason = problem + (" on this model's own activations" if is_live else " on noise")
+                calls[name] = call
+                if result.median_ms is not None:  # timed before (disk): only its verdict was wanted
                     continue
-                if is_live:
-                    result.status = "valid"
-                elif not spec.exact:  # noise passes no verdict on a kernel that is not exact: its error depends on values
-                    result.status = "unjudged"
-                    result.reason = f"{spec.precision}: admitted only once judged on the model's own activations"
-                else:
-                    result.status = "valid"  # exact by declaration and on noise; judged again on live values
-            if result.median_ms is not None:
-                continue
-            valid_so_far = any(c.status == "valid" and c.median_ms is not None for c in record.candidates)
-            if valid_so_far and time.perf_counter() - start - compiling >= self.time_budget_s:
-                result.reason = f"not timed: the {self.time_budget_s:g} s budget for this signature was spent"
-                continue
-            # A timed warm call (the first one may have compiled or planned) sizes the runs that fit this
-            # candidate's share of what is left of the budget.
-            self.timing_calls += 1
-            timed_any = True
-            with torch.no_grad():
-                t0 = time.perf_counter()
-                call()
-                sync(device)
-                steady = max(time.perf_counter() - t0, 1e-6)
-                left = max(0.0, self.time_budget_s - (time.perf_counter() - start - compiling))
-                fits = int(left / max(1, len(names) - position) / steady)
-                runs = max(1, min(self.runs, fits))
-                warmup = min(max(0, self.warmup - 1), max(0, fits - runs))
-                result.times_ms = time_calls(call, device, warmup, runs)
-            result.median_ms = statistics.median(result.times_ms)
+                if spent():
+                    result.reason = f"not timed: the {budget:g} s budget for this signature was spent"
+                    continue
+                hooks.check_interrupt()
+                self.timing_calls += 1
+                timed_any = True
+                # A timed warm call (the first one may have compiled or planned) sizes the runs that fit this
+                # candidate's share of what is left of the budget.
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    call()
+                    sync(device)
+                    steady = max(time.perf_counter() - t0, 1e-6)
+                    left = max(0.0, budget - (time.perf_counter() - start))
+                    fits = int(left / max(1, len(names) - position) / steady)
+                    runs = max(1, min(self.runs, fits))
+                    warmup = min(max(0, self.warmup - 1), max(0, fits - runs))
+                    result.times_ms = time_calls(call, device, warmup, runs)
+                result.median_ms = statistics.median(result.times_ms)
+            except Exception as exc:  # one failing kernel leaves the tuning, never ends it
+                _reject(result, f"raised {first_line(exc)}", device)
+                calls.pop(name, None)
         valid = [c for c in record.candidates if c.status == "valid" and c.median_ms is not None]
         if timed_any:
-            self._final_round(valid, calls, device, start, compiling)
+            self._final_round(record, valid, calls, device, start, budget, len(names))
+        valid = [c for c in record.candidates if c.status == "valid" and c.median_ms is not None]
         record.judged_on = LIVE if is_live else NOISE
         if not valid:
             record.source = "preference"
@@ -494,24 +506,91 @@ class Tuner:
         if not is_live:
             record.reason = "timed on noise; verdicts wait for the model's own activations (the first live call)"
 
-    def _final_round(self, valid, calls, device, start, compiling) -> None:
+    @staticmethod
+    def _try(name, result, record, attention_call, run_sig, layout, device, rows, ref_out, ref_lse, is_live, known):
+        """Load `name` and, unless its verdict is known, judge its first call; its call, or None if rejected."""
+        spec = registry.get(name)
+        try:
+            runner = registry.prepare(name)
+        except Exception as exc:
+            result.status, result.reason = "rejected", f"could not be loaded: {type(exc).__name__}: {exc}"
+            return None
+        candidate = decisions.candidate(name, spec, runner, run_sig, layout)  # run as the decision runs it
+
+        def call(candidate=candidate):
+            return run(candidate, attention_call)
+
+        if known:
+            return call
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            result_value = call()
+            sync(device)
+            result.first_call_ms = (time.perf_counter() - t0) * 1e3
+        out, lse = result_value if run_sig.return_lse else (result_value, None)
+        # Noise has none of the locality an approximate kernel relies on (sol_attn: 0.76 on N(0,1)): there only a
+        # broken output (NaN, shape) rejects it; its error is judged on live values alone.
+        bound = math.inf if spec.approximate and not is_live else result.error_bound
+        problem = validate(out, lse, ref_out, ref_lse, rows, layout, bound, result)
+        del result_value, out, lse
+        if problem:
+            result.status = "rejected"
+            result.reason = problem + (" on this model's own activations" if is_live else " on noise")
+            return None
+        if is_live:
+            result.status = "valid"
+        elif not spec.exact:  # noise passes no verdict on a kernel that is not exact: its error depends on values
+            result.status = "unjudged"
+            result.reason = f"{spec.precision}: admitted only once judged on the model's own activations"
+        else:
+            result.status = "valid"  # exact by declaration and on noise; judged again on live values
+        return call
+
+    def _final_round(self, record, valid, calls, device, start, budget, total) -> None:
         """Time the front-runners (within CONTENDER_MARGIN of the fastest) again in interleaved rounds and keep
         those times: timed one after the other, two of them a few percent apart can swap places from drift
-        alone. Each sample runs one candidate for about FINAL_SAMPLE_MS (measure.time_rounds says why);
-        at least FINAL_ROUNDS rounds, more while the budget lasts (up to 2 x runs)."""
+        alone. Each sample runs one candidate for about FINAL_SAMPLE_MS (measure.time_rounds says why), shorter
+        when FINAL_ROUNDS rounds of those would not fit what is left of the budget; more rounds while the budget
+        lasts (up to 2 x runs); none when not even FINAL_ROUNDS rounds of single calls fit."""
         if len(valid) < 2:
             return
         fastest = min(c.median_ms for c in valid)
         contenders = [c for c in valid if c.name in calls and c.median_ms <= fastest * (1 + CONTENDER_MARGIN)]
         if len(contenders) < 2:
             return
-        per_sample = [max(2, min(100, math.ceil(FINAL_SAMPLE_MS / max(c.median_ms, 1e-6)))) for c in contenders]
-        left = max(0.0, self.time_budget_s - (time.perf_counter() - start - compiling))
+        left = budget - (time.perf_counter() - start)
+        one_each = sum(c.median_ms for c in contenders) / 1e3  # one call of each contender, in seconds
+        fit = left / FINAL_ROUNDS / max(one_each, 1e-9) - 1  # calls per sample that fit FINAL_ROUNDS rounds
+        if fit < 1:
+            return
+        per_sample = [max(min(2, int(fit)), min(100, int(fit), math.ceil(FINAL_SAMPLE_MS / max(c.median_ms, 1e-6))))
+                      for c in contenders]  # 2 to 100 calls, fewer only when the budget has no room for 2
         per_round = sum(c.median_ms * (n + 1) for c, n in zip(contenders, per_sample)) / 1e3
         rounds = max(FINAL_ROUNDS, min(2 * self.runs, int(left / max(per_round, 1e-9))))
         self.timing_calls += 1
-        with torch.no_grad():
-            times = time_rounds([calls[c.name] for c in contenders], device, rounds, per_sample)
+        self._progress(record, "final round", total, total, start)
+        failed: dict[str, Exception] = {}
+
+        def guarded(name):
+            def call():
+                try:
+                    return calls[name]()
+                except Exception as exc:
+                    failed[name] = exc
+                    raise
+            return call
+
+        try:
+            with torch.no_grad():
+                times = time_rounds([guarded(c.name) for c in contenders], device, rounds, per_sample,
+                                    between=hooks.check_interrupt)
+        except Exception:
+            if not failed:
+                raise
+            for candidate in contenders:  # the others keep their own timings
+                if candidate.name in failed:
+                    _reject(candidate, f"raised {first_line(failed[candidate.name])}", device)
+            return
         for candidate, samples in zip(contenders, times):
             candidate.times_ms, candidate.median_ms = samples, statistics.median(samples)
 
@@ -585,6 +664,14 @@ def _settled(record: TuneRecord) -> bool:
     """Whether a choice may be remembered: judged on live values (now or on disk), or there was nothing to judge.
     A provisional one (noise, a trace, a preference) is made again on the next call, with its live values."""
     return record.judged_on in (LIVE, DISK) or record.source in ("only-candidate", "none")
+
+
+def _reject(result: CandidateResult, reason: str, device: torch.device) -> None:
+    result.status, result.reason = "rejected", reason
+    result.median_ms, result.times_ms = None, []
+    if device.type == "cuda":
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
 
 
 def _disk_key(record: TuneRecord) -> str:

@@ -16,10 +16,6 @@ from ..registry import add
 from ..requirements import TorchVersion
 from ..spec import FLOATS, BackendSpec, HeadDims
 
-# Eager flex (the CPU, and the tuner's first calls) makes torch print a 9-line "called without torch.compile()"
-# warning the user can do nothing about: the pack compiles flex where that pays (GPUs) and chose eager elsewhere.
-warnings.filterwarnings("ignore", message="flex_attention called without torch.compile", category=UserWarning)
-
 
 def _index(bias: torch.Tensor):
     """An indexer into a broadcastable 4-D tensor that maps size-1 axes to 0.
@@ -197,8 +193,12 @@ _cpu_op()  # registered on import: registering while dynamo traces would break t
 _eager_lock = threading.Lock()
 
 
-def _one_at_a_time(fn, *args, **kwargs):
-    with _eager_lock:
+def _eager(fn, *args, **kwargs):
+    """Eager flex, one call at a time. Eager flex makes torch print a 9-line "called without torch.compile()"
+    warning the user can do nothing about (the pack compiles flex where that pays, GPUs, and chose eager on the
+    CPU): silenced for this call only, never in the process's warning filters."""
+    with _eager_lock, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile", category=UserWarning)
         return fn(*args, **kwargs)
 
 
@@ -217,7 +217,7 @@ def _flex(q, k, v, *, attn_mask, is_causal, scale, enable_gqa, return_lse):
     if torch.compiler.is_dynamo_compiling():
         run = flex_attention
     elif q.device.type == "cpu":
-        run = functools.partial(_one_at_a_time, flex_attention)
+        run = functools.partial(_eager, flex_attention)
     else:
         run = compiled_flex(q, k, v, masked=score_mod is not None, blocked=block_mask is not None,
                             enable_gqa=enable_gqa, lse=return_lse)

@@ -630,7 +630,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=64, help="query rows checked against exact attention")
     parser.add_argument("--no-auto", action="store_true", help="skip `auto`")
     parser.add_argument("--no-overhead", action="store_true", help="skip the tiny-shape overhead measurement")
-    parser.add_argument("--tune-budget", type=float, default=None, help="auto's seconds per signature (default 2; 0.5 CPU --small)")
+    parser.add_argument("--tune-budget", type=float, default=None, help="auto's seconds per signature (default 2 on a GPU, 0.5 on a CPU)")
     parser.add_argument("--tune-cache", default=None,
                         help="auto's decision cache file (default: none, so auto is measured from scratch)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
@@ -665,7 +665,7 @@ def main(args: argparse.Namespace, references: dict | None = None) -> int:
     # On a CPU the validation call before timing is warm-up enough (no compilation, no clocks to ramp).
     warmup = args.warmup if args.warmup is not None else (3 if gpu else 0 if small else 1)
     target_s = 0.02 if gpu else 0.005 if small else 0.01
-    budget = args.tune_budget if args.tune_budget is not None else (0.5 if small and not gpu else None)
+    budget = args.tune_budget  # None: the tuner's default for the device
     per_backend = args.max_seconds if args.max_seconds is not None else (30.0 if gpu else 0.3 if small else 5.0)
     log = (lambda *a: None) if args.quiet else (lambda text: print(text, file=sys.stderr, flush=True))
 

@@ -1,12 +1,17 @@
-"""The doctor: this machine, every backend, what can run and why the others cannot."""
+"""The doctor: which Python and machine it inspects, which backend to use there, every backend that can run (first)
+and why the others cannot (each reason once, with the backends it holds back)."""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import sys
 import textwrap
+from pathlib import Path
 
 from .. import env, hub, registry
+from . import command
 from ..machine import cpu_model as machine_cpu_model
 from ..machine import current_machine
 from ..registry import list_backends
@@ -62,11 +67,31 @@ def default_backend_info(backends: list[dict] | None = None) -> dict:
     return info
 
 
+HUB_NOT_HERE = "not fetched (no backend using it can run here)"
+
+
 def source_builds(lock: dict) -> list[dict]:
     """Packages `python install.py --build ...` built here and recorded in the lock file."""
     if not isinstance(lock, dict) or "error" in lock:
         return []
     return [e for e in lock.values() if isinstance(e, dict) and e.get("kind") == "source-build"]
+
+
+def python_info() -> dict:
+    """The interpreter this report describes, and whose it is (the `./doctor` script says when it found ComfyUI's)."""
+    import torch
+    which = os.environ.get("ATTN_DISPATCH_DOCTOR_PYTHON")
+    pack = Path(__file__).resolve().parents[2]  # the pack's folder when this runs from the ComfyUI pack
+    if not which:
+        if pack.parent.name == "custom_nodes" and not Path(sys.prefix).resolve().is_relative_to(pack.parent.parent):
+            which = (f"the Python that ran this command, which may not be ComfyUI's ({pack.parent.parent}): "
+                     f"run {pack / 'doctor'} to inspect ComfyUI's own")
+        elif pack.parent.name == "custom_nodes":
+            which = f"ComfyUI's Python (inside {pack.parent.parent})"
+        else:
+            which = "the Python that ran this command"
+    return {"executable": sys.executable, "version": platform.python_version(), "torch": torch.__version__,
+            "which": which}
 
 
 def report() -> dict:
@@ -76,7 +101,12 @@ def report() -> dict:
         lock = hub.read_lock()
     except hub.KernelLoadError as exc:
         lock = {"error": str(exc)}
+    from .install_plan import build
+    plan = build(machine)
     return {
+        "python": python_info(),
+        "recommendation": recommendation(machine, backends, plan),
+        "groups": groups(backends, plan),
         "machine": {"device": machine.device_type, "name": machine.device_name, "arch": machine.arch,
                     "torch": machine.torch_version, "cuda": machine.cuda_version, "hip": machine.hip_version,
                     "cpu": cpu_model() if machine.device_type == "cpu" else None, "packages": machine.packages},
@@ -108,7 +138,7 @@ def hub_kernels(lock: dict, backends: list[dict] | None = None) -> list[dict]:
                              "downloads it, which needs the network)")
     for row in kernels.values():
         if not any(n in usable for n in row["backends"]) and not row["status"].startswith("not fetched: `"):
-            row["status"] = "not fetched (no backend using it can run here)"
+            row["status"] = HUB_NOT_HERE
     entries = lock if isinstance(lock, dict) and "error" not in lock else {}
     for row in kernels.values():
         entry = entries.get(row["repo_id"])
@@ -129,11 +159,139 @@ def hub_kernels(lock: dict, backends: list[dict] | None = None) -> list[dict]:
     return list(kernels.values())
 
 
+# ------------------------------------------------------------------------------------------------ recommendation
+
+AUTOS = {"auto_exact": "the default: the fastest exact kernel, timed on your model's own calls",
+         "auto_fast": "also quantised kernels (SageAttention int8/fp8), each admitted only if it keeps your model's "
+                      "own attention within 5% of exact",
+         "comfy default": "ComfyUI's own attention, untouched (Set Attention Backend only)"}
+
+
+def _typical_signature(machine):
+    """A call like a diffusion model's (SDXL's 64x64 level) in the dtype models run in on this device."""
+    import torch
+    from ..inputs import AttentionInputs
+    gpu = machine.device_type not in ("cpu",)
+    device = {"rocm": "cuda"}.get(machine.device_type, machine.device_type)
+    return AttentionInputs.of(2, 10, 4096 if gpu else 1024, 64, dtype=torch.bfloat16 if gpu else torch.float32,
+                              device=device)
+
+
+def auto_candidates(machine, exact: bool) -> list[str]:
+    """The backends `auto_exact` (or `auto_fast`) chooses among for a typical call here, in preference order."""
+    from ..auto import Tuner
+    try:
+        names, _, _ = Tuner(cache_path=None).candidates(_typical_signature(machine), exact=exact)
+    except Exception:  # a device string torch cannot build here (simulated machines): the availability list
+        return []
+    return names
+
+
+def bench_figures(machine, root: Path | None = None) -> dict | None:
+    """The newest `python -m dispatcher bench` result with native among its backends in bench/results for this GPU
+    model (the pack's folder only): {"file", "date", "shapes": [{"label", "native_ms", "exact": (name, ms),
+    "quantised": (name, ms) | None}]}."""
+    root = root or Path(__file__).resolve().parents[2] / "bench" / "results"
+    if not root.is_dir():
+        return None
+    found = []
+    for path in root.glob("*.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or "shapes" not in data or \
+                data.get("meta", {}).get("device_name") != machine.device_name:
+            continue
+        shapes = []
+        for shape in data["shapes"]:
+            rows = [r for r in shape.get("rows", []) if r.get("valid") and r.get("ms")]
+            native = next((r["ms"] for r in rows if r["backend"] == "native"), None)
+            exact = min((r for r in rows if not r.get("quantised")), key=lambda r: r["ms"], default=None)
+            fast = min((r for r in rows if r.get("quantised")), key=lambda r: r["ms"], default=None)
+            if exact is None:
+                continue
+            shapes.append({"label": shape.get("label", shape.get("name")), "native_ms": native,
+                           "exact": (exact["backend"], exact["ms"]),
+                           "quantised": (fast["backend"], fast["ms"]) if fast else None})
+        if any(shape["native_ms"] for shape in shapes):
+            found.append({"file": f"bench/results/{path.name}", "date": str(data["meta"].get("date") or path.name),
+                          "shapes": shapes})
+    return max(found, key=lambda f: (f["date"], len(f["shapes"])), default=None)
+
+
+def recommendation(machine, backends: list[dict], plan) -> dict:
+    """What to use on this machine and what would add more: {"use", "lines", "exact", "fast", "install",
+    "measured"}."""
+    exact, fast = auto_candidates(machine, True), auto_candidates(machine, False)
+    quantised = [n for n in fast if n not in exact]
+    where = "this CPU" if machine.device_type == "cpu" else machine.device_name
+    lines = []
+    if exact:
+        lines.append(f"auto_exact (the default) chooses among {', '.join(exact)} on {where}: it times them on your "
+                     f"model's first calls of each shape and keeps the fastest; {exact[0]} is preferred on a tie.")
+    else:
+        lines.append("auto_exact finds no exact kernel for a typical call here; it falls back to native.")
+    if quantised:
+        lines.append(f"auto_fast adds {', '.join(quantised)}: faster, slightly inexact, each admitted only on your "
+                     "model's own values. Use it for speed; the quality guard watches it while sampling.")
+    else:
+        lines.append("auto_fast gains nothing here: no quantised kernel (SageAttention) can run on this machine.")
+    from .install_plan import BROKEN, FETCH, OPT_IN
+    install = []
+    fetchable = [b.name for b in plan.by_status(FETCH)]
+    if fetchable:
+        install.append(f"python install.py fetches the Hub kernels of {', '.join(fetchable)}")
+    install += [f"{step.command}  ({step.package})" if step.package and step.package not in step.command
+                else step.command for step in plan.pip_commands() + plan.build_commands()]
+    waiting = [b.name for b in plan.by_status(OPT_IN)]
+    if waiting:
+        install.append(f"{', '.join(waiting)} wait for an opt-in (see below)")
+    broken = [b.name for b in plan.by_status(BROKEN)]
+    if broken:
+        install.append(f"{', '.join(broken)}: installed but broken here (see below)")
+    if not install:
+        usable = sum(1 for b in backends if b["available"])
+        install.append(f"nothing to install: the other {len(backends) - usable} backends need hardware this "
+                       "machine does not have" if machine.device_type == "cpu" else
+                       "nothing to install: every backend for this machine is there")
+    use = "auto_fast" if quantised else "auto_exact"
+    return {"use": use, "lines": lines, "exact": exact, "fast": fast, "install": install,
+            "measured": bench_figures(machine)}
+
+
+def groups(backends: list[dict], plan) -> dict:
+    """Backends that run here (in preference order), those one step away, and the rest grouped by the one reason
+    that decides (the device before any package: a pip hint is no use without the GPU it needs)."""
+    from .install_plan import READY, UNSUPPORTED
+    statuses = {b.name: b for b in plan.backends}
+    usable = [b["name"] for b in backends if b["available"]]
+    step_away, reasons = [], {}
+    for b in backends:
+        if b["available"]:
+            continue
+        planned = statuses.get(b["name"])
+        why = "; ".join(planned.why) if planned is not None and planned.why else "; ".join(b["reasons"])
+        if planned is not None and planned.status not in (UNSUPPORTED, READY):
+            todo = "; ".join(s.command for s in planned.steps)
+            step_away.append({"name": b["name"], "status": planned.status, "why": why, "todo": todo})
+        else:
+            reasons.setdefault(why or "cannot run here", []).append(b["name"])
+    return {"usable": usable, "step_away": step_away,
+            "not_here": [{"reason": r, "backends": names} for r, names in reasons.items()]}
+
+
+# ------------------------------------------------------------------------------------------------ text
+
 def render(data: dict, width: int = 110) -> str:
     m = data["machine"]
-    lines = [f"Machine: {machine_text(m)}",
-             "Attention packages: " + (", ".join(f"{k} {v}" for k, v in sorted(m["packages"].items()) if k != "torch")
-                                       or "none")]
+    lines = []
+    py = data.get("python")
+    if py:
+        lines.append(f"Python: {py['executable']} (Python {py['version']}, torch {py['torch']}): {py['which']}")
+    lines += [f"Machine: {machine_text(m)}",
+              "Attention packages: " + (", ".join(f"{k} {v}" for k, v in sorted(m["packages"].items())
+                                                  if k != "torch") or "none")]
     d = data.get("default_backend")
     if d:
         if d["problem"]:
@@ -146,24 +304,64 @@ def render(data: dict, width: int = 110) -> str:
         lines.append(f"Built here: {build.get('package')} {build.get('package_version')} for {build.get('variant')} "
                      f"from {build.get('source')} @ {str(build.get('revision'))[:12]} in {build.get('build_seconds')} s "
                      f"({build.get('fetched_at')})")
-    lines.append("")
-    available = [b for b in data["backends"] if b["available"]]
-    lines.append(f"{len(available)} of {len(data['backends'])} backends can run here:")
-    header = f"  {'backend':32} {'family':9} {'status':11} details"
-    lines.append(header)
-    lines.append("  " + "-" * (len(header) - 2))
-    for b in data["backends"]:
-        status = "available" if b["available"] else "unavailable"
-        detail = b["description"] if b["available"] else "; ".join(b["reasons"])
-        wrapped = textwrap.wrap(detail, width - 56) or [""]
-        lines.append(f"  {b['name']:32} {b['family']:9} {status:11} {wrapped[0]}")
-        lines.extend(f"  {'':32} {'':9} {'':11} {more}" for more in wrapped[1:])
+
+    def wrapped(text: str, indent: str) -> list[str]:
+        return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent + "  ") or [indent]
+
+    r = data.get("recommendation")
+    if r:
+        lines += ["", f"Recommended here: {r['use']} (in ComfyUI: Set Attention Backend's backend; as a library: "
+                      f"backend=\"{r['use']}\")"]
+        for line in r["lines"]:
+            lines += wrapped(line, "  ")
+        lines.append("  For more:")
+        for line in r["install"]:
+            lines += wrapped(line, "    ")
+        measured = r.get("measured")
+        if measured:
+            lines.append(f"  Measured on this GPU model ({measured['file']}):")
+            for shape in measured["shapes"]:
+                name, ms = shape["exact"]
+                text = f"{shape['label']}: {name} {ms:.3f} ms"
+                if shape["native_ms"]:
+                    text += f" (native {shape['native_ms']:.3f} ms, x{shape['native_ms'] / ms:.2f})"
+                if shape["quantised"]:
+                    qname, qms = shape["quantised"]
+                    text += f"; quantised {qname} {qms:.3f} ms (x{(shape['native_ms'] or ms) / qms:.2f})"
+                lines += wrapped(text, "    ")
+        else:
+            lines.append(f"  Measured: no figures for this machine in bench/results; `{command()} bench` measures "
+                         "every backend here.")
+    g = data.get("groups")
+    by_name = {b["name"]: b for b in data["backends"]}
+    lines += ["", f"Run here ({len(g['usable']) if g else 0} of {len(data['backends'])} backends, in preference "
+                  "order, after the autos):"]
+    for name, text in AUTOS.items():
+        lines += wrapped(f"{name:24} {text}", "  ")
+    for name in (g or {}).get("usable", []):
+        b = by_name[name]
+        lines += wrapped(f"{name:24} {b['description']}", "  ")
+    if g and g["step_away"]:
+        lines += ["", "One step away:"]
+        for row in g["step_away"]:
+            lines += wrapped(f"{row['name']:24} {row['status']}: {row['why']}"
+                             + (f" -> {row['todo']}" if row["todo"] and row["todo"] not in row["why"] else ""), "  ")
+    if g and g["not_here"]:
+        lines += ["", "Not for this machine:"]
+        for row in g["not_here"]:
+            lines += wrapped(f"{row['reason']} ({len(row['backends'])}): {', '.join(row['backends'])}", "  ")
     fetched = data["fetched_kernels"]
     lines.append("")
     if isinstance(fetched, dict) and "error" in fetched:
         lines.append(f"Lock file: {fetched['error']}")
     lines.append(f"Hub kernels (lock file {hub.lock_path()}):")
+    idle = [row["repo_id"] for row in data.get("hub_kernels", []) if not row["fetched"]
+            and row["status"] == HUB_NOT_HERE]
+    if idle:
+        lines += wrapped(f"{HUB_NOT_HERE} ({len(idle)}): {', '.join(idle)}", "  ")
     for row in data.get("hub_kernels", []):
+        if row["repo_id"] in idle:
+            continue
         label = f"{row['repo_id']} " + (f"v{row['version']}" if row["revision"] is None else f"@{row['revision']}")
         if row["fetched"]:
             state = f"fetched @ {str(row['pinned'])[:12]} ({row['variant']}, signature {row.get('signature') or '?'})"

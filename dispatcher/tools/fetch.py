@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Callable
 
 from .. import env, hub, kernels_api, trust
+from ..log import PREFIX
 from .install_plan import PROTECTED, FetchTarget, Plan, Step, pip_argv
 from ..versions import at_least
 
-PREFIX = "[attention-dispatch]"
 
 # Result statuses.
 FETCHED = "fetched"  # downloaded now and pinned in the lock file

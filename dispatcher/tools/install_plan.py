@@ -14,6 +14,9 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+
 from .. import env, hub, registry, trust
 from ..machine import Machine, current_machine, use_machine
 from ..requirements import CudaCapability, EnvOptIn, OneOf, OnDevice, Package, Probe, RocmArch, TorchVersion
@@ -262,9 +265,20 @@ def _pip_words(command: str) -> list[str] | None:
         words = shlex.split(core)
     except ValueError:
         return None
-    if words[:2] != ["pip", "install"] or len(words) < 3 or any(w in PROTECTED for w in words):
+    if words[:2] != ["pip", "install"] or len(words) < 3 or any(_protected(w) for w in words[2:]):
         return None
     return words[1:]
+
+
+def _protected(word: str) -> bool:
+    """Whether a pip argument names a PROTECTED distribution, however it is spelled ('torch', 'Torch>=2.5',
+    'torch[opt]==2.13.0; python_version>"3"'); flags and paths are not requirements."""
+    if word.startswith("-"):
+        return False
+    try:
+        return canonicalize_name(Requirement(word).name) in PROTECTED
+    except InvalidRequirement:
+        return False
 
 
 def _with_flags(hint: str, flags: str) -> str:

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Callable
 
 from .. import hub
+from ..log import PREFIX
 from ..machine import Machine
 from .sage_support import COMMAND, SUPPORTED, applies  # noqa: F401  (the plan reads them here too)
 
-PREFIX = "[attention-dispatch]"
 SAGE_REPO = "https://github.com/thu-ml/SageAttention"
 SAGE_REPO_ID = "thu-ml/SageAttention"
 SAGE_COMMIT = "d1a57a546c3d395b1ffcbeecc66d81db76f3b4b5"  # 2026-01-17, sageattention 2.2.0
