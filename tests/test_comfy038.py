@@ -350,7 +350,7 @@ def test_an_override_chain_that_loops_is_a_clear_error():
 def test_comfy_names_that_are_our_kernels_are_aliases(monkeypatch, name, ours_name):
     nodes = node_stub.install(monkeypatch)
     assert comfy_names.resolve(name) == ours_name and comfy_names.not_offered(name) is None
-    assert nodes.SetAttentionBackend.validate_inputs(name, "fallback", 0.0, 1.0) is True
+    assert nodes.SetAttentionBackend.check_inputs(name, "fallback", 0.0, 1.0) is True
     if name == "pytorch":  # runs the pack's native and the report says why
         (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), name, "fallback", 0.0, 1.0).result
         assert m.override.backend == "native"
@@ -363,7 +363,7 @@ def test_comfy_names_that_are_our_kernels_are_aliases(monkeypatch, name, ours_na
 ])
 def test_comfy_only_names_are_explained_at_queue_time(monkeypatch, name, fragment):
     nodes = node_stub.install(monkeypatch)
-    answer = nodes.SetAttentionBackend.validate_inputs(name, "fallback", 0.0, 1.0)
+    answer = nodes.SetAttentionBackend.check_inputs(name, "fallback", 0.0, 1.0)
     assert isinstance(answer, str) and fragment in answer and "Pick 'comfy default'" in answer
 
 
