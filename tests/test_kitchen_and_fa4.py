@@ -296,7 +296,7 @@ def test_the_guard_recomputes_an_approximate_kernel_past_twice_its_bound(approxi
 
 
 def test_sol_attn_call_on_comfy_kitchens_own_cpu_reference():
-    """Where comfy-kitchen is installed (not in the CI venv: `pip install comfy-kitchen`), its eager Sol-Attn (the
+    """Where comfy-kitchen is installed (.ci/run installs it in the test venvs), its eager Sol-Attn (the
     algorithm in full precision, which runs on a CPU) through the pack's call: the layout and arguments are right,
     tau reaches it, and on video-like local activations it stays far within the declared bound while on noise it is
     far off. Measured with comfy-kitchen 0.2.40 on a 4x16x32 grid: 1.0e-3 (tau 0.5), 1.5e-3 (1.0), 7.8e-3 (2.0);
