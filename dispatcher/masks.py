@@ -96,8 +96,8 @@ def broadcast_problem(mask_shape: tuple[int, ...], batch: int, heads: int, len_q
             why = (f"attn_mask of shape {tuple(mask_shape)} does not broadcast to (B, H, Lq, Lk) = "
                    f"({batch}, {heads}, {len_q}, {len_kv}): its {name} axis is {have}, expected 1 or {want}")
             if len(mask_shape) == 3 and mask_shape[0] == batch:
-                why += (f" (a 3-D mask is (H, Lq, Lk), as SDPA reads it; for a (B, Lq, Lk) mask pass "
-                        f"attn_mask[:, None])")
+                why += (" (a 3-D mask is (H, Lq, Lk), as SDPA reads it; for a (B, Lq, Lk) mask pass "
+                        "attn_mask[:, None])")
             return why
     return None
 

@@ -606,15 +606,14 @@ class CheckedOverride(AttentionOverride):
     """An override with an Attention Checks node's tally: a call that fails its checks is counted, then raised."""
 
     def __call__(self, func, *args, **kwargs):
-        try:
-            return AttentionOverride.__call__(self, func, *args, **kwargs)
-        except _checks.AttentionInputError as exc:
-            self.tally.non_finite(str(exc))
-            raise
+        return self._counted(AttentionOverride.__call__, func, *args, **kwargs)
 
     def container_function(self, *args, **kwargs):  # ComfyUI 0.38's container form, counted the same way
+        return self._counted(AttentionOverride.container_function, *args, **kwargs)
+
+    def _counted(self, serve, *args, **kwargs):
         try:
-            return AttentionOverride.container_function(self, *args, **kwargs)
+            return serve(self, *args, **kwargs)
         except _checks.AttentionInputError as exc:
             self.tally.non_finite(str(exc))
             raise

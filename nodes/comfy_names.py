@@ -9,8 +9,6 @@ what the name is and what to pick instead. No ComfyUI import: these are names on
 
 from __future__ import annotations
 
-from ..dispatcher import backend_names
-
 # ComfyUI name -> (the pack's backend running the same kernel, what it is). None: the pack has no such backend.
 COMFY_NAMES: dict[str, tuple[str | None, str]] = {
     "sage": ("sage", "SageAttention from the pip package sageattention (ComfyUI's attention_sage)"),
@@ -30,12 +28,6 @@ def resolve(name):
     """The pack's backend for `name`: a ComfyUI alias becomes the backend it names; anything else is unchanged."""
     entry = COMFY_NAMES.get(name) if isinstance(name, str) else None
     return name if entry is None or entry[0] is None else entry[0]
-
-
-def aliases() -> dict[str, str]:
-    """ComfyUI name -> the pack's backend, for the names whose backend is registered here."""
-    offered = set(backend_names())
-    return {comfy: ours for comfy, (ours, _) in COMFY_NAMES.items() if ours is not None and ours in offered}
 
 
 def not_offered(name) -> str | None:

@@ -463,7 +463,7 @@ class Tuner:
                 continue
             self._progress(record, "candidate", position, len(names), start, candidate=name)
             try:
-                call = self._try(name, result, record, attention_call, run_sig, layout, device, rows, ref_out,
+                call = self._try(name, result, attention_call, run_sig, layout, device, rows, ref_out,
                                  ref_lse, is_live, known)
                 if call is None:
                     continue
@@ -507,7 +507,7 @@ class Tuner:
             record.reason = "timed on noise; verdicts wait for the model's own activations (the first live call)"
 
     @staticmethod
-    def _try(name, result, record, attention_call, run_sig, layout, device, rows, ref_out, ref_lse, is_live, known):
+    def _try(name, result, attention_call, run_sig, layout, device, rows, ref_out, ref_lse, is_live, known):
         """Load `name` and, unless its verdict is known, judge its first call; its call, or None if rejected."""
         spec = registry.get(name)
         try:
