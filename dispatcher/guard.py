@@ -195,7 +195,7 @@ class Watch:
                 if checkable(call):  # dropout or a BlockMask: nothing to compare with (counted all the same)
                     why, error = problem(call, out[0] if call.return_lse else out, candidate.spec)
                     if why is None and recorder is not None and hasattr(recorder, "record_guard"):
-                        recorder.record_guard(site, candidate.name, error=error)
+                        recorder.record_guard(site, candidate.name, error=error, every=every)
         if why is None and finite:
             why = finite_problem(call, out[0] if call.return_lse else out)
         if why is None:

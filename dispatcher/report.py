@@ -57,11 +57,15 @@ class Recorder:
         with self._lock:
             self._errors[(site, backend)] = error
 
-    def record_guard(self, site: str, backend: str, checks: int = 1, error: float | None = None) -> None:
-        """A passed quality-guard check (error: relative error on the sampled rows)."""
+    def record_guard(self, site: str, backend: str, checks: int = 1, error: float | None = None,
+                     every: int | None = None) -> None:
+        """A passed quality-guard check (error: relative error on the sampled rows; every: the block is checked
+        again within this many of its calls, the rotation bound)."""
         with self._lock:
             entry = self._guard_entry(site, backend)
             entry["checks"] += checks
+            if every is not None and (entry["every"] is None or every > entry["every"]):
+                entry["every"] = every
             if error is not None and (entry["max_error"] is None or error > entry["max_error"]):
                 entry["max_error"] = error
 
@@ -73,7 +77,8 @@ class Recorder:
             entry["failures"].append({"reason": reason, "replacement": replacement})
 
     def _guard_entry(self, site, backend) -> dict:
-        return self._guard.setdefault((site, backend), {"checks": 0, "max_error": None, "failures": []})
+        return self._guard.setdefault((site, backend), {"checks": 0, "max_error": None, "every": None,
+                                                         "failures": []})
 
     def clear(self) -> None:
         with self._lock:
@@ -102,7 +107,7 @@ class Recorder:
                     for (site, requested, served), calls in sorted(self._calls.items())]
             errors = [{"site": site, "backend": backend, "error": error} for (site, backend), error in self._errors.items()]
             guard = [{"site": site, "backend": backend, "checks": e["checks"], "max_error": e["max_error"],
-                      "failures": list(e["failures"])} for (site, backend), e in sorted(self._guard.items())]
+                      "every": e["every"], "failures": list(e["failures"])} for (site, backend), e in sorted(self._guard.items())]
         return {"label": self.label, "calls": sum(r["calls"] for r in rows), "rows": rows, "errors": errors,
                 "guard": guard}
 
@@ -122,11 +127,19 @@ class Recorder:
             line = f"  {g['site']}: quality guard checked {g['backend']} {g['checks']} times"
             if g["max_error"] is not None:
                 line += f", max error {g['max_error']:.1e}"
+            if g["every"]:
+                line += f"; {rotation_text(g['every'])}"
             for failure in g["failures"]:
                 line += (f"; FAILED: {failure['reason']}, " + (f"recomputed with {failure['replacement']} and demoted"
                                                               if failure["replacement"] else "no exact backend left"))
             lines.append(line)
         return "\n".join(lines)
+
+
+def rotation_text(every: int) -> str:
+    """The guard's rotation bound in words: how late a block that turns bad mid-run is caught."""
+    return ("each block checked on every call" if every == 1 else
+            f"each block checked again within {every} of its calls")
 
 
 _recorder: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("attn_dispatch_recorder", default=None)

@@ -100,10 +100,10 @@ class _Relabel:
     def record_error(self, site, backend, error):
         self.target.record_error(site, backend, error)
 
-    def record_guard(self, site, backend, checks=1, error=None):
+    def record_guard(self, site, backend, checks=1, error=None, every=None):
         target = getattr(self.target, "record_guard", None)
         if target is not None:
-            target(site, backend, checks=checks, error=error)
+            target(site, backend, checks=checks, error=error, every=every)
 
     def record_guard_failure(self, site, backend, reason, replacement):
         target = getattr(self.target, "record_guard_failure", None)

@@ -12,6 +12,8 @@ import time
 import weakref
 from collections import deque
 
+from ..dispatcher.report import rotation_text
+
 EVENT = "attention_dispatch.report"
 _lock = threading.Lock()
 _reports: deque = deque(maxlen=64)
@@ -136,19 +138,24 @@ def guard_results(snapshot: dict) -> list[dict]:
             out.append({**entry, "checks": checks, "failures": failures, "blocks": 1})
             continue
         folded = passed.setdefault((site_kind(site), backend), {"site": site_kind(site), "backend": backend,
-                                                                 "checks": 0, "max_error": None, "failures": [],
-                                                                 "blocks": 0})
+                                                                 "checks": 0, "max_error": None, "every": None,
+                                                                 "failures": [], "blocks": 0})
         folded["checks"] += checks
         folded["blocks"] += 1
         error = entry.get("max_error")
         if isinstance(error, (int, float)) and (folded["max_error"] is None or error > folded["max_error"]):
             folded["max_error"] = error
+        every = entry.get("every")
+        if isinstance(every, int) and (folded["every"] is None or every > folded["every"]):
+            folded["every"] = every
     for entry in [*out, *passed.values()]:
         backend, site, checks = entry["backend"], entry["site"], entry["checks"]
         where = f"{site} ({entry['blocks']} blocks)" if entry["blocks"] > 1 else site
         text = f"quality guard: {backend} at {where}: {checks} check{'' if checks == 1 else 's'}"
         if isinstance(entry.get("max_error"), (int, float)):
             text += f", max error {entry['max_error']:.1e}"
+        if entry.get("every"):
+            text += f"; {rotation_text(entry['every'])}"
         for failure in entry["failures"]:
             replacement = failure.get("replacement")
             text += (f"; FAILED ({failure.get('reason')}): " +

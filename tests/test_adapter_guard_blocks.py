@@ -50,8 +50,8 @@ class StubRecorder:
     def record_error(self, site, backend, error):
         self.events.append(("error", site, backend, error))
 
-    def record_guard(self, site, backend, checks=1, error=None):
-        self.events.append(("guard", site, backend, checks, error))
+    def record_guard(self, site, backend, checks=1, error=None, every=None):
+        self.events.append(("guard", site, backend, checks, error, every))
 
     def record_guard_failure(self, site, backend, reason, replacement):
         self.events.append(("guard_failure", site, backend, reason, replacement))
@@ -149,10 +149,10 @@ def test_relabel_forwards_guard_events_to_the_recorder():
     stub = StubRecorder()
     relabel = adapter._Relabel(stub, "auto_fast", ("a note",))
     relabel.record("self", "x", "native", ("why",))
-    relabel.record_guard("self", "sage", error=0.01)
+    relabel.record_guard("self", "sage", error=0.01, every=12)
     relabel.record_guard_failure("cross", "sage", "relative error 0.8", "native")
     assert stub.events == [("record", "self", "auto_fast", "native", ("a note", "why")),
-                           ("guard", "self", "sage", 1, 0.01),
+                           ("guard", "self", "sage", 1, 0.01, 12),
                            ("guard_failure", "cross", "sage", "relative error 0.8", "native")]
     # a recorder without the guard methods (another pack's) is left alone
     plain = adapter._Relabel(types.SimpleNamespace(record=lambda *a: None, record_error=lambda *a: None), "x")
@@ -475,14 +475,15 @@ def test_guard_results_and_block_results():
     assert "FAILED (its output has 3 NaN/Inf values): that call was recomputed with native" in out[0]["text"]
     # blocks: the ones that passed fold into one entry per kind of site, a failed one keeps its block
     out = reports.guard_results(_snapshot([], guard=[
-        *({"site": f"self #{i}", "backend": "sage", "checks": 2, "max_error": 0.001 * i, "failures": []}
-          for i in range(30) if i != 5),
+        *({"site": f"self #{i}", "backend": "sage", "checks": 2, "max_error": 0.001 * i, "every": 8 + i % 3,
+           "failures": []} for i in range(30) if i != 5),
         {"site": "self #5", "backend": "sage", "checks": 1, "max_error": None,
          "failures": [{"reason": "relative error 4.9e-01", "replacement": "fa3"}]}]))
     assert [(g["site"], g["blocks"], g["checks"]) for g in out] == [("self #5", 1, 1), ("self", 29, 58)]
     assert out[0]["text"].startswith("quality guard: sage at self #5: 1 check; FAILED (relative error 4.9e-01)")
     assert "demoted for this block of this model" in out[0]["text"]
-    assert out[1]["text"] == "quality guard: sage at self (29 blocks): 58 checks, max error 2.9e-02"
+    assert out[1]["text"] == ("quality guard: sage at self (29 blocks): 58 checks, max error 2.9e-02; each block "
+                              "checked again within 10 of its calls")  # the longest interval of the blocks folded
     assert reports.site_kind("input.self #4.1") == "input.self" and reports.site_kind("cross") == "cross"
     b = reports.block_results({"range": [2, -1]}, {"self": blocks.NO_POSITION, "cross": blocks.NO_POSITION})
     assert b["range"] == [2, -1] and b["unapplied"][0]["sites"] == ["cross", "self"]

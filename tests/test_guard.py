@@ -284,6 +284,24 @@ def test_the_interval_is_sized_by_the_calls_cost():
     assert guard.rules_for(spec, ("off", 0), sdxl) is None
 
 
+def test_the_report_says_within_how_many_calls_each_block_is_checked_again():
+    """The rotation bound reaches the report: a block that turns bad mid-run is caught within that many of its
+    calls, whether the interval was given or sized by the calls' cost."""
+    name = register("t_rotation", Drifting(good_calls=10**9))
+    rec = Recorder()
+    forwards(name, blocks_inputs(3), 4, rec, guard="quantised", guard_every=3)
+    entries = rec.snapshot()["guard"]
+    assert [(g["site"], g["every"]) for g in entries] == [(f"self #{i}", 3) for i in range(3)]
+    assert "self #0: quality guard checked t_rotation 2 times" in rec.summary()
+    assert "each block checked again within 3 of its calls" in rec.summary()
+    sized = Recorder()
+    q, k, v = qkv(1, 32, h=2, d=16)
+    with recording(sized):
+        dispatch_attention_fn(q, k, v, backend=name, call_site="self #0")
+    expected = guard.interval(describe_call(q, k, v, None, 0.0, False, None, False, False, "BSHD"))
+    assert sized.snapshot()["guard"][0]["every"] == expected > 1
+
+
 def test_the_first_call_is_always_checked():
     name = register("t_bad", Drifting(good_calls=0))
     rec = Recorder()
