@@ -106,8 +106,10 @@ class TestFlakyKernel:
     def arm(self, model, good_calls, seed, bad_block=-1, block_good=0):
         import folder_paths
         register()
+        output = folder_paths.get_output_directory()
+        os.makedirs(output, exist_ok=True)  # a fresh server makes it at its first save: this test may come first
         STATE.update(calls=0, good=good_calls, bad_block=bad_block, block_good=block_good, block_calls=0,
-                     log=os.path.join(folder_paths.get_output_directory(), f"flaky_{seed}.log"))
+                     log=os.path.join(output, f"flaky_{seed}.log"))
         if bad_block >= 0:
             hook_blocks(model)
         return (model,)
@@ -353,3 +355,6 @@ def test_a_block_that_turns_bad_mid_run_is_caught_within_the_rotation_bound(comf
     assert 1 <= len(wrong) <= every, wrong  # the spoiled ones (at most every - 1) and the caught one
     rows = {(r["site"], r["served"]): r["calls"] for r in report["recorder"]["rows"]}
     assert rows[("self #1", FLAKY)] <= every + 1 and rows[("self #0", FLAKY)] == 6, rows
+    passed = [g for g in report["guard"] if not g["failures"] and g["site"] == "self"]  # the blocks that stayed good
+    assert passed and all(g["text"].endswith(f"each block checked again within {every} of its calls")
+                          for g in passed), passed
