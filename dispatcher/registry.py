@@ -193,7 +193,7 @@ def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD",
                      lse: bool = False, backward: bool = True, requires=(), fallback=("native",),
                      error_bound: float = 2e-2, description: str = "", hub_kernel: HubKernel | None = None,
                      quantised: bool = False, approximate: bool = False, mask_with_causal: bool = False,
-                     broadcast_kv: bool = False, replace: bool = False) -> BackendSpec:
+                     broadcast_kv: bool = False, quadratic_memory: bool = False, replace: bool = False) -> BackendSpec:
     """Register your own attention function under `name` (like transformers' AttentionInterface.register).
 
     `fn(query, key, value, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)` receives
@@ -206,6 +206,7 @@ def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD",
     within its own `error_bound` on the model's activations, and the guard holds it to twice that.
     `mask_with_causal`: it takes attn_mask and is_causal=True together, applying both as SDPA does (else such calls
     skip it). `broadcast_kv`: it takes key/value of batch 1 against a larger query batch (SDPA's broadcasting).
+    `quadratic_memory`: it materialises the (B, H, Lq, Lk) score matrix (`auto` skips it where that would not fit).
     The attention_kwargs keys it honours are read from `fn`'s signature (keyword parameters beyond the standard
     ones; a **kwargs parameter takes any key); a call with another key never runs it.
     """
@@ -228,6 +229,7 @@ def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD",
         dropout=dropout, lse=lse, backward=backward, fallback=tuple(fallback), error_bound=error_bound,
         hub=hub_kernel, custom=True, quantised=bool(quantised), approximate=bool(approximate),
         mask_with_causal=bool(mask_with_causal), attention_kwargs=honoured_kwargs(fn), broadcast_kv=bool(broadcast_kv),
+        quadratic_memory=bool(quadratic_memory),
     )
     return add(spec, replace=replace)
 

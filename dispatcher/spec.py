@@ -123,6 +123,9 @@ class BackendSpec:
     # its function's signature, read once at registration (`honoured_kwargs`).
     attention_kwargs: frozenset[str] | None = frozenset()
     broadcast_kv: bool = False
+    # Materialises the (B, H, Lq, Lk) score matrix (SDPA's math kernel): `auto` and the bench skip it where that
+    # would not fit their memory cap.
+    quadratic_memory: bool = False
     custom: bool = False
     mask_format: str = "additive"  # what the kernel is handed: additive | bool | blockmask | key_padding
 

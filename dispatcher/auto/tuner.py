@@ -20,7 +20,7 @@ from ..execute import run
 from ..inputs import AttentionInputs, describe_call
 from . import cache, hooks
 from .fingerprint import fingerprint_key, machine_fingerprint
-from .measure import QUADRATIC_MEMORY, random_inputs, shrink, sync, time_calls, time_rounds, validate
+from .measure import random_inputs, shrink, sync, time_calls, time_rounds, validate
 from ..reference import exact_attention, first_line, sample_rows
 from ..log import logger
 
@@ -446,7 +446,7 @@ class Tuner:
             known = result.status in ("valid", "rejected")  # this model's verdict, from disk
             if known and (result.status == "rejected" or result.median_ms is not None):
                 continue
-            if name in QUADRATIC_MEMORY and score_bytes > cap:
+            if registry.get(name).quadratic_memory and score_bytes > cap:
                 result.reason = (f"not run: it materialises the {score_bytes >> 20} MiB score matrix, over the "
                                  f"tuning memory cap")
                 continue

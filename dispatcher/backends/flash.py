@@ -183,36 +183,37 @@ def _style(fn, **fixed):
 
 COMMON = dict(layout="BSHD", devices=CUDA, dtypes=HALF, head_dims=HeadDims(8, 256, 8), gqa=True,
               causal_alignment="bottom_right", lse=True, fallback=("_native_flash", "native"))
+WINDOWED = {**COMMON, "attention_kwargs": WINDOW}  # FlashAttention-2 and -3
 KEY_PADDING = frozenset({"key_padding"})
 
 add(BackendSpec(name="flash", family="flash2", description="FlashAttention-2 (pip flash-attn)",
-                fn=_style(dense, style="fa2"), attention_kwargs=WINDOW, dropout=True, capability=SM80,
-                requires=(FA2, ON_CUDA), **COMMON))
+                fn=_style(dense, style="fa2"), dropout=True, capability=SM80,
+                requires=(FA2, ON_CUDA), **WINDOWED))
 add(BackendSpec(name="flash_hub", family="flash2", description="FlashAttention-2 from the Hub (kernels-community)",
-                fn=_style(dense, style="fa2"), attention_kwargs=WINDOW, dropout=True, capability=SM80, hub=FLASH_2_HUB,
-                requires=(kernels_requirement(FLASH_2_HUB), ON_CUDA), **COMMON))
+                fn=_style(dense, style="fa2"), dropout=True, capability=SM80, hub=FLASH_2_HUB,
+                requires=(kernels_requirement(FLASH_2_HUB), ON_CUDA), **WINDOWED))
 add(BackendSpec(name="flash_varlen", family="flash2", description="FlashAttention-2 varlen: bool key-padding masks",
-                fn=_style(varlen, style="fa2"), attention_kwargs=WINDOW, dropout=True, capability=SM80, masks=KEY_PADDING,
-                mask_format="key_padding", requires=(FA2, ON_CUDA), **COMMON))
+                fn=_style(varlen, style="fa2"), dropout=True, capability=SM80, masks=KEY_PADDING,
+                mask_format="key_padding", requires=(FA2, ON_CUDA), **WINDOWED))
 add(BackendSpec(name="flash_varlen_hub", family="flash2", description="FlashAttention-2 varlen from the Hub",
-                fn=_style(varlen, style="fa2"), attention_kwargs=WINDOW, dropout=True, capability=SM80, masks=KEY_PADDING,
+                fn=_style(varlen, style="fa2"), dropout=True, capability=SM80, masks=KEY_PADDING,
                 mask_format="key_padding", hub=FLASH_2_VARLEN_HUB,
-                requires=(kernels_requirement(FLASH_2_VARLEN_HUB), ON_CUDA), **COMMON))
+                requires=(kernels_requirement(FLASH_2_VARLEN_HUB), ON_CUDA), **WINDOWED))
 add(BackendSpec(name="_flash_3", family="flash3",
                 description="FlashAttention-3 (Hopper; a source build, or the forward-only fa3-fwd wheel)",
-                fn=_style(dense, style="fa3"), attention_kwargs=WINDOW, capability=HOPPER_AMPERE, requires=(FA3, ON_CUDA),
-                backward=True, extra_reasons=_fa3_wheel_limits, **COMMON))
+                fn=_style(dense, style="fa3"), capability=HOPPER_AMPERE, requires=(FA3, ON_CUDA),
+                backward=True, extra_reasons=_fa3_wheel_limits, **WINDOWED))
 add(BackendSpec(name="_flash_varlen_3", family="flash3", description="FlashAttention-3 varlen (Hopper)",
-                fn=_style(varlen, style="fa3"), attention_kwargs=WINDOW, capability=HOPPER_AMPERE, masks=KEY_PADDING,
+                fn=_style(varlen, style="fa3"), capability=HOPPER_AMPERE, masks=KEY_PADDING,
                 mask_format="key_padding", requires=(FA3, ON_CUDA), extra_reasons=_fa3_wheel_limits,
-                **COMMON))
+                **WINDOWED))
 add(BackendSpec(name="_flash_3_hub", family="flash3", description="FlashAttention-3 from the Hub (sm_80, sm_90)",
-                fn=_style(dense, style="fa3"), attention_kwargs=WINDOW, capability=HOPPER_AMPERE, hub=FLASH_3_HUB,
-                requires=(kernels_requirement(FLASH_3_HUB), ON_CUDA), **COMMON))
+                fn=_style(dense, style="fa3"), capability=HOPPER_AMPERE, hub=FLASH_3_HUB,
+                requires=(kernels_requirement(FLASH_3_HUB), ON_CUDA), **WINDOWED))
 add(BackendSpec(name="_flash_3_varlen_hub", family="flash3", description="FlashAttention-3 varlen from the Hub",
-                fn=_style(varlen, style="fa3"), attention_kwargs=WINDOW, capability=HOPPER_AMPERE, masks=KEY_PADDING,
+                fn=_style(varlen, style="fa3"), capability=HOPPER_AMPERE, masks=KEY_PADDING,
                 mask_format="key_padding", hub=FLASH_3_VARLEN_HUB,
-                requires=(kernels_requirement(FLASH_3_VARLEN_HUB), ON_CUDA), **COMMON))
+                requires=(kernels_requirement(FLASH_3_VARLEN_HUB), ON_CUDA), **WINDOWED))
 add(BackendSpec(name="flash_4_hub", family="flash4", description="FlashAttention-4 (CuTe DSL) from the Hub, sm_90/sm_100",
                 fn=_style(dense, style="fa4"), capability=HOPPER_BLACKWELL, hub=FLASH_4_HUB,
                 backward=False, requires=(kernels_requirement(FLASH_4_HUB), ON_CUDA),

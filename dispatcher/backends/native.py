@@ -329,7 +329,7 @@ add(BackendSpec(
     name="_native_math", family="sdpa", description="torch SDPA math kernel: the exact reference, slow",
     fn=math_attention, broadcast_kv=True, layout="BHSD", devices=ANY_DEVICE, dtypes=FLOATS,
     head_dims=HeadDims(), masks=ALL_MASKS, mask_format="precise", mask_with_causal=True, gqa=True, dropout=True,
-    lse=True, different_value_dim=True, error_bound=1e-2, fallback=(),
+    lse=True, different_value_dim=True, error_bound=1e-2, fallback=(), quadratic_memory=True,
     requires=(TorchVersion("2.5"),)))
 add(BackendSpec(
     name="_native_flash", family="sdpa", description="torch SDPA flash kernel (CPU flash kernel on CPUs)",
