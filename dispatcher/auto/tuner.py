@@ -265,7 +265,8 @@ class Tuner:
         for r in records:
             kind = "auto_exact" if r.exact else "auto_fast"
             judged = f", judged on {r.judged_on}" if r.judged_on else ""
-            lines.append(f"  {r.signature.describe()}")
+            lines.append(f"  {r.signature.describe()}"
+                         + (f", attention_kwargs {list(r.attention_kwargs)}" if r.attention_kwargs else ""))
             at = f" at {r.block}" if r.block else ""
             lines.append(f"    {kind} for model {r.model}{at} -> {r.chosen} ({r.source}{judged}"
                          f"{': ' + r.reason if r.reason else ''}; {r.seconds:.2f} s)")
