@@ -176,7 +176,8 @@ def candidates_for_attention_kwargs(requested: str, policy: str, candidates: lis
         raise AttentionKwargsError(
             f"attention_kwargs {clashing} repeat arguments of dispatch_attention_fn: pass them as arguments "
             f"(e.g. {clashing[0]}=...), not inside attention_kwargs")
-    kept = [c for c in candidates if not attention_kwargs_reasons(c[1], keys)]
+    # The predicate attention_kwargs_reasons words (no reason text is built per call: this runs on every call)
+    kept = [c for c in candidates if all(_honours(c[1], key) for key in keys)]
     if kept:
         return kept
     tried = ", ".join(f"'{c[0]}'" for c in candidates)
