@@ -305,14 +305,13 @@ class Tuner:
             if self.backends is not None and name not in self.backends:
                 continue
             try:
-                spec = registry.get(name)
+                if fetched is None and registry.get(name).hub is not None:
+                    fetched = hub.fetched_repos()
+                why = support.for_auto(name, inputs, exact_only=exact, attention_kwargs=attention_kwargs,
+                                       fetched=fetched or frozenset())
+                sensitive = sensitive or support.trust_decides(name, why, exact_only=exact)
             except registry.UnknownBackendError:  # removed by another thread
                 continue
-            if spec.hub is not None and fetched is None:
-                fetched = hub.fetched_repos()
-            why = support.for_auto(name, inputs, exact_only=exact, attention_kwargs=attention_kwargs,
-                                   fetched=fetched or frozenset())
-            sensitive = sensitive or support.trust_decides(name, why, exact_only=exact)
             if why.runs:
                 names.append(name)
             else:
