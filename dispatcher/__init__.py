@@ -16,8 +16,7 @@ from .inputs import AttentionInputs
 from .hub import KernelLoadError, LoadedKernel, loaded_kernels
 from .machine import Machine, current_machine, detect, use_machine
 from .masks import register_mask_format
-from .registry import (BackendStatus, BackendUnavailableError, UnknownBackendError, availability_reasons,
-                       list_backends, register_backend)
+from .registry import BackendUnavailableError, UnknownBackendError, register_backend
 from . import registry as _registry
 from .registry import get as get_backend_spec
 from .registry import names as backend_names
@@ -25,6 +24,7 @@ from .registry import remove as unregister_backend
 from .report import Recorder, recording
 from .spec import BackendSpec, HeadDims, HubKernel
 from .guard import AttentionQualityError
+from .support import BackendStatus, availability_reasons, list_backends
 from .state import (active_backend, active_checks, active_guard, active_model, active_policy, attention_backend,
                     attention_checks, fallback_policy, model_scope, quality_guard, set_attention_backend, set_checks,
                     set_fallback_policy, set_quality_guard, validate_backend)

@@ -8,11 +8,9 @@ call only while checks are on (DIFFUSERS_ATTN_CHECKS=yes, `set_checks`, or `atte
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
@@ -159,45 +157,6 @@ def check_values(named: dict[str, torch.Tensor], mode: str, backend: str) -> Non
             logger.warning(message)
 
 
-# ---- What each backend honours beyond the shapes its spec describes -------------------------------------------
-#
-# Two things the spec's fields do not say: which `attention_kwargs` keys a backend passes on to its kernel
-# (every other key would be dropped, or make the kernel raise a bare TypeError that blames whichever backend
-# ran last), and whether it takes SDPA's broadcasting of a key/value batch of 1 over the query's batch.
-# Built-in backends declare both on their function (`declare`); a custom backend's keys are read from its
-# function's signature (a **kwargs parameter takes any key) and it is assumed not to broadcast.
-
-STANDARD_ARGUMENTS = frozenset({"attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "return_lse"})
-_INTERNAL = frozenset({"kernel", "style", "function", "pinned"})  # built-in wrappers' own keywords
-
-
-@dataclass(frozen=True)
-class Semantics:
-    attention_kwargs: frozenset[str] | None  # the keys passed on to the kernel; None = any (**kwargs)
-    broadcast_kv: bool  # takes key/value of batch 1 against a larger query batch (SDPA's broadcasting)
-
-
-def declare(fn, *, attention_kwargs=(), broadcast_kv: bool = False):
-    """Declare on a backend function the attention_kwargs it honours and whether it broadcasts a key/value
-    batch of 1; returns `fn`."""
-    fn.attention_semantics = Semantics(frozenset(attention_kwargs), bool(broadcast_kv))
-    return fn
-
-
-def semantics_of(spec) -> Semantics:
-    declared = getattr(spec.fn, "attention_semantics", None)
-    if isinstance(declared, Semantics):
-        return declared
-    try:
-        params = list(inspect.signature(spec.fn).parameters.values())
-    except (TypeError, ValueError):
-        return Semantics(frozenset(), False)
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return Semantics(None, False)
-    names = {p.name for p in params[3:] if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-    return Semantics(frozenset(names - STANDARD_ARGUMENTS - _INTERNAL), False)
-
-
 def broadcast_kv(q, k, v, enable_gqa: bool = True):
     """Key/value shaped for a kernel that wants the query's batch (and, without GQA, its heads), in a layout
     whose batch axis is 0 and head axis 1 (BHSD): SDPA's broadcasting of a key/value batch of 1, and of one
@@ -207,79 +166,3 @@ def broadcast_kv(q, k, v, enable_gqa: bool = True):
     if k.shape[0] == batch and k.shape[1] == want_heads:
         return k, v
     return (k.expand(batch, want_heads, *k.shape[2:]), v.expand(batch, want_heads, *v.shape[2:]))
-
-
-def semantic_reasons(spec, inputs: AttentionInputs) -> list[str]:
-    """Why `spec` cannot run `inputs` for what its fields do not describe: a key/value batch of 1 broadcast
-    over the query's batch (needs AttentionInputs.batch_kv). The dispatcher adds these to
-    spec.not_supported_reasons(inputs) once per decision."""
-    batch_kv = getattr(inputs, "batch_kv", None)
-    if batch_kv is None or batch_kv == inputs.batch or semantics_of(spec).broadcast_kv:
-        return []
-    return [f"key/value batch {batch_kv} broadcast over query batch {inputs.batch} is not supported (SDPA "
-            f"broadcasts it; so do {', '.join(_backends_where(lambda s: s.broadcast_kv)) or 'no backend'}); "
-            f"or expand key and value to batch {inputs.batch}"]
-
-
-def _backends_where(test) -> list[str]:
-    from . import registry
-    found = []
-    for name in registry.names():
-        try:
-            spec = registry.get(name)
-        except Exception:  # removed by another thread
-            continue
-        if test(semantics_of(spec)):
-            found.append(name)
-    return found
-
-
-class AttentionKwargsError(TypeError):
-    """attention_kwargs holds a key that none of the backends allowed to run the call passes on to its kernel."""
-
-
-def attention_kwargs_reasons(spec, keys) -> list[str]:
-    """One reason per attention_kwargs key that backend `spec` does not pass on to its kernel."""
-    honoured = semantics_of(spec).attention_kwargs
-    if honoured is None:
-        return []
-    return [f"attention_kwargs key {key!r} is not honoured by this backend ({_honoured_by(key)})"
-            for key in sorted(keys) if key not in honoured]
-
-
-def _honoured_by(key: str) -> str:
-    names = _backends_where(lambda s: s.attention_kwargs is None or key in s.attention_kwargs)
-    return f"honoured by {', '.join(names)}" if names else "no attention backend honours it"
-
-
-def candidates_for_attention_kwargs(requested: str, policy: str, candidates: list, attention_kwargs) -> list:
-    """The candidates (a Decision's [(name, spec, runner)], best first) that honour every attention_kwargs key.
-
-    Call it once per call that has attention_kwargs, before running any candidate: a backend that would drop a
-    key, or raise on it, never runs. A key that is one of the call's own arguments (scale, is_causal, ...) and
-    a key no allowed backend honours raise AttentionKwargsError naming the key, the backends that honour it
-    and what to do, never blaming a backend that merely ran last.
-    """
-    if not attention_kwargs:
-        return candidates
-    keys = frozenset(attention_kwargs)
-    clashing = sorted(keys & STANDARD_ARGUMENTS)
-    if clashing:
-        raise AttentionKwargsError(
-            f"attention_kwargs {clashing} repeat arguments of dispatch_attention_fn: pass them as arguments "
-            f"(e.g. {clashing[0]}=...), not inside attention_kwargs")
-    kept = [c for c in candidates if not attention_kwargs_reasons(c[1], keys)]
-    if kept:
-        return kept
-    tried = ", ".join(f"'{c[0]}'" for c in candidates)
-    lines = [f"attention backend '{requested}' ({policy} policy) cannot honour attention_kwargs "
-             f"{sorted(keys)}: none of the backends that can run this call ({tried}) passes "
-             f"{'it' if len(keys) == 1 else 'them'} on to its kernel"]
-    for key in sorted(keys):
-        names = _backends_where(lambda s, key=key: s.attention_kwargs is None or key in s.attention_kwargs)
-        if names:
-            lines.append(f"  {key!r} is honoured by {', '.join(names)}: select one of them (backend='{names[0]}'), "
-                         f"or drop the key")
-        else:
-            lines.append(f"  {key!r} is honoured by no attention backend: drop it")
-    raise AttentionKwargsError("\n".join(lines))

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import checks, decisions, registry, state
+from . import checks, decisions, registry, state, support
 from .call import AttentionCall
 from .custom_ops import define_once
 from .eager import dispatch_eager
@@ -82,7 +82,7 @@ def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial,
         return None
     candidate = decision.candidates[0]
     if attention_kwargs_keys:
-        candidate = checks.candidates_for_attention_kwargs(decision.requested, policy, decision.candidates,
+        candidate = support.candidates_for_attention_kwargs(decision.requested, policy, decision.candidates,
                                                            dict.fromkeys(attention_kwargs_keys))[0]
     if candidate.guard:  # the guard compares and may recompute: host work a graph cannot hold
         _runtime_op()

@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import caches, checks, guard, registry, trust
+from . import caches, checks, guard, registry, support, trust
 from .hub import KernelLoadError
 from .inputs import AttentionInputs
 from .machine import current_machine
@@ -104,21 +104,6 @@ def fallback_order(requested: str) -> list[str]:
     return order
 
 
-def input_reasons(spec, inputs: AttentionInputs) -> list[str]:
-    """Why `spec` cannot run `inputs` (its declared limits, then its semantics: checks.semantic_reasons): the one
-    answer the decision and `auto`'s tuner both use, so auto never times a kernel the decision would refuse."""
-    try:
-        return spec.not_supported_reasons(inputs) + checks.semantic_reasons(spec, inputs)
-    except Exception as exc:  # a backend's own limit check must not hide the others' reasons
-        return [f"its input check failed ({type(exc).__name__}: {exc})"]
-
-
-def _reasons(name: str, spec, inputs: AttentionInputs) -> list[str]:
-    """Every reason: what this machine lacks, then what these inputs ask that the backend cannot do."""
-    reasons = list(registry.availability_reasons(name))
-    return reasons + [r for r in input_reasons(spec, inputs) if r not in reasons]
-
-
 def candidate(name: str, spec, runner, inputs: AttentionInputs, layout: str, guard_rules=None) -> Candidate:
     """How a decision (and `auto`'s tuner, timing it) runs backend `name` on calls of `inputs` in `layout`."""
     # SDPA takes a bool mask of any rank as given; every other mask is converted to the kernel's format.
@@ -161,7 +146,7 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, qu
     decision = Decision(requested, [], trust_sensitive=any(s.hub is not None for s in specs),
                         shapes_only=all(s.universal for s in specs))
     for name, spec in zip(chain, specs):
-        reasons = _reasons(name, spec, inputs)
+        reasons = support.reasons(name, inputs)  # machine, trust, these inputs' limits, semantics
         if not reasons:
             try:
                 runner = registry.prepare(name)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, decisions, registry, state, trust
+from . import checks, decisions, registry, state, support, trust
 from .call import AttentionCall
 from .execute import run
 from .inputs import describe_call
@@ -109,7 +109,7 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
     if mode != "off":
         checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, requested)
     if attention_kwargs:  # only backends that pass every key on to their kernel may run it
-        candidates = checks.candidates_for_attention_kwargs(decision.requested, policy, candidates, attention_kwargs)
+        candidates = support.candidates_for_attention_kwargs(decision.requested, policy, candidates, attention_kwargs)
     watch = decision.watch
     guard_notes = ()  # a kernel the guard demoted for this block: why another serves it
     last_index = len(candidates) - 1

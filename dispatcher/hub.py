@@ -271,6 +271,17 @@ def loaded_kernels() -> list[LoadedKernel]:
         return [record for _, record in _loaded.values()]
 
 
+def fetched_repos() -> set[str]:
+    """Hub repos whose kernel is loaded in this process or fetched (in the lock file): what `auto` may run without
+    downloading code."""
+    repos = {k.repo_id for k in loaded_kernels()}
+    try:
+        repos |= set(read_lock())
+    except Exception:  # noqa: BLE001  (an unreadable lock file: nothing fetched)
+        pass
+    return repos
+
+
 def forget_loaded() -> None:
     with _lock:
         _loaded.clear()

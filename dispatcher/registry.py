@@ -5,13 +5,12 @@ from __future__ import annotations
 import difflib
 import functools
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import caches, hub
 from .machine import Machine, current_machine, track
 from .requirements import Package
-from .spec import FLOATS, BackendSpec, HeadDims, HubKernel
+from .spec import FLOATS, BackendSpec, HeadDims, HubKernel, honoured_kwargs
 
 _specs: dict[str, BackendSpec] = {}
 _lock = threading.RLock()
@@ -141,8 +140,9 @@ def unknown_message(name) -> str:
     return f"unknown attention backend {name!r}.{hint} Valid backends: {', '.join(valid)}"
 
 
-def availability_reasons(name: str, machine: Machine | None = None) -> list[str]:
-    """Why backend `name` cannot run on this machine at all (empty when it can)."""
+def requirement_reasons(name: str, machine: Machine | None = None) -> list[str]:
+    """What this machine lacks of backend `name`'s requirements (empty when it has them all), cached per machine.
+    The machine part of `support.why_not`, which adds trust and the call's own limits: ask there."""
     spec = get(name)
     machine = machine or current_machine()
     key = (name, id(machine))
@@ -159,13 +159,7 @@ def availability_reasons(name: str, machine: Machine | None = None) -> list[str]
                     found.append(reason)
             cached = tuple(found)
             _availability[key] = (machine, cached)
-    reasons = list(cached)
-    if spec.hub is not None:
-        from .trust import decide
-        decision = decide(spec.hub.repo_id)
-        if not decision.allowed:
-            reasons.append(decision.reason)
-    return reasons
+    return list(cached)
 
 
 def forget_availability() -> None:
@@ -193,42 +187,13 @@ def _by_keyword(fn):
     return runner
 
 
-@dataclass
-class BackendStatus:
-    name: str
-    available: bool
-    reasons: list[str]
-    constraints: dict[str, Any]
-    loaded: list[dict] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "available": self.available, "reasons": self.reasons,
-                "loaded": self.loaded, **self.constraints}
-
-
-def list_backends(machine: Machine | None = None) -> list[BackendStatus]:
-    """Every registered backend with availability and the reasons for each unavailable one."""
-    loaded = hub.loaded_kernels()
-    statuses = []
-    with _lock:
-        specs = [(name, _specs[name]) for name in names()]
-    for name, spec in specs:
-        try:
-            reasons = availability_reasons(name, machine)
-        except UnknownBackendError:  # removed by another thread while listing
-            continue
-        mine = [k.as_dict() for k in loaded if spec.hub and k.repo_id == spec.hub.repo_id]
-        statuses.append(BackendStatus(name, not reasons, reasons, spec.constraints(), mine))
-    return statuses
-
-
 def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD", devices=("cpu", "cuda"),
                      dtypes=FLOATS, head_dims: HeadDims = HeadDims(), masks=("none",), mask_format: str = "additive",
                      causal: bool = False, scale: bool = True, gqa: bool = False, dropout: bool = False,
                      lse: bool = False, backward: bool = True, requires=(), fallback=("native",),
                      error_bound: float = 2e-2, description: str = "", hub_kernel: HubKernel | None = None,
                      quantised: bool = False, approximate: bool = False, mask_with_causal: bool = False,
-                     replace: bool = False) -> BackendSpec:
+                     broadcast_kv: bool = False, quadratic_memory: bool = False, replace: bool = False) -> BackendSpec:
     """Register your own attention function under `name` (like transformers' AttentionInterface.register).
 
     `fn(query, key, value, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)` receives
@@ -240,7 +205,10 @@ def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD",
     part of the attention out by design (block-sparse, windowed): like a quantised one, but `auto_fast` admits it
     within its own `error_bound` on the model's activations, and the guard holds it to twice that.
     `mask_with_causal`: it takes attn_mask and is_causal=True together, applying both as SDPA does (else such calls
-    skip it).
+    skip it). `broadcast_kv`: it takes key/value of batch 1 against a larger query batch (SDPA's broadcasting).
+    `quadratic_memory`: it materialises the (B, H, Lq, Lk) score matrix (`auto` skips it where that would not fit).
+    The attention_kwargs keys it honours are read from `fn`'s signature (keyword parameters beyond the standard
+    ones; a **kwargs parameter takes any key); a call with another key never runs it.
     """
     if not name or not isinstance(name, str):
         raise ValueError("a custom attention backend needs a non-empty string name")
@@ -260,7 +228,8 @@ def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD",
         masks=frozenset(masks) | {"none"}, mask_format=mask_format, causal=causal, scale=scale, gqa=gqa,
         dropout=dropout, lse=lse, backward=backward, fallback=tuple(fallback), error_bound=error_bound,
         hub=hub_kernel, custom=True, quantised=bool(quantised), approximate=bool(approximate),
-        mask_with_causal=bool(mask_with_causal),
+        mask_with_causal=bool(mask_with_causal), attention_kwargs=honoured_kwargs(fn), broadcast_kv=bool(broadcast_kv),
+        quadratic_memory=bool(quadratic_memory),
     )
     return add(spec, replace=replace)
 

@@ -7,6 +7,7 @@ operators do, so an error lists all problems instead of the first.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,6 +29,24 @@ MASK_NAMES = {"bool": "a bool mask", "key_padding": "a bool key-padding mask", "
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+# dispatch_attention_fn's own arguments: never attention_kwargs keys. _INTERNAL: the built-in wrappers' own keywords.
+STANDARD_ARGUMENTS = frozenset({"attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "return_lse"})
+_INTERNAL = frozenset({"kernel", "style", "function", "pinned"})
+
+
+def honoured_kwargs(fn) -> frozenset[str] | None:
+    """The attention_kwargs keys a custom backend's function takes, read from its signature: the keyword
+    parameters after query, key and value that are not standard arguments; None (any key) for a **kwargs one."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (some builtins): it takes none
+        return frozenset()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    names = {p.name for p in params[3:] if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    return frozenset(names - STANDARD_ARGUMENTS - _INTERNAL)
 
 
 @dataclass(frozen=True)
@@ -98,6 +117,15 @@ class BackendSpec:
     # `FAST_BOUND`), and the guard holds it to twice that. Like a quantised kernel, never chosen by `auto_exact`.
     approximate: bool = False
     extra_reasons: Callable[[AttentionInputs], list[str]] | None = field(default=None, compare=False, repr=False)
+    # What the fields above do not say about a call: the attention_kwargs keys `fn` passes on to its kernel (None:
+    # any key, a **kwargs function; every other key would be dropped or make the kernel raise), and whether it
+    # takes SDPA's broadcasting of a key/value batch of 1 over the query's batch. A custom backend's keys come from
+    # its function's signature, read once at registration (`honoured_kwargs`).
+    attention_kwargs: frozenset[str] | None = frozenset()
+    broadcast_kv: bool = False
+    # Materialises the (B, H, Lq, Lk) score matrix (SDPA's math kernel): `auto` and the bench skip it where that
+    # would not fit their memory cap.
+    quadratic_memory: bool = False
     custom: bool = False
     mask_format: str = "additive"  # what the kernel is handed: additive | bool | blockmask | key_padding
 
@@ -199,7 +227,8 @@ class BackendSpec:
             "supports": {"mask": sorted(m for m in self.masks if m != "none"), "causal": self.causal,
                          "mask_with_causal": self.mask_with_causal,
                          "scale": self.scale, "gqa": self.gqa, "dropout": self.dropout, "lse": self.lse,
-                         "backward": self.backward},
+                         "backward": self.backward, "broadcast_kv": self.broadcast_kv,
+                         "attention_kwargs": None if self.attention_kwargs is None else sorted(self.attention_kwargs)},
             "hub": None if self.hub is None else {"repo_id": self.hub.repo_id, "version": self.hub.version,
                                                   "revision": self.hub.revision, "function": self.hub.function},
             "fallback": list(self.fallback),

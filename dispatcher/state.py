@@ -13,7 +13,7 @@ import contextvars
 import threading
 from typing import NamedTuple
 
-from . import env, guard, registry
+from . import env, guard, registry, support
 from .log import logger
 
 
@@ -54,7 +54,7 @@ def validate_backend(name: str) -> str:
     if registry.resolver(name) is not None:  # a pseudo-backend (`auto`): resolved per call signature
         return name
     spec = registry.get(name)
-    reasons = registry.availability_reasons(spec.name)
+    reasons = support.availability_reasons(spec.name)
     if reasons:
         raise registry.BackendUnavailableError(spec.name, reasons)
     registry.prepare(spec.name)

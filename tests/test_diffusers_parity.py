@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from dispatcher import AttentionInputError, BackendNotSupportedError, checks, dispatch_attention_fn, registry
+from dispatcher import AttentionInputError, BackendNotSupportedError, dispatch_attention_fn, registry, support
 from helpers import tensors
 
 ad = pytest.importorskip("diffusers.models.attention_dispatch")
@@ -156,9 +156,9 @@ def test_attention_kwargs_diffusers_drops_are_refused_with_a_reason():
     theirs(q, k, v, attention_kwargs={"window_size": (4, 4)})  # runs, window dropped
     assert "window_size" in ad._AttentionBackendRegistry._supported_arg_names[ad.AttentionBackendName.FLASH]
     candidates = [(n, registry.get(n), registry.get(n).fn) for n in ("native", "_native_math")]
-    with pytest.raises(checks.AttentionKwargsError, match="'window_size' is honoured by"):
-        checks.candidates_for_attention_kwargs("native", "fallback", candidates, {"window_size": (4, 4)})
+    with pytest.raises(support.AttentionKwargsError, match="'window_size' is honoured by"):
+        support.candidates_for_attention_kwargs("native", "fallback", candidates, {"window_size": (4, 4)})
     for name, member in (("flash", ad.AttentionBackendName.FLASH), ("flash_hub", ad.AttentionBackendName.FLASH_HUB),
                          ("_flash_3_hub", ad.AttentionBackendName._FLASH_3_HUB)):
         assert "window_size" in ad._AttentionBackendRegistry._supported_arg_names[member]
-        assert "window_size" in checks.semantics_of(registry.get(name)).attention_kwargs
+        assert "window_size" in registry.get(name).attention_kwargs

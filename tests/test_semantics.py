@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import dispatcher
-from dispatcher import AttentionInputError, BackendNotSupportedError, checks, dispatch_attention_fn, masks, registry
+from dispatcher import AttentionInputError, BackendNotSupportedError, dispatch_attention_fn, masks, registry, support
 from helpers import tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile",
@@ -126,12 +126,12 @@ def test_broadcasting_that_sdpa_refuses_is_still_refused():
 
 def test_backends_that_cannot_broadcast_the_batch_say_why():
     inputs = types.SimpleNamespace(batch=2, batch_kv=1)
-    can = {name for name in registry.names() if not checks.semantic_reasons(registry.get(name), inputs)}
+    can = {name for name in registry.names() if not support.semantic_reasons(registry.get(name), inputs)}
     assert {"native", "_native_math", "_native_flash", "_native_efficient", "_native_cudnn", "flex"} <= can
     for name in ("flash", "flash_hub", "sage", "xformers", "_flash_3", "sage_hub"):
-        (reason,) = checks.semantic_reasons(registry.get(name), inputs)
+        (reason,) = support.semantic_reasons(registry.get(name), inputs)
         assert "key/value batch 1 broadcast over query batch 2 is not supported" in reason and "native" in reason
-    assert checks.semantic_reasons(registry.get("flash"), types.SimpleNamespace(batch=2, batch_kv=2)) == []
+    assert support.semantic_reasons(registry.get("flash"), types.SimpleNamespace(batch=2, batch_kv=2)) == []
 
 
 def test_batch_broadcast_is_part_of_the_decision():
@@ -144,11 +144,9 @@ def test_batch_broadcast_is_part_of_the_decision():
 # -------------------------------------------------------------------------------------- attention_kwargs
 
 def test_every_builtin_backend_declares_its_attention_kwargs():
-    for name in registry.names():
-        spec = registry.get(name)
-        assert isinstance(getattr(spec.fn, "attention_semantics", None), checks.Semantics), name
-    honour = {name for name in registry.names()
-              if "window_size" in checks.semantics_of(registry.get(name)).attention_kwargs}
+    for name in registry.builtin_names():  # a fixed set on the spec, never "any key"
+        assert isinstance(registry.get(name).attention_kwargs, frozenset), name
+    honour = {name for name in registry.names() if "window_size" in registry.get(name).attention_kwargs}
     assert honour == {"flash", "flash_hub", "flash_varlen", "flash_varlen_hub", "_flash_3", "_flash_varlen_3",
                       "_flash_3_hub", "_flash_3_varlen_hub"}
 
@@ -160,19 +158,19 @@ def _candidates(*names):
 
 def test_unknown_attention_kwargs_name_the_key_and_who_honours_it():
     candidates = _candidates("native", "_native_math")  # what "flash" falls back to on a CPU
-    with pytest.raises(checks.AttentionKwargsError) as info:
-        checks.candidates_for_attention_kwargs("flash", "fallback", candidates, {"window_size": (8, 8)})
+    with pytest.raises(support.AttentionKwargsError) as info:
+        support.candidates_for_attention_kwargs("flash", "fallback", candidates, {"window_size": (8, 8)})
     text = str(info.value)
     honoured_line = next(line for line in text.splitlines() if "'window_size' is honoured by" in line)
     assert all(name in honoured_line for name in ("flash", "flash_hub", "_flash_3", "_flash_3_hub"))
     assert "select one of them (backend='" in honoured_line and "or drop the key" in honoured_line
     assert "unexpected keyword" not in text and "math_attention" not in text
     assert isinstance(info.value, TypeError)
-    with pytest.raises(checks.AttentionKwargsError, match="'no_such_key' is honoured by no attention backend"):
-        checks.candidates_for_attention_kwargs("native", "fallback", candidates, {"no_such_key": 1})
-    with pytest.raises(checks.AttentionKwargsError, match="pass them as arguments"):
-        checks.candidates_for_attention_kwargs("native", "fallback", candidates, {"scale": 0.5})
-    assert checks.candidates_for_attention_kwargs("native", "fallback", candidates, {}) is candidates
+    with pytest.raises(support.AttentionKwargsError, match="'no_such_key' is honoured by no attention backend"):
+        support.candidates_for_attention_kwargs("native", "fallback", candidates, {"no_such_key": 1})
+    with pytest.raises(support.AttentionKwargsError, match="pass them as arguments"):
+        support.candidates_for_attention_kwargs("native", "fallback", candidates, {"scale": 0.5})
+    assert support.candidates_for_attention_kwargs("native", "fallback", candidates, {}) is candidates
 
 
 def test_custom_backend_attention_kwargs_come_from_its_signature():
@@ -183,15 +181,15 @@ def test_custom_backend_attention_kwargs_come_from_its_signature():
         return sdpa(q, k, v)
     dispatcher.register_backend("windowed_test", windowed, devices=("cpu",))
     dispatcher.register_backend("anything_test", anything, devices=("cpu",))
-    assert checks.semantics_of(registry.get("windowed_test")).attention_kwargs == {"softcap"}
-    assert checks.semantics_of(registry.get("anything_test")).attention_kwargs is None
-    assert checks.attention_kwargs_reasons(registry.get("windowed_test"), {"softcap"}) == []
-    assert checks.attention_kwargs_reasons(registry.get("windowed_test"), {"window_size"})
+    assert registry.get("windowed_test").attention_kwargs == {"softcap"}
+    assert registry.get("anything_test").attention_kwargs is None
+    assert support.attention_kwargs_reasons(registry.get("windowed_test"), {"softcap"}) == []
+    assert support.attention_kwargs_reasons(registry.get("windowed_test"), {"window_size"})
 
 
 def test_unknown_attention_kwargs_fail_before_any_backend_runs():
     q, k, v = qkv()
-    with pytest.raises(checks.AttentionKwargsError, match=r"'window_size' is honoured by [^\n]*\bflash\b"):
+    with pytest.raises(support.AttentionKwargsError, match=r"'window_size' is honoured by [^\n]*\bflash\b"):
         dispatch_attention_fn(q, k, v, backend="flash", attention_kwargs={"window_size": (8, 8)})
 
 

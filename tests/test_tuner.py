@@ -496,3 +496,19 @@ def test_the_tuner_skips_what_the_decision_refuses_with_the_decisions_reason(cac
     names, skipped, _ = t.candidates(dispatcher.inputs.describe_call(q, k, v, None, 0.0, False, None, False, False,
                                                                      "BSHD"))
     assert names == ["native"] and dict(skipped)[name] == [decision_reason]
+
+
+def test_a_backend_that_materialises_the_scores_is_not_run_over_the_memory_cap(cache):
+    """`quadratic_memory` is a spec field (SDPA's math kernel declares it; register_backend takes it): auto leaves
+    such a kernel untried where the (B, H, Lq, Lk) scores would exceed its memory cap, and says why."""
+    assert dispatcher.get_backend_spec("_native_math").quadratic_memory
+    assert not dispatcher.get_backend_spec("native").quadratic_memory
+    scores = register("t_scores", exact, quadratic_memory=True)
+    tiles = register("t_tiles", exact)
+    q, k, v = (torch.randn(1, 32, 2, 16) for _ in range(3))
+    record = make(cache, scores, tiles, memory_cap_bytes=1024).tune(q, k, v)  # 2 x 32 x 32 x 4 bytes = 8 KiB
+    by_name = {c.name: c for c in record.candidates}
+    assert by_name[scores].median_ms is None and "materialises the" in by_name[scores].reason
+    assert record.chosen == tiles
+    record = make(None, scores, tiles, memory_cap_bytes=1 << 20).tune(q, k, v, force=True)
+    assert {c.name: c for c in record.candidates}[scores].median_ms is not None

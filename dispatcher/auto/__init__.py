@@ -48,7 +48,6 @@ from ..inputs import AttentionInputs
 from .cache import CACHE_FORMAT, ENV_CACHE, default_cache_path, set_default_dir  # noqa: F401  (public names)
 from .hooks import TuningProgress, set_interrupt_check, set_progress_hook  # noqa: F401  (for a host: ComfyUI's nodes)
 from .fingerprint import cpu_model, fingerprint_key, machine_fingerprint  # noqa: F401
-from .measure import QUADRATIC_MEMORY  # noqa: F401
 from ..reference import exact_attention, first_line, non_finite, relative_error, sample_rows  # noqa: F401
 from .tuner import (DEFAULT_BLOCK, DEFAULT_BUDGET_S, DEFAULT_MAX_SIGNATURES, ENV_BUDGET,  # noqa: F401
                     ENV_MAX_SIGNATURES,

@@ -11,10 +11,6 @@ import torch
 from ..inputs import AttentionInputs
 from ..reference import non_finite, relative_error, to_bhsd
 
-# Backends that materialise the (B, H, Lq, Lk) score matrix: skipped when it would not fit the memory cap.
-QUADRATIC_MEMORY = frozenset({"_native_math"})
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

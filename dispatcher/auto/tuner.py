@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from .. import caches, decisions, env, registry, state, trust
+from .. import caches, decisions, env, hub, registry, state, support, trust
 from ..call import AttentionCall
 from ..checks import check_shapes, check_structure
 from ..execute import run
 from ..inputs import AttentionInputs, describe_call
 from . import cache, hooks
 from .fingerprint import fingerprint_key, machine_fingerprint
-from .measure import QUADRATIC_MEMORY, random_inputs, shrink, sync, time_calls, time_rounds, validate
+from .measure import random_inputs, shrink, sync, time_calls, time_rounds, validate
 from ..reference import exact_attention, first_line, sample_rows
 from ..log import logger
 
@@ -99,6 +99,7 @@ class TuneRecord:
     model: str = state.UNSCOPED_MODEL  # whose activations the verdicts were made on
     block: str = ""  # which block's (auto_fast: its call site); "" for auto_exact, whose verdicts hold for every block
     judged_on: str = ""  # live values | noise (provisional, judged again on the first live call) | disk
+    attention_kwargs: tuple[str, ...] = ()  # the call's attention_kwargs keys: only backends honouring them compete
 
     @property
     def rejected(self) -> list[CandidateResult]:
@@ -106,6 +107,7 @@ class TuneRecord:
 
     def as_dict(self) -> dict[str, Any]:
         return {"signature": self.signature.as_dict(), "description": self.signature.describe(), "exact": self.exact,
+                "attention_kwargs": list(self.attention_kwargs),
                 "model": self.model, "block": self.block, "judged_on": self.judged_on, "chosen": self.chosen,
                 "source": self.source, "reason": self.reason, "seconds": round(self.seconds, 4),
                 "layout": self.layout, "timed_shape": self.timed_shape,
@@ -186,7 +188,8 @@ class Tuner:
         call itself (its tensors judge accuracy); exact=True: never a quantised kernel; block: which block of the
         model the call comes from (auto_fast judges quantised kernels on each block's own activations)."""
         block = "" if exact else block
-        key = self._key(inputs, exact, model, block)
+        keys = tuple(sorted(live.attention_kwargs)) if live is not None and live.attention_kwargs else ()
+        key = self._key(inputs, exact, model, block, keys)
         hit = self._choices.get(key)
         if hit is not None:
             return hit
@@ -194,16 +197,17 @@ class Tuner:
             hit = self._choices.get(key)
             if hit is None:
                 record = self._resolve(inputs, exact, layout=layout, live=live, timing=timing, model=model,
-                                       block=block)
+                                       block=block, keys=keys)
                 hit = (record.chosen, record.trust_sensitive)
                 if _settled(record):
                     self._choices[key] = hit
         return hit
 
     @staticmethod
-    def _key(sig: AttentionInputs, exact: bool, model: str, block: str) -> tuple:
-        """What a choice depends on besides the signature: the model and block, trust settings and the machine."""
-        return sig, exact, model, block, trust.scope_key(), fingerprint_key(machine_fingerprint())
+    def _key(sig: AttentionInputs, exact: bool, model: str, block: str, keys: tuple = ()) -> tuple:
+        """What a choice depends on besides the signature: the model and block, the call's attention_kwargs keys,
+        trust settings and the machine."""
+        return sig, exact, model, block, keys, trust.scope_key(), fingerprint_key(machine_fingerprint())
 
     def tune(self, what, key=None, value=None, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
              return_lse=False, dropout_p=0.0, layout="BSHD", force=False, exact=False, model=None,
@@ -261,7 +265,8 @@ class Tuner:
         for r in records:
             kind = "auto_exact" if r.exact else "auto_fast"
             judged = f", judged on {r.judged_on}" if r.judged_on else ""
-            lines.append(f"  {r.signature.describe()}")
+            lines.append(f"  {r.signature.describe()}"
+                         + (f", attention_kwargs {list(r.attention_kwargs)}" if r.attention_kwargs else ""))
             at = f" at {r.block}" if r.block else ""
             lines.append(f"    {kind} for model {r.model}{at} -> {r.chosen} ({r.source}{judged}"
                          f"{': ' + r.reason if r.reason else ''}; {r.seconds:.2f} s)")
@@ -289,49 +294,37 @@ class Tuner:
         caches.forget()
 
     # -- candidates
-    def candidates(self, inputs: AttentionInputs, exact: bool = False
+    def candidates(self, inputs: AttentionInputs, exact: bool = False, attention_kwargs=()
                    ) -> tuple[list[str], list[tuple[str, list[str]]], bool]:
-        """(names in priority order, [(skipped name, reasons)], trust-sensitive)."""
+        """(names in priority order, [(skipped name, reasons)], trust-sensitive): every backend `support.for_auto`
+        finds nothing against (the decision's own reasons for these inputs and attention_kwargs keys, then auto's
+        rules: exact kernels only for auto_exact, Hub kernels only once fetched)."""
         names, skipped, sensitive = [], [], False
         fetched = None
         for name in registry.names():
             if self.backends is not None and name not in self.backends:
                 continue
-            spec = registry.get(name)
-            if exact and not spec.exact:
-                skipped.append((name, [f"a{'n' if spec.precision == 'approximate' else ''} {spec.precision} kernel: "
-                                       "auto_exact runs exact kernels only"]))
-                continue
             try:
-                reasons = registry.availability_reasons(name)
-                unsupported = [] if reasons else decisions.input_reasons(spec, inputs)  # the decision's own answer
-            except Exception as exc:  # a custom backend's own checks: they drop that backend, never the tuning
-                skipped.append((name, [f"its support check raised {first_line(exc)}"]))
+                if fetched is None and registry.get(name).hub is not None:
+                    fetched = hub.fetched_repos()
+                why = support.for_auto(name, inputs, exact_only=exact, attention_kwargs=attention_kwargs,
+                                       fetched=fetched or frozenset())
+                sensitive = sensitive or support.trust_decides(name, why, exact_only=exact)
+            except registry.UnknownBackendError:  # removed by another thread
                 continue
-            if spec.hub is not None:
-                verdict = trust.decide(spec.hub.repo_id)
-                if not [r for r in reasons if verdict.allowed or r != verdict.reason]:
-                    sensitive = True  # only trust stands between this Hub kernel and the candidates
-            reasons = reasons or unsupported
-            if not reasons and spec.hub is not None:
-                if fetched is None:
-                    fetched = _fetched_repos()
-                if spec.hub.repo_id not in fetched:
-                    reasons = [f"Hub kernel '{spec.hub.repo_id}' is not fetched or loaded yet; auto never downloads "
-                               f"code: select '{name}' once (or run install.py) to make it a candidate"]
-            if reasons:
-                skipped.append((name, list(reasons)))
-            else:
+            if why.runs:
                 names.append(name)
+            else:
+                skipped.append((name, why.reasons))
         return names, skipped, sensitive  # registry.names() is the priority order
 
     # -- deciding
     def _resolve(self, sig: AttentionInputs, exact: bool, *, layout: str, live, timing: bool, model: str,
-                 block: str = "", use_disk: bool = True) -> TuneRecord:
+                 block: str = "", use_disk: bool = True, keys: tuple = ()) -> TuneRecord:
         start = time.perf_counter()
-        names, skipped, sensitive = self.candidates(sig, exact)
+        names, skipped, sensitive = self.candidates(sig, exact, keys)
         record = TuneRecord(sig, names[0] if names else "native", "preference", skipped=skipped, layout=layout,
-                            trust_sensitive=sensitive, exact=exact, model=model, block=block)
+                            trust_sensitive=sensitive, exact=exact, model=model, block=block, attention_kwargs=keys)
         record.candidates = [CandidateResult(n, "untimed", i, admission_bound(registry.get(n)))
                              for i, n in enumerate(names)]
         from_disk = from_memory = False
@@ -389,7 +382,7 @@ class Tuner:
         for c in record.candidates:
             if c.name == record.chosen and c.status in ("valid", "untimed", "unjudged"):
                 c.status = "chosen"
-        self._records[(sig, exact, model, block)] = record
+        self._records[(sig, exact, model, block, keys)] = record
         if record.source in ("timed", "judged"):
             where = f"model {model}" + (f", {block}" if block else "")
             self._progress(record, "done", len(names), len(names), start, chosen=record.chosen)
@@ -453,7 +446,7 @@ class Tuner:
             known = result.status in ("valid", "rejected")  # this model's verdict, from disk
             if known and (result.status == "rejected" or result.median_ms is not None):
                 continue
-            if name in QUADRATIC_MEMORY and score_bytes > cap:
+            if registry.get(name).quadratic_memory and score_bytes > cap:
                 result.reason = (f"not run: it materialises the {score_bytes >> 20} MiB score matrix, over the "
                                  f"tuning memory cap")
                 continue
@@ -675,18 +668,11 @@ def _reject(result: CandidateResult, reason: str, device: torch.device) -> None:
 
 
 def _disk_key(record: TuneRecord) -> str:
-    return record.signature.key() + ("|exact" if record.exact else "")
+    kwargs = f"|attention_kwargs={','.join(record.attention_kwargs)}" if record.attention_kwargs else ""
+    return record.signature.key() + ("|exact" if record.exact else "") + kwargs
 
 
 def admission_bound(spec) -> float:
     """A candidate's admission bound: `FAST_BOUND` for quantised kernels, the spec's own for exact and approximate
     ones (an approximate kernel declares how far from exact attention it may be)."""
     return FAST_BOUND if spec.quantised and not spec.approximate else spec.error_bound
-
-
-def _fetched_repos() -> set[str]:
-    from .. import hub
-    repos = {k.repo_id for k in hub.loaded_kernels()}
-    with contextlib.suppress(Exception):
-        repos |= set(hub.read_lock())
-    return repos

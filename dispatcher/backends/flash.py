@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import declare
 from ..inputs import AttentionInputs
 from ..registry import add, kernels_requirement
 from ..requirements import CudaCapability, OneOf, OnDevice, Package, RocmArch, import_error
@@ -170,8 +169,8 @@ def varlen(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_l
     return out, lse.reshape(h, b, lq).permute(1, 2, 0).float() if lse.shape[0] == h else lse.reshape(b, h, lq).transpose(1, 2).float()
 
 
-# The attention_kwargs each kernel family takes (diffusers passes window_size to FlashAttention-2 and -3).
-_HONOURED = {"fa2": ("window_size",), "fa3": ("window_size",), "fa4": (), "aiter": (), "sage": ()}
+# The attention_kwargs FlashAttention-2 and -3 pass on to their kernel (diffusers passes window_size to both).
+WINDOW = frozenset({"window_size"})
 
 
 def _style(fn, **fixed):
@@ -179,41 +178,42 @@ def _style(fn, **fixed):
     def run(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, **kwargs):
         return fn(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, **kwargs, **fixed)
     run.__name__ = f"{fn.__name__}_{fixed.get('style', '')}"
-    return declare(run, attention_kwargs=_HONOURED[fixed.get("style", "fa2")])
+    return run
 
 
 COMMON = dict(layout="BSHD", devices=CUDA, dtypes=HALF, head_dims=HeadDims(8, 256, 8), gqa=True,
               causal_alignment="bottom_right", lse=True, fallback=("_native_flash", "native"))
+WINDOWED = {**COMMON, "attention_kwargs": WINDOW}  # FlashAttention-2 and -3
 KEY_PADDING = frozenset({"key_padding"})
 
 add(BackendSpec(name="flash", family="flash2", description="FlashAttention-2 (pip flash-attn)",
                 fn=_style(dense, style="fa2"), dropout=True, capability=SM80,
-                requires=(FA2, ON_CUDA), **COMMON))
+                requires=(FA2, ON_CUDA), **WINDOWED))
 add(BackendSpec(name="flash_hub", family="flash2", description="FlashAttention-2 from the Hub (kernels-community)",
                 fn=_style(dense, style="fa2"), dropout=True, capability=SM80, hub=FLASH_2_HUB,
-                requires=(kernels_requirement(FLASH_2_HUB), ON_CUDA), **COMMON))
+                requires=(kernels_requirement(FLASH_2_HUB), ON_CUDA), **WINDOWED))
 add(BackendSpec(name="flash_varlen", family="flash2", description="FlashAttention-2 varlen: bool key-padding masks",
                 fn=_style(varlen, style="fa2"), dropout=True, capability=SM80, masks=KEY_PADDING,
-                mask_format="key_padding", requires=(FA2, ON_CUDA), **COMMON))
+                mask_format="key_padding", requires=(FA2, ON_CUDA), **WINDOWED))
 add(BackendSpec(name="flash_varlen_hub", family="flash2", description="FlashAttention-2 varlen from the Hub",
                 fn=_style(varlen, style="fa2"), dropout=True, capability=SM80, masks=KEY_PADDING,
                 mask_format="key_padding", hub=FLASH_2_VARLEN_HUB,
-                requires=(kernels_requirement(FLASH_2_VARLEN_HUB), ON_CUDA), **COMMON))
+                requires=(kernels_requirement(FLASH_2_VARLEN_HUB), ON_CUDA), **WINDOWED))
 add(BackendSpec(name="_flash_3", family="flash3",
                 description="FlashAttention-3 (Hopper; a source build, or the forward-only fa3-fwd wheel)",
                 fn=_style(dense, style="fa3"), capability=HOPPER_AMPERE, requires=(FA3, ON_CUDA),
-                backward=True, extra_reasons=_fa3_wheel_limits, **COMMON))
+                backward=True, extra_reasons=_fa3_wheel_limits, **WINDOWED))
 add(BackendSpec(name="_flash_varlen_3", family="flash3", description="FlashAttention-3 varlen (Hopper)",
                 fn=_style(varlen, style="fa3"), capability=HOPPER_AMPERE, masks=KEY_PADDING,
                 mask_format="key_padding", requires=(FA3, ON_CUDA), extra_reasons=_fa3_wheel_limits,
-                **COMMON))
+                **WINDOWED))
 add(BackendSpec(name="_flash_3_hub", family="flash3", description="FlashAttention-3 from the Hub (sm_80, sm_90)",
                 fn=_style(dense, style="fa3"), capability=HOPPER_AMPERE, hub=FLASH_3_HUB,
-                requires=(kernels_requirement(FLASH_3_HUB), ON_CUDA), **COMMON))
+                requires=(kernels_requirement(FLASH_3_HUB), ON_CUDA), **WINDOWED))
 add(BackendSpec(name="_flash_3_varlen_hub", family="flash3", description="FlashAttention-3 varlen from the Hub",
                 fn=_style(varlen, style="fa3"), capability=HOPPER_AMPERE, masks=KEY_PADDING,
                 mask_format="key_padding", hub=FLASH_3_VARLEN_HUB,
-                requires=(kernels_requirement(FLASH_3_VARLEN_HUB), ON_CUDA), **COMMON))
+                requires=(kernels_requirement(FLASH_3_VARLEN_HUB), ON_CUDA), **WINDOWED))
 add(BackendSpec(name="flash_4_hub", family="flash4", description="FlashAttention-4 (CuTe DSL) from the Hub, sm_90/sm_100",
                 fn=_style(dense, style="fa4"), capability=HOPPER_BLACKWELL, hub=FLASH_4_HUB,
                 backward=False, requires=(kernels_requirement(FLASH_4_HUB), ON_CUDA),

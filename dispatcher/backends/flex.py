@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..checks import broadcast_kv, declare
+from ..checks import broadcast_kv
 from ..custom_ops import define_once
 from ..registry import add
 from ..requirements import TorchVersion
@@ -234,6 +234,6 @@ def _flex(q, k, v, *, attn_mask, is_causal, scale, enable_gqa, return_lse):
 
 add(BackendSpec(
     name="flex", family="flex", description="torch FlexAttention (compiled on GPUs): bool/additive/BlockMask masks",
-    fn=declare(flex_attention_backend, broadcast_kv=True), layout="BHSD", devices=frozenset({"cpu", "cuda", "rocm", "xpu"}),
+    fn=flex_attention_backend, broadcast_kv=True, layout="BHSD", devices=frozenset({"cpu", "cuda", "rocm", "xpu"}),
     dtypes=FLOATS, head_dims=HeadDims(8), masks=frozenset({"bool", "key_padding", "additive", "blockmask"}),
     mask_format="precise", gqa=True, lse=True, different_value_dim=True, requires=(TorchVersion("2.5"),)))

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import declare
 from ..inputs import AttentionInputs
 from ..registry import add
 from ..requirements import CudaCapability, OnDevice, Package, Probe
@@ -191,7 +190,7 @@ def _self_attention_only(inputs: AttentionInputs) -> list[str]:
 add(BackendSpec(
     name="comfy_kitchen_int8", family="kitchen",
     description="comfy-kitchen INT8 attention (ComfyUI's --use-ck-attention; quantised)",
-    fn=declare(int8_call), layout="BHSD", devices=frozenset({"cuda"}),
+    fn=int8_call, layout="BHSD", devices=frozenset({"cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), head_dims=HeadDims(1, 256),
     masks=frozenset({"bool", "key_padding", "additive"}), mask_format="precise", causal=False, gqa=True,
     backward=False, capability=SM75, quantised=True, error_bound=3e-2, fallback=("native",),
@@ -199,7 +198,7 @@ add(BackendSpec(
 add(BackendSpec(
     name=SOL_ATTN_NAME, family="kitchen",
     description="comfy-kitchen Sol-Attn block-sparse attention (ComfyUI's Model Sparse Attention; approximate)",
-    fn=declare(sol_attn_call), layout="BSHD", devices=frozenset({"cuda"}), dtypes=HALF,
+    fn=sol_attn_call, layout="BSHD", devices=frozenset({"cuda"}), dtypes=HALF,
     head_dims=HeadDims(allowed=(128,)), causal=False, backward=False, capability=SM80, quantised=True,
     approximate=True, error_bound=SOL_ATTN_BOUND, extra_reasons=_self_attention_only,
     fallback=("_native_flash", "native"),

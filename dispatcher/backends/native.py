@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..checks import declare
 from ..inputs import AttentionInputs
 from ..registry import add
 from ..requirements import CudaCapability, OnDevice, Package, TorchVersion
@@ -322,19 +321,19 @@ def xla_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, r
 
 add(BackendSpec(
     name="native", family="sdpa", description="torch SDPA: PyTorch picks its best kernel (cuDNN/flash/efficient/math)",
-    fn=declare(sdpa_attention, broadcast_kv=True), layout="BHSD", devices=ANY_DEVICE, dtypes=FLOATS,
+    fn=sdpa_attention, broadcast_kv=True, layout="BHSD", devices=ANY_DEVICE, dtypes=FLOATS,
     head_dims=HeadDims(), masks=ALL_MASKS, mask_format="native", mask_with_causal=True, gqa=True, dropout=True,
     different_value_dim=True, error_bound=1e-2, fallback=("_native_math",),
     requires=(TorchVersion("2.5"),)))
 add(BackendSpec(
     name="_native_math", family="sdpa", description="torch SDPA math kernel: the exact reference, slow",
-    fn=declare(math_attention, broadcast_kv=True), layout="BHSD", devices=ANY_DEVICE, dtypes=FLOATS,
+    fn=math_attention, broadcast_kv=True, layout="BHSD", devices=ANY_DEVICE, dtypes=FLOATS,
     head_dims=HeadDims(), masks=ALL_MASKS, mask_format="precise", mask_with_causal=True, gqa=True, dropout=True,
-    lse=True, different_value_dim=True, error_bound=1e-2, fallback=(),
+    lse=True, different_value_dim=True, error_bound=1e-2, fallback=(), quadratic_memory=True,
     requires=(TorchVersion("2.5"),)))
 add(BackendSpec(
     name="_native_flash", family="sdpa", description="torch SDPA flash kernel (CPU flash kernel on CPUs)",
-    fn=declare(flash_sdpa, broadcast_kv=True), layout="BHSD", devices=frozenset({"cpu", "cuda", "rocm"}), dtypes=FLOATS,
+    fn=flash_sdpa, broadcast_kv=True, layout="BHSD", devices=frozenset({"cpu", "cuda", "rocm"}), dtypes=FLOATS,
     head_dims=HeadDims(),
     masks=ALL_MASKS, mask_format="native", gqa=True, dropout=True, lse=True,
     extra_reasons=lambda i: _cuda_flash_limits(i) + _not_dropout_with_lse(i) +
@@ -342,25 +341,25 @@ add(BackendSpec(
     requires=(TorchVersion("2.5"),)))
 add(BackendSpec(
     name="_native_efficient", family="sdpa", description="torch SDPA memory-efficient kernel (GPUs)",
-    fn=declare(efficient_sdpa, broadcast_kv=True), layout="BHSD", devices=frozenset({"cuda", "rocm"}),
+    fn=efficient_sdpa, broadcast_kv=True, layout="BHSD", devices=frozenset({"cuda", "rocm"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), head_dims=HeadDims(1, 512), masks=ALL_MASKS,
     mask_format="native", gqa=True, dropout=True, lse=True, different_value_dim=True,
     extra_reasons=_not_dropout_with_lse,
     requires=(TorchVersion("2.5"), OnDevice(frozenset({"cuda", "rocm"})))))
 add(BackendSpec(
     name="_native_cudnn", family="sdpa", description="torch SDPA cuDNN kernel (NVIDIA, sm_80+)",
-    fn=declare(cudnn_sdpa, broadcast_kv=True), layout="BHSD", devices=frozenset({"cuda"}), dtypes=HALF,
+    fn=cudnn_sdpa, broadcast_kv=True, layout="BHSD", devices=frozenset({"cuda"}), dtypes=HALF,
     head_dims=HeadDims(8, 256, 8),
     masks=ALL_MASKS, mask_format="native", gqa=True, dropout=True, lse=True, capability=SM80,
     extra_reasons=_not_dropout_with_lse,
     requires=(TorchVersion("2.5"), OnDevice(frozenset({"cuda"})))))
 add(BackendSpec(
     name="_native_npu", family="npu", description="Ascend NPU fused attention (torch_npu.npu_fusion_attention)",
-    fn=declare(npu_attention), layout="BSHD", devices=frozenset({"npu"}), dtypes=HALF, head_dims=HeadDims(1, 512),
+    fn=npu_attention, layout="BSHD", devices=frozenset({"npu"}), dtypes=HALF, head_dims=HeadDims(1, 512),
     masks=frozenset({"bool", "key_padding"}), mask_format="bool", dropout=True, backward=False,
     requires=(Package("torch-npu", module="torch_npu", pip="pip install torch-npu"),)))
 add(BackendSpec(
     name="_native_xla", family="xla", description="XLA flash attention (torch_xla Pallas kernel)",
-    fn=declare(xla_attention), layout="BHSD", devices=frozenset({"xla"}), dtypes=FLOATS - {torch.float64},
+    fn=xla_attention, layout="BHSD", devices=frozenset({"xla"}), dtypes=FLOATS - {torch.float64},
     head_dims=HeadDims(), backward=False,
     requires=(Package("torch-xla", "2.2", module="torch_xla.experimental.custom_kernel"),)))

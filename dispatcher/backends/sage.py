@@ -7,7 +7,6 @@ quantised kernel only by its error on the model's own activations (docs/auto.md)
 
 from __future__ import annotations
 
-from ..checks import declare
 from ..inputs import AttentionInputs
 from ..registry import add, kernels_requirement
 from ..requirements import CudaCapability, OnDevice, Package, RocmArch
@@ -83,9 +82,6 @@ def sage_blackwell_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_
     return kernel(q, k, v, is_causal=is_causal).transpose(1, 2)
 
 
-declare(sage_call)
-
-
 def sage_varlen_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
     from .flash import varlen
     return varlen(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
@@ -105,10 +101,8 @@ def _named(function: str, **options):
         return sage_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, function=function,
                          options=options, **kwargs)
     run.__name__ = function
-    return declare(run)
+    return run
 
-
-declare(sage_varlen_call)
 
 COMMON = dict(layout="BSHD", devices=frozenset({"cuda"}), dtypes=HALF, head_dims=HeadDims(64, 128, 32), gqa=True,
               backward=False, error_bound=3e-2, quantised=True, fallback=("_native_flash", "native"))
@@ -142,7 +136,7 @@ add(BackendSpec(name="sage_hub", family="sage", description="SageAttention 2 fro
                 fn=sage_call, capability=SAGE_HUB_CAPS, hub=SAGE_HUB, lse=True,
                 requires=(kernels_requirement(SAGE_HUB), ON_CUDA), **FP8_PV))
 add(BackendSpec(name="sage_blackwell_hub", family="sage", description="SageAttention 3 for Blackwell from the Hub (opt-in)",
-                fn=declare(sage_blackwell_call), capability=BLACKWELL, scale=False, hub=SAGE_BLACKWELL_HUB,
+                fn=sage_blackwell_call, capability=BLACKWELL, scale=False, hub=SAGE_BLACKWELL_HUB,
                 requires=(kernels_requirement(SAGE_BLACKWELL_HUB), ON_CUDA),
                 **{**COMMON, "head_dims": HeadDims(allowed=(64, 128))}))
 add(BackendSpec(name="aiter_sage_hub", family="sage", description="AMD AITER SageAttention from the Hub (RDNA4 gfx1201)",

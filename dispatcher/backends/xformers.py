@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import declare
 from ..registry import add
 from ..requirements import OnDevice, Package, Probe
 from ..spec import BackendSpec, HeadDims
@@ -45,7 +44,7 @@ def xformers_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, r
 
 add(BackendSpec(
     name="xformers", family="xformers", description="xFormers memory_efficient_attention (CUDA)",
-    fn=declare(xformers_call), layout="BSHD", devices=frozenset({"cuda"}),
+    fn=xformers_call, layout="BSHD", devices=frozenset({"cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), head_dims=HeadDims(1, 256),
     masks=frozenset({"additive", "bool", "key_padding"}), mask_format="additive", gqa=True, dropout=True,
     requires=(Package("xformers", "0.0.29", module="xformers.ops"), OnDevice(frozenset({"cuda"})),

@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import dispatch, registry, state
+from .. import dispatch, registry, state, support
 from ..call import AttentionCall
 from ..checks import AttentionInputError
 from ..masks import to_4d
@@ -71,7 +71,7 @@ def check_backend(name: str, config: ContextParallelConfig) -> None:
     if mode in ("none", ULYSSES) or mode in supported_modes(name):
         return
     able = backends_for(mode)
-    here = [n for n in able if not registry.availability_reasons(n)]
+    here = [n for n in able if not support.availability_reasons(n)]
     raise ContextParallelError(
         f"context-parallel mode '{mode}' (ring_degree={config.ring_degree}) merges partial attention outputs by "
         f"their log-sum-exp, and backend '{name}' does not return it (its spec has lse=False). Backends that can "

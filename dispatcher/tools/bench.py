@@ -330,7 +330,7 @@ def bench_shape(shape: BenchShape, *, dtype, device, backends=None, warmup=2, ru
                    "valid": False, "peak_mb": None,
                    "ratio_to_best": None, "direct_ms": None, "dispatch_vs_direct": None, "error": None}
             result["rows"].append(row)
-            if name in tuner.QUADRATIC_MEMORY and free is not None and score_bytes > free // 2:
+            if spec.quadratic_memory and free is not None and score_bytes > free // 2:
                 row["error"] = f"skipped: it materialises {score_bytes / 2**30:.1f} GiB of scores"
                 continue
 

@@ -14,7 +14,7 @@ from .. import env, hub, registry
 from . import command
 from ..machine import cpu_model as machine_cpu_model
 from ..machine import current_machine
-from ..registry import list_backends
+from ..support import list_backends
 
 DEVICE_NAMES = {"cuda": "NVIDIA CUDA GPU", "rocm": "AMD ROCm GPU", "mps": "Apple GPU (MPS)", "xpu": "Intel GPU (XPU)",
                 "npu": "Ascend NPU", "xla": "XLA device", "cpu": "CPU only"}

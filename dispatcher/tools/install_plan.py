@@ -17,7 +17,7 @@ from typing import Callable
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
-from .. import env, hub, registry, trust
+from .. import env, hub, registry, support, trust
 from ..machine import Machine, current_machine, use_machine
 from ..requirements import CudaCapability, EnvOptIn, OneOf, OnDevice, Package, Probe, RocmArch, TorchVersion
 from ..versions import at_least
@@ -114,7 +114,7 @@ class BackendPlan:
     name: str
     family: str
     status: str
-    reasons: list[str] = field(default_factory=list)  # every availability reason (registry.availability_reasons)
+    reasons: list[str] = field(default_factory=list)  # every reason it cannot run here (support.why_not)
     why: list[str] = field(default_factory=list)  # the reasons that decide `status`
     steps: list[Step] = field(default_factory=list)
     hub: dict | None = None  # {"repo_id", "version", "revision", "function"}
@@ -287,14 +287,15 @@ def _with_flags(hint: str, flags: str) -> str:
     return f"{core} {flags}" + (hint[remark.start():] if remark else "")
 
 
-def _classify(name: str, machine: Machine, reasons: list[str]) -> tuple[str, list[Step], list[str]]:
-    """(status, steps that would make it usable, the reasons that decide the status)."""
+def _classify(name: str, machine: Machine, why: support.WhyNot) -> tuple[str, list[Step], list[str]]:
+    """(status, steps that would make it usable, the reasons that decide the status): `why`'s reasons (the machine's
+    and trust's, support.why_not), each sorted by what would fix it."""
     spec = registry.get(name)
     found: dict[str, list[str]] = {}
     steps, explained = [], 0
     for req in spec.requirements:
         if isinstance(req, Probe):
-            continue  # real calls only run inside availability_reasons, once everything else is met
+            continue  # real calls only run inside support.why_not, once everything else is met
         reason = req.reason(machine)
         if not reason:
             continue
@@ -311,18 +312,14 @@ def _classify(name: str, machine: Machine, reasons: list[str]) -> tuple[str, lis
             steps.append(Step("env", f"{req.var}=1"))
         else:  # a custom requirement type: we cannot fix it, only report it
             found.setdefault(UNSUPPORTED, []).append(reason)
-    trust_reasons = 0
-    if spec.hub is not None:
-        decision = trust.decide(spec.hub.repo_id)
-        if not decision.allowed:
-            trust_reasons = 1
-            if env.flag(env.DISABLE_REMOTE_CODE):
-                found.setdefault(DISABLED, []).append(decision.reason)
-            else:
-                found.setdefault(OPT_IN, []).append(decision.reason)
-                steps.append(Step("env", f"{env.TRUST_REMOTE_KERNELS}=true"))
-    if len(reasons) > explained + trust_reasons:  # a Probe failed: the package imports but cannot run
-        found.setdefault(BROKEN, []).extend(reasons[explained + trust_reasons:])
+    for reason in why.trust:
+        if env.flag(env.DISABLE_REMOTE_CODE):
+            found.setdefault(DISABLED, []).append(reason)
+        else:
+            found.setdefault(OPT_IN, []).append(reason)
+            steps.append(Step("env", f"{env.TRUST_REMOTE_KERNELS}=true"))
+    if len(why.machine) > explained:  # a Probe failed: the package imports but cannot run
+        found.setdefault(BROKEN, []).extend(why.machine[explained:])
     if not found:
         return (FETCH if spec.hub is not None else READY), steps, []
     status = next(s for s in (UNSUPPORTED, DISABLED, BROKEN, PIP, OPT_IN) if s in found)
@@ -361,9 +358,10 @@ def build(machine: Machine | None = None, *, lock: dict[str, dict] | None = None
     with use_machine(machine):
         for name in registry.names():
             spec = registry.get(name)
-            reasons = registry.availability_reasons(name, machine)
-            status, steps, why = _classify(name, machine, reasons)
-            plan = BackendPlan(name=name, family=spec.family, status=status, reasons=reasons, steps=steps, why=why)
+            why_not = support.why_not(name, machine=machine)
+            status, steps, why = _classify(name, machine, why_not)
+            plan = BackendPlan(name=name, family=spec.family, status=status, reasons=why_not.reasons, steps=steps,
+                               why=why)
             if spec.hub is not None:
                 plan.hub = {"repo_id": spec.hub.repo_id, "version": spec.hub.version,
                             "revision": spec.hub.revision, "function": spec.hub.function}

@@ -212,7 +212,7 @@ def run_cases(config: dict) -> list[dict]:
         ctx = dispatcher.trusted_publishers(scope) if scope is not None else contextlib.nullcontext()
         with ctx:
             spec = registry.get(case["backend"])
-            result["reasons"] = registry.availability_reasons(case["backend"])
+            result["reasons"] = dispatcher.availability_reasons(case["backend"])
             result["imported_before"] = case.get("kernel_id") in sys.modules
             try:
                 fn, record = hub.load(spec.hub)

@@ -1,0 +1,224 @@
+"""Why backend `name` cannot run here, or cannot run this call: the one answer, every reason in one fixed order.
+
+    machine           what this machine lacks of its requirements (device, GPU generation, packages, a probe call)
+    trust             a Hub kernel whose publisher is not trusted, or remote code disabled
+    inputs            the call's shapes and flags beyond the limits its spec declares
+    semantics         what its spec declares beyond shapes: SDPA's broadcasting of a key/value batch of 1
+    attention_kwargs  keys of the call's attention_kwargs its function does not pass on to its kernel
+
+`why_not(name)` answers for the machine alone (the nodes' dropdown and queue-time check, the install plan,
+`validate_backend`, listings); `why_not(name, inputs, attention_kwargs=...)` for one call (the decision, `auto`'s
+tuner). Nothing else combines these producers, so what one of them refuses every other refuses, in the same words.
+`auto`'s own rules (exact kernels only, never a download) sit on top of it: `for_auto`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from . import hub, registry, trust
+from .inputs import AttentionInputs
+from .machine import Machine
+from .spec import STANDARD_ARGUMENTS
+
+
+class WhyNot(NamedTuple):
+    """Every reason backend `name` cannot run, by kind, in the order `reasons` lists them."""
+    machine: tuple[str, ...] = ()
+    trust: tuple[str, ...] = ()
+    inputs: tuple[str, ...] = ()
+    semantics: tuple[str, ...] = ()
+    attention_kwargs: tuple[str, ...] = ()
+    policy: tuple[str, ...] = ()  # a caller's own rules on top (`for_auto`); empty from `why_not`
+
+    @property
+    def reasons(self) -> list[str]:
+        return [reason for kind in self for reason in kind]
+
+    @property
+    def runs(self) -> bool:
+        return not any(self)
+
+
+def why_not(name: str, inputs: AttentionInputs | None = None, *, attention_kwargs=None,
+            machine: Machine | None = None) -> WhyNot:
+    """Why backend `name` cannot run on `machine` (default: this one), and, given `inputs` (a call's signature)
+    and `attention_kwargs` (its keys), why it cannot run that call. Raises UnknownBackendError for an unknown name.
+    A backend's own checks that raise become its reason: they refuse that backend, never the question."""
+    spec = registry.get(name)
+    try:
+        lacks = tuple(registry.requirement_reasons(name, machine))
+    except registry.UnknownBackendError:
+        raise
+    except Exception as exc:
+        lacks = (f"its requirement check failed ({type(exc).__name__}: {exc})",)
+    untrusted = ()
+    if spec.hub is not None:
+        verdict = trust.decide(spec.hub.repo_id)
+        untrusted = () if verdict.allowed else (verdict.reason,)
+    limits = semantics = ()
+    if inputs is not None:
+        try:  # a GPU generation is both a requirement and an input limit: said once, as the machine's
+            limits = tuple(r for r in spec.not_supported_reasons(inputs) if r not in lacks)
+            semantics = tuple(semantic_reasons(spec, inputs))
+        except Exception as exc:
+            limits = (f"its input check failed ({type(exc).__name__}: {exc})",)
+    keys = tuple(attention_kwargs_reasons(spec, attention_kwargs)) if attention_kwargs else ()
+    return WhyNot(lacks, untrusted, limits, semantics, keys)
+
+
+def reasons(name: str, inputs: AttentionInputs | None = None, *, attention_kwargs=None,
+            machine: Machine | None = None) -> list[str]:
+    """`why_not(...).reasons`: every reason, in order (empty when it can run)."""
+    return why_not(name, inputs, attention_kwargs=attention_kwargs, machine=machine).reasons
+
+
+def availability_reasons(name: str, machine: Machine | None = None) -> list[str]:
+    """Why backend `name` cannot run on this machine at all (empty when it can): `why_not` for no call."""
+    return why_not(name, machine=machine).reasons
+
+
+# ---- auto's own rules, on top ------------------------------------------------------------------------------------
+
+def for_auto(name: str, inputs: AttentionInputs, *, exact_only: bool, attention_kwargs=None,
+             fetched: frozenset[str] | set[str] = frozenset()) -> WhyNot:
+    """`why_not` for a call, plus `auto`'s own rules as `policy`: `auto_exact` (exact_only) times exact kernels
+    only, and `auto` never downloads code, so a Hub kernel that could run is a candidate only once its repo is
+    `fetched` (fetched or loaded: `hub.fetched_repos()`)."""
+    why = why_not(name, inputs, attention_kwargs=attention_kwargs)
+    spec = registry.get(name)
+    policy = []
+    if exact_only and not spec.exact:
+        policy.append(f"a{'n' if spec.precision == 'approximate' else ''} {spec.precision} kernel: auto_exact runs "
+                      "exact kernels only")
+    if spec.hub is not None and why.runs and spec.hub.repo_id not in fetched:
+        policy.append(f"Hub kernel '{spec.hub.repo_id}' is not fetched or loaded yet; auto never downloads code: "
+                      f"select '{name}' once (or run install.py) to make it a candidate")
+    return why._replace(policy=tuple(policy))
+
+
+def trust_decides(name: str, why: WhyNot, *, exact_only: bool) -> bool:
+    """Whether trust settings alone could change `for_auto`'s answer `why` for backend `name`: a Hub kernel that
+    `auto` may consider, with nothing but trust (and its fetch) between it and the candidates."""
+    spec = registry.get(name)
+    return (spec.hub is not None and (spec.exact or not exact_only)
+            and not (why.machine or why.inputs or why.semantics or why.attention_kwargs))
+
+
+# ---- semantics: what a spec declares beyond shapes ---------------------------------------------------------------
+
+def semantic_reasons(spec, inputs: AttentionInputs) -> list[str]:
+    """Why `spec` cannot run `inputs` for what its limits do not describe: a key/value batch of 1 broadcast over
+    the query's batch (AttentionInputs.batch_kv), which only a spec with broadcast_kv takes."""
+    batch_kv = getattr(inputs, "batch_kv", None)
+    if batch_kv is None or batch_kv == inputs.batch or spec.broadcast_kv:
+        return []
+    return [f"key/value batch {batch_kv} broadcast over query batch {inputs.batch} is not supported (SDPA "
+            f"broadcasts it; so do {', '.join(_backends_where(lambda s: s.broadcast_kv)) or 'no backend'}); "
+            f"or expand key and value to batch {inputs.batch}"]
+
+
+def _backends_where(test) -> list[str]:
+    found = []
+    for name in registry.names():
+        try:
+            spec = registry.get(name)
+        except registry.UnknownBackendError:  # removed by another thread
+            continue
+        if test(spec):
+            found.append(name)
+    return found
+
+
+def _honours(spec, key: str) -> bool:
+    return spec.attention_kwargs is None or key in spec.attention_kwargs
+
+
+# ---- attention_kwargs -------------------------------------------------------------------------------------------
+
+class AttentionKwargsError(TypeError):
+    """attention_kwargs holds a key that none of the backends allowed to run the call passes on to its kernel."""
+
+
+def attention_kwargs_reasons(spec, keys) -> list[str]:
+    """One reason per attention_kwargs key backend `spec` does not pass on to its kernel (a key that repeats an
+    argument of dispatch_attention_fn is refused by every backend)."""
+    found = []
+    for key in sorted(keys):
+        if key in STANDARD_ARGUMENTS:
+            found.append(f"attention_kwargs key {key!r} repeats an argument of dispatch_attention_fn: pass "
+                         f"{key}=... as an argument")
+        elif not _honours(spec, key):
+            found.append(f"attention_kwargs key {key!r} is not honoured by this backend ({_honoured_by(key)})")
+    return found
+
+
+def _honoured_by(key: str) -> str:
+    names = _backends_where(lambda s: _honours(s, key))
+    return f"honoured by {', '.join(names)}" if names else "no attention backend honours it"
+
+
+def candidates_for_attention_kwargs(requested: str, policy: str, candidates: list, attention_kwargs) -> list:
+    """The candidates (a Decision's [(name, spec, runner)], best first) that honour every attention_kwargs key:
+    `why_not`'s attention_kwargs reasons applied to a decision (which is made per signature, without the keys).
+
+    Called once per call that has attention_kwargs, before running any candidate: a backend that would drop a
+    key, or raise on it, never runs. A key that is one of the call's own arguments (scale, is_causal, ...) and
+    a key no allowed backend honours raise AttentionKwargsError naming the key, the backends that honour it
+    and what to do, never blaming a backend that merely ran last.
+    """
+    if not attention_kwargs:
+        return candidates
+    keys = frozenset(attention_kwargs)
+    clashing = sorted(keys & STANDARD_ARGUMENTS)
+    if clashing:
+        raise AttentionKwargsError(
+            f"attention_kwargs {clashing} repeat arguments of dispatch_attention_fn: pass them as arguments "
+            f"(e.g. {clashing[0]}=...), not inside attention_kwargs")
+    # The predicate attention_kwargs_reasons words (no reason text is built per call: this runs on every call)
+    kept = [c for c in candidates if all(_honours(c[1], key) for key in keys)]
+    if kept:
+        return kept
+    tried = ", ".join(f"'{c[0]}'" for c in candidates)
+    lines = [f"attention backend '{requested}' ({policy} policy) cannot honour attention_kwargs "
+             f"{sorted(keys)}: none of the backends that can run this call ({tried}) passes "
+             f"{'it' if len(keys) == 1 else 'them'} on to its kernel"]
+    for key in sorted(keys):
+        names = _backends_where(lambda s, key=key: _honours(s, key))
+        if names:
+            lines.append(f"  {key!r} is honoured by {', '.join(names)}: select one of them (backend='{names[0]}'), "
+                         f"or drop the key")
+        else:
+            lines.append(f"  {key!r} is honoured by no attention backend: drop it")
+    raise AttentionKwargsError("\n".join(lines))
+
+
+# ---- listings ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class BackendStatus:
+    name: str
+    available: bool
+    reasons: list[str]
+    constraints: dict[str, Any]
+    loaded: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "available": self.available, "reasons": self.reasons,
+                "loaded": self.loaded, **self.constraints}
+
+
+def list_backends(machine: Machine | None = None) -> list[BackendStatus]:
+    """Every registered backend, in priority order, with whether it can run on this machine and why not."""
+    loaded = hub.loaded_kernels()
+    statuses = []
+    for name in registry.names():
+        try:
+            spec = registry.get(name)
+            found = availability_reasons(name, machine)
+        except registry.UnknownBackendError:  # removed by another thread while listing
+            continue
+        mine = [k.as_dict() for k in loaded if spec.hub and k.repo_id == spec.hub.repo_id]
+        statuses.append(BackendStatus(name, not found, found, spec.constraints(), mine))
+    return statuses
