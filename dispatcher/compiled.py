@@ -23,7 +23,7 @@ serves the call (one graph break).
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, get_type_hints
 
 import torch
 
@@ -164,24 +164,76 @@ def _runtime_op():
     return _op
 
 
+class _Carried(NamedTuple):
+    """How the runtime op carries one of AttentionCall's fields."""
+    arguments: tuple[str, ...]  # its arguments in the op's schema ("type name"); none: not carried
+    to_op: Callable  # the call's value -> a tuple of the arguments' values
+    from_op: Callable  # the arguments' values -> the call's value
+
+
+# Schema types of AttentionCall's annotations; a field whose annotation is not here needs an entry in _NOT_PLAIN.
+_SCHEMA_TYPES = {torch.Tensor: "Tensor", float: "float", bool: "bool", str: "str", float | None: "float?",
+                 str | None: "str?"}
+# The fields no schema type holds as they are.
+_NOT_PLAIN = {
+    # Any in the call; a tensor or None on this route (a BlockMask runs eagerly)
+    "attn_mask": _Carried(("Tensor? attn_mask",), lambda mask: (mask,), lambda mask: mask),
+    # never: a call with attention_kwargs runs eagerly
+    "attention_kwargs": _Carried((), lambda kwargs: (), lambda: None),
+    # by its serial: an int a graph holds (0: none)
+    "recorder": _Carried(("int recorder_serial",), lambda recorder: (_serial_of(recorder),), by_serial),
+    # (mode, every) as its two parts
+    "guard": _Carried(("str? guard_mode", "int guard_every"), lambda guard: (None, 0) if guard is None else guard,
+                      lambda mode, every: None if mode is None else (mode, every)),
+}
+
+
+def _plain(name: str) -> _Carried:
+    annotation = get_type_hints(AttentionCall)[name]
+    if annotation not in _SCHEMA_TYPES:
+        raise TypeError(f"AttentionCall.{name} ({annotation}) has no schema type for the runtime op: add its "
+                        f"annotation to compiled._SCHEMA_TYPES or the field to compiled._NOT_PLAIN")
+    return _Carried((f"{_SCHEMA_TYPES[annotation]} {name}",), lambda value: (value,), lambda value: value)
+
+
+# The runtime op's arguments: AttentionCall's fields in its order (the one definition), each as it is carried.
+_OP_FIELDS = tuple((name, _NOT_PLAIN.get(name) or _plain(name)) for name in AttentionCall._fields)
+OP_SCHEMA = "(" + ", ".join(a for _, carried in _OP_FIELDS for a in carried.arguments) + ") -> (Tensor, Tensor)"
+_OP_ARGUMENT_NAMES = tuple(a.rsplit(" ", 1)[1] for _, carried in _OP_FIELDS for a in carried.arguments)
+
+
+def _op_arguments(call: AttentionCall) -> tuple:
+    """The call as the runtime op's arguments (OP_SCHEMA's)."""
+    arguments = ()
+    for name, carried in _OP_FIELDS:
+        arguments += carried.to_op(getattr(call, name))
+    return arguments
+
+
+def _call_of(arguments: tuple) -> AttentionCall:
+    """The call the runtime op's arguments carry (the inverse of _op_arguments)."""
+    values, at = {}, 0
+    for name, carried in _OP_FIELDS:
+        count = len(carried.arguments)
+        values[name] = carried.from_op(*arguments[at:at + count])
+        at += count
+    return AttentionCall(**values)
+
+
 def _define(name: str):
-    @torch.library.custom_op(name, mutates_args=())
-    def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
-             dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, backend: Optional[str],
-             layout: str, policy: Optional[str], return_lse: bool, call_site: str, recorder_serial: int,
-             model: Optional[str], guard_mode: Optional[str], guard_every: int) -> tuple[torch.Tensor, torch.Tensor]:
+    @torch.library.custom_op(name, mutates_args=(), schema=OP_SCHEMA)
+    def call(*arguments) -> tuple[torch.Tensor, torch.Tensor]:
         # The eager path itself (this body also runs when the op is traced by make_fx or export).
-        quality_guard = None if guard_mode is None else (guard_mode, guard_every)
-        result = dispatch_eager(AttentionCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                              None, backend, layout, policy, return_lse, call_site,
-                                              by_serial(recorder_serial), model, quality_guard))
-        out, lse = result if return_lse else (result, query.new_empty(0, dtype=torch.float32))
+        described = _call_of(arguments)
+        result = dispatch_eager(described)
+        out, lse = result if described.return_lse else (result, described.query.new_empty(0, dtype=torch.float32))
         # An op's outputs are fresh, dense tensors, as the fake below promises the compiler.
         return out.contiguous(), lse.contiguous()
 
     @call.register_fake
-    def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, layout, policy,
-          return_lse, call_site, recorder_serial, model, guard_mode, guard_every):
+    def _(*arguments):
+        named = dict(zip(_OP_ARGUMENT_NAMES, arguments))
+        query, value, return_lse = named["query"], named["value"], named["return_lse"]
         out = query.new_empty((*query.shape[:-1], value.shape[-1]))
         # The LSE is (B, Sq, H) in BSHD and (B, H, Sq) in BHSD: the query's shape without its last axis.
         return out, query.new_empty(query.shape[:-1] if return_lse else (0,), dtype=torch.float32)
@@ -192,42 +244,39 @@ def _serial_of(recorder) -> int | None:
     return 0 if recorder is None else getattr(recorder, "serial", None)
 
 
-def _as_op(call: AttentionCall, serial: int):
+def _as_op(call: AttentionCall):
     """The call as one opaque op whose body is the eager path (real sizes and values at run time)."""
-    guard_mode, guard_every = call.guard if call.guard is not None else (None, 0)
-    out, lse = _runtime_op()(call.query, call.key, call.value, call.attn_mask, float(call.dropout_p), call.is_causal,
-                             call.scale, call.enable_gqa, call.backend, call.layout, call.policy, call.return_lse,
-                             call.call_site, serial, call.model, guard_mode, guard_every)
+    out, lse = _runtime_op()(*_op_arguments(call))
     return (out, lse) if call.return_lse else out
 
 
 def dispatch_traced(call: AttentionCall):
-    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, \
-        policy, return_lse, call_site, recorder, model, quality_guard = call
-    serial = _serial_of(recorder)
+    query, key, value, attn_mask, layout = call.query, call.key, call.value, call.attn_mask, call.layout
+    attention_kwargs, return_lse = call.attention_kwargs, call.return_lse
+    serial = _serial_of(call.recorder)
     shaped = serial is not None and query.dim() == key.dim() == value.dim() == 4 and layout in ("BSHD", "BHSD")
     opaque = (not attention_kwargs and (attn_mask is None or isinstance(attn_mask, torch.Tensor))
               and not (query.requires_grad or key.requires_grad or value.requires_grad))
     if shaped and _symbolic_sizes():
         if opaque:
-            return _as_op(call, serial)
+            return _as_op(call)
         shaped = False
     inputs = None
     if shaped:
         checks.check_shapes(query, key, value, layout)
-        inputs = describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                               layout)
+        inputs = describe_call(query, key, value, attn_mask, call.dropout_p, call.is_causal, call.scale,
+                               call.enable_gqa, return_lse, layout)
     # Plain constants (dynamo hands an assume_constant_result function no real dataclass instance).
     signature = None if inputs is None else tuple(getattr(inputs, f) for f in _FIELDS)
-    plan = _traced_plan(backend, policy, signature, layout, call_site, serial,
-                        tuple(sorted(attention_kwargs)) if attention_kwargs else (), model, quality_guard)
+    plan = _traced_plan(call.backend, call.policy, signature, layout, call.call_site, serial,
+                        tuple(sorted(attention_kwargs)) if attention_kwargs else (), call.model, call.guard)
     if plan is None:
         return _eager()(call)
     name, mode, convert_mask, count_serial, row = plan
     if count_serial:
         _count_op()(_COUNT_TOKEN, count_serial, row)
     if name == RUNTIME:
-        return _as_op(call, serial) if opaque else _eager()(call)
+        return _as_op(call) if opaque else _eager()(call)
     # The plan's constants, not only the cached candidate: dynamo reads _traced_candidates as it was at its first
     # read in this frame, so a later call of the same backend and layout (a masked one after an unmasked one)
     # would otherwise get the first call's mask handling.
