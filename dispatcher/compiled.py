@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple, get_type_hints
 
 import torch
 
-from . import checks, decisions, registry, state
+from . import caches, checks, decisions, registry, state
 from .call import AttentionCall
 from .custom_ops import define_once
 from .eager import dispatch_eager
@@ -35,9 +35,13 @@ from .execute import run
 from .inputs import AttentionInputs, describe_call
 from .report import by_serial, current_recorder
 
+# _candidate_key(served backend, layout) -> the Candidate a traced plan runs. Forgotten with the decisions: a
+# compiled graph guards on the entry it read, so it traces again, and plans again, once the entry is gone.
 _traced_candidates: dict[tuple, Any] = {}
-# What a traced call records (site, requested, served, reasons), numbered for the counting op (ints, not strings,
-# are what a graph holds cheaply).
+_eager_path: list = []  # dispatch_eager behind torch.compiler.disable, made once (eagerly, by _traced_plan)
+caches.on_forget(_traced_candidates.clear)
+# What a traced call records, (site, requested, served, reasons) -> its number for the counting op (ints, not
+# strings, are what a graph holds cheaply), and back. Never forgotten: a graph holds the numbers it was traced with.
 _traced_rows: dict[tuple, int] = {}
 _rows_by_number: dict[int, tuple] = {}
 # The tensor the counting op says it mutates: an op with no output and no mutation would be dropped from the graph.
@@ -47,9 +51,9 @@ _FIELDS = tuple(f.name for f in fields(AttentionInputs))
 
 
 def _eager():
-    if "<eager>" not in _traced_candidates:
-        _traced_candidates["<eager>"] = torch.compiler.disable(dispatch_eager)
-    return _traced_candidates["<eager>"]
+    if not _eager_path:
+        _eager_path.append(torch.compiler.disable(dispatch_eager))
+    return _eager_path[0]
 
 
 def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial, attention_kwargs_keys=(),
@@ -88,7 +92,7 @@ def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial,
         _runtime_op()
         return RUNTIME, state.active_checks(), False, 0, 0
     name = candidate.name
-    _traced_candidates[(name, layout)] = candidate
+    _traced_candidates[_candidate_key(name, layout)] = candidate
     reasons = decision.reasons_for(name) if name != decision.requested else ()
     if reasons:
         decisions.log_once(decision.requested, name, reasons)
@@ -97,9 +101,15 @@ def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial,
     row = 0
     if serial:  # counted by the graph on every run (_count_op), not here at trace time
         _count_op()
-        row = _traced_rows.setdefault((call_site, requested, name, tuple(reasons)), len(_traced_rows) + 1)
-        _rows_by_number[row] = (call_site, requested, name, tuple(reasons))
+        counted = (call_site, requested, name, tuple(reasons))
+        row = _traced_rows.setdefault(counted, len(_traced_rows) + 1)
+        _rows_by_number[row] = counted
     return name, state.active_checks(), candidate.convert_mask, serial, row
+
+
+def _candidate_key(name: str, layout: str) -> tuple:
+    """The key of a traced plan's candidate: what the plan stores and the traced call reads."""
+    return name, layout
 
 
 def _symbolic_sizes() -> bool:
@@ -280,7 +290,10 @@ def dispatch_traced(call: AttentionCall):
     # The plan's constants, not only the cached candidate: dynamo reads _traced_candidates as it was at its first
     # read in this frame, so a later call of the same backend and layout (a masked one after an unmasked one)
     # would otherwise get the first call's mask handling.
-    candidate = _traced_candidates[(name, layout)]._replace(convert_mask=convert_mask)
+    candidate = _traced_candidates.get(_candidate_key(name, layout))
+    if candidate is None:  # forgotten (caches.forget) by another thread since the plan was made
+        return _eager()(call)
+    candidate = candidate._replace(convert_mask=convert_mask)
     if mode != "off":
         checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, name)
     out = run(candidate, call)

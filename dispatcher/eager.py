@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, decisions, registry, state, trust
+from . import caches, checks, decisions, registry, state, trust
 from .call import AttentionCall
 from .execute import run
 from .inputs import describe_call
@@ -18,7 +18,9 @@ from .machine import current_machine
 from .report import current_recorder
 
 # fast key -> Decision, or _TRUST_SENSITIVE when the decision also depends on trust settings: then
-# (fast key, trust.scope_key()) holds it. Forgotten with the decisions.
+# (fast key, trust.scope_key()) holds it. The fast key is finer than the decision's (decisions.decision_for) and
+# auto's (Tuner._key): the call's shapes, dtypes, devices and flags (which make its AttentionInputs), the requested
+# backend, policy, layout, machine, model, guard setting and call site (auto's block). Forgotten with the decisions.
 _fast: dict = {}
 _TRUST_SENSITIVE = object()
 # Requested backends whose decisions are `shapes_only` (SDPA's chain): their calls are first looked up by a shorter
@@ -26,7 +28,8 @@ _TRUST_SENSITIVE = object()
 # key is stored only after a call of those shapes passed full validation; a call it finds whose kernel raises
 # (mixed dtypes or devices, say) goes on through the full path, which validates it before anything else.
 _shapes_only: set = set()
-decisions._forget_hooks.extend((_fast.clear, _shapes_only.clear))
+caches.on_forget(_fast.clear)
+caches.on_forget(_shapes_only.clear)
 
 
 def dispatch_eager(call: AttentionCall, by_shapes: bool = True):

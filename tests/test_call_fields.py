@@ -44,7 +44,8 @@ def _built(function: ast.AST) -> dict[str, str]:
 
 
 def _construction(node: ast.AST) -> list[ast.AST] | None:
-    """The positional values of an AttentionCall built here, or None when `node` builds none."""
+    """The positional values of an AttentionCall built here, or None when `node` builds none. new_call (tuple.__new__)
+    fills no defaults: a plain tuple given to it ends in a Starred marker when it is short, so the check says so."""
     if not isinstance(node, ast.Call):
         return None
     if isinstance(node.func, ast.Name) and node.func.id == "AttentionCall":
@@ -52,10 +53,15 @@ def _construction(node: ast.AST) -> list[ast.AST] | None:
     if isinstance(node.func, ast.Name) and node.func.id == "new_call" and node.args \
             and isinstance(node.args[0], ast.Name) and node.args[0].id == "AttentionCall":
         values = node.args[1]
+        if isinstance(values, ast.Tuple):  # every field, or the call is short of one
+            return list(values.elts) + [_SHORT] * (len(AttentionCall._fields) - len(values.elts))
         while isinstance(values, ast.BinOp):  # (query, key, value, attn_mask) + self._rest: the named prefix
             values = values.left
         return list(values.elts) if isinstance(values, ast.Tuple) else []
     return None
+
+
+_SHORT = ast.Constant(value="<missing: new_call fills no defaults>")
 
 
 def _positional_problem(values: list[ast.AST], fields: tuple[str, ...]) -> str | None:
@@ -133,6 +139,7 @@ def test_every_positional_use_of_a_call_follows_its_definition():
     ("def f(q, k, v):\n    return AttentionCall(q, k, v)\n", "value 0 is `q`"),
     ("def f(query, key, value, mask):\n    return new_call(AttentionCall, (query, key, value, mask) + rest)\n",
      "value 3 is `mask`"),
+    ("def f(query, key, value):\n    return new_call(AttentionCall, (query, key, value))\n", "value 3 is `'<missing"),
     ("def f(query, key, value):\n    call = AttentionCall(query=query, key=key, value=value)\n    return call[0]\n",
      "indexes call"),
 ])

@@ -140,8 +140,10 @@ class Tuner:
         self.memory_cap_bytes = memory_cap_bytes
         self.tie_margin = float(tie_margin)
         self._lock = threading.RLock()
-        self._choices: dict[tuple, tuple[str, bool]] = {}  # (signature, exact, trust, machine) -> (name, sensitive)
-        self._records: dict[tuple, TuneRecord] = {}  # (signature, exact, model, block) -> record
+        # Tuner._key (signature, exact, model, block, trust scope, machine) -> (name, trust-sensitive); forgotten
+        # with the dispatcher's decisions (caches.on_forget, auto/__init__.py), which are made from these choices.
+        self._choices: dict[tuple, tuple[str, bool]] = {}
+        self._records: dict[tuple, TuneRecord] = {}  # (signature, exact, model, block) -> record (reports)
         # What one block's tuning leaves for the next block of the same signature (`_from_memory`): the timings
         # (disk key -> (candidates, {name: (median_ms, times_ms)})) and the exact kernels' verdicts per model.
         self._timings: dict[str, tuple] = {}
@@ -274,6 +276,8 @@ class Tuner:
         return "\n".join(lines)
 
     def forget_choices(self) -> None:
+        """Forget the choices (caches.forget: the registry or the tuning changed); the measurements they were made
+        from stay (the records, the timings and verdicts in memory and on disk): choosing again reads them."""
         with self._lock:
             self._choices.clear()
 
