@@ -28,7 +28,7 @@ from typing import Any, Callable, NamedTuple, get_type_hints
 import torch
 
 from . import caches, checks, decisions, registry, state
-from .call import AttentionCall
+from .call import AttentionCall, new_call
 from .custom_ops import define_once
 from .eager import dispatch_eager
 from .execute import run
@@ -177,8 +177,8 @@ def _runtime_op():
 class _Carried(NamedTuple):
     """How the runtime op carries one of AttentionCall's fields."""
     arguments: tuple[str, ...]  # its arguments in the op's schema ("type name"); none: not carried
-    to_op: Callable  # the call's value -> a tuple of the arguments' values
-    from_op: Callable  # the arguments' values -> the call's value
+    to_op: Callable | None = None  # the call's value -> a tuple of the arguments' values; None: the value itself
+    from_op: Callable | None = None  # the arguments' values -> the call's value; None: the one argument itself
 
 
 # Schema types of AttentionCall's annotations; a field whose annotation is not here needs an entry in _NOT_PLAIN.
@@ -187,7 +187,7 @@ _SCHEMA_TYPES = {torch.Tensor: "Tensor", float: "float", bool: "bool", str: "str
 # The fields no schema type holds as they are.
 _NOT_PLAIN = {
     # Any in the call; a tensor or None on this route (a BlockMask runs eagerly)
-    "attn_mask": _Carried(("Tensor? attn_mask",), lambda mask: (mask,), lambda mask: mask),
+    "attn_mask": _Carried(("Tensor? attn_mask",)),
     # never: a call with attention_kwargs runs eagerly
     "attention_kwargs": _Carried((), lambda kwargs: (), lambda: None),
     # by its serial: an int a graph holds (0: none)
@@ -203,7 +203,7 @@ def _plain(name: str) -> _Carried:
     if annotation not in _SCHEMA_TYPES:
         raise TypeError(f"AttentionCall.{name} ({annotation}) has no schema type for the runtime op: add its "
                         f"annotation to compiled._SCHEMA_TYPES or the field to compiled._NOT_PLAIN")
-    return _Carried((f"{_SCHEMA_TYPES[annotation]} {name}",), lambda value: (value,), lambda value: value)
+    return _Carried((f"{_SCHEMA_TYPES[annotation]} {name}",))
 
 
 # The runtime op's arguments: AttentionCall's fields in its order (the one definition), each as it is carried.
@@ -212,22 +212,36 @@ OP_SCHEMA = "(" + ", ".join(a for _, carried in _OP_FIELDS for a in carried.argu
 _OP_ARGUMENT_NAMES = tuple(a.rsplit(" ", 1)[1] for _, carried in _OP_FIELDS for a in carried.arguments)
 
 
+def _converted_back() -> tuple:
+    """(first argument, how many, from_op) of each field converted on its way back, the last field first (splicing
+    them in that order leaves the earlier positions where they are)."""
+    converted, at = [], 0
+    for _, carried in _OP_FIELDS:
+        if carried.from_op is not None:
+            converted.append((at, len(carried.arguments), carried.from_op))
+        at += len(carried.arguments)
+    return tuple(reversed(converted))
+
+
+_CONVERTED_BACK = _converted_back()
+
+
 def _op_arguments(call: AttentionCall) -> tuple:
-    """The call as the runtime op's arguments (OP_SCHEMA's)."""
+    """The call as the runtime op's arguments (OP_SCHEMA's); runs at trace time."""
     arguments = ()
     for name, carried in _OP_FIELDS:
-        arguments += carried.to_op(getattr(call, name))
+        value = getattr(call, name)
+        arguments += (value,) if carried.to_op is None else carried.to_op(value)
     return arguments
 
 
 def _call_of(arguments: tuple) -> AttentionCall:
-    """The call the runtime op's arguments carry (the inverse of _op_arguments)."""
-    values, at = {}, 0
-    for name, carried in _OP_FIELDS:
-        count = len(carried.arguments)
-        values[name] = carried.from_op(*arguments[at:at + count])
-        at += count
-    return AttentionCall(**values)
+    """The call the runtime op's arguments carry (the inverse of _op_arguments); runs on every call of the op, so
+    it splices the few converted fields into the arguments rather than rebuilding every field."""
+    values = list(arguments)
+    for at, count, from_op in _CONVERTED_BACK:
+        values[at:at + count] = (from_op(*values[at:at + count]),)
+    return new_call(AttentionCall, values)
 
 
 def _define(name: str):
