@@ -3,6 +3,11 @@
 `AttentionCall` is immutable (a tuple): the eager path, the traced routes, context parallelism and the
 backend runner all take it whole; a route that changes something (a shard, a layout) makes a new one with
 `call._replace(...)`. Building it costs one tuple, so the hot path pays nothing for carrying it.
+
+Its fields are named here and nowhere else: code reads them by name (`call.scale`). Where the hot path unpacks a
+call once (eager.py, execute.py), or a call is built by position, the names are the fields' own, in their order
+(tests/test_call_fields.py reads the source to check it); the runtime op that carries a call through
+torch.compile builds its argument list from this definition (compiled.OP_SCHEMA).
 """
 
 from __future__ import annotations

@@ -23,21 +23,25 @@ serves the call (one graph break).
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, get_type_hints
 
 import torch
 
-from . import checks, decisions, registry, state, support
-from .call import AttentionCall
+from . import caches, checks, decisions, registry, state, support
+from .call import AttentionCall, new_call
 from .custom_ops import define_once
 from .eager import dispatch_eager
 from .execute import run
 from .inputs import AttentionInputs, describe_call
 from .report import by_serial, current_recorder
 
+# _candidate_key(served backend, layout) -> the Candidate a traced plan runs. Forgotten with the decisions: a
+# compiled graph guards on the entry it read, so it traces again, and plans again, once the entry is gone.
 _traced_candidates: dict[tuple, Any] = {}
-# What a traced call records (site, requested, served, reasons), numbered for the counting op (ints, not strings,
-# are what a graph holds cheaply).
+_eager_path: list = []  # dispatch_eager behind torch.compiler.disable, made once (eagerly, by _traced_plan)
+caches.on_forget(_traced_candidates.clear)
+# What a traced call records, (site, requested, served, reasons) -> its number for the counting op (ints, not
+# strings, are what a graph holds cheaply), and back. Never forgotten: a graph holds the numbers it was traced with.
 _traced_rows: dict[tuple, int] = {}
 _rows_by_number: dict[int, tuple] = {}
 # The tensor the counting op says it mutates: an op with no output and no mutation would be dropped from the graph.
@@ -47,9 +51,9 @@ _FIELDS = tuple(f.name for f in fields(AttentionInputs))
 
 
 def _eager():
-    if "<eager>" not in _traced_candidates:
-        _traced_candidates["<eager>"] = torch.compiler.disable(dispatch_eager)
-    return _traced_candidates["<eager>"]
+    if not _eager_path:
+        _eager_path.append(torch.compiler.disable(dispatch_eager))
+    return _eager_path[0]
 
 
 def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial, attention_kwargs_keys=(),
@@ -88,7 +92,7 @@ def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial,
         _runtime_op()
         return RUNTIME, state.active_checks(), False, 0, 0
     name = candidate.name
-    _traced_candidates[(name, layout)] = candidate
+    _traced_candidates[_candidate_key(name, layout)] = candidate
     reasons = decision.reasons_for(name) if name != decision.requested else ()
     if reasons:
         decisions.log_once(decision.requested, name, reasons)
@@ -97,9 +101,15 @@ def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial,
     row = 0
     if serial:  # counted by the graph on every run (_count_op), not here at trace time
         _count_op()
-        row = _traced_rows.setdefault((call_site, requested, name, tuple(reasons)), len(_traced_rows) + 1)
-        _rows_by_number[row] = (call_site, requested, name, tuple(reasons))
+        counted = (call_site, requested, name, tuple(reasons))
+        row = _traced_rows.setdefault(counted, len(_traced_rows) + 1)
+        _rows_by_number[row] = counted
     return name, state.active_checks(), candidate.convert_mask, serial, row
+
+
+def _candidate_key(name: str, layout: str) -> tuple:
+    """The key of a traced plan's candidate: what the plan stores and the traced call reads."""
+    return name, layout
 
 
 def _symbolic_sizes() -> bool:
@@ -164,24 +174,90 @@ def _runtime_op():
     return _op
 
 
+class _Carried(NamedTuple):
+    """How the runtime op carries one of AttentionCall's fields."""
+    arguments: tuple[str, ...]  # its arguments in the op's schema ("type name"); none: not carried
+    to_op: Callable | None = None  # the call's value -> a tuple of the arguments' values; None: the value itself
+    from_op: Callable | None = None  # the arguments' values -> the call's value; None: the one argument itself
+
+
+# Schema types of AttentionCall's annotations; a field whose annotation is not here needs an entry in _NOT_PLAIN.
+_SCHEMA_TYPES = {torch.Tensor: "Tensor", float: "float", bool: "bool", str: "str", float | None: "float?",
+                 str | None: "str?"}
+# The fields no schema type holds as they are.
+_NOT_PLAIN = {
+    # Any in the call; a tensor or None on this route (a BlockMask runs eagerly)
+    "attn_mask": _Carried(("Tensor? attn_mask",)),
+    # never: a call with attention_kwargs runs eagerly
+    "attention_kwargs": _Carried((), lambda kwargs: (), lambda: None),
+    # by its serial: an int a graph holds (0: none)
+    "recorder": _Carried(("int recorder_serial",), lambda recorder: (_serial_of(recorder),), by_serial),
+    # (mode, every) as its two parts
+    "guard": _Carried(("str? guard_mode", "int guard_every"), lambda guard: (None, 0) if guard is None else guard,
+                      lambda mode, every: None if mode is None else (mode, every)),
+}
+
+
+def _plain(name: str) -> _Carried:
+    annotation = get_type_hints(AttentionCall)[name]
+    if annotation not in _SCHEMA_TYPES:
+        raise TypeError(f"AttentionCall.{name} ({annotation}) has no schema type for the runtime op: add its "
+                        f"annotation to compiled._SCHEMA_TYPES or the field to compiled._NOT_PLAIN")
+    return _Carried((f"{_SCHEMA_TYPES[annotation]} {name}",))
+
+
+# The runtime op's arguments: AttentionCall's fields in its order (the one definition), each as it is carried.
+_OP_FIELDS = tuple((name, _NOT_PLAIN.get(name) or _plain(name)) for name in AttentionCall._fields)
+OP_SCHEMA = "(" + ", ".join(a for _, carried in _OP_FIELDS for a in carried.arguments) + ") -> (Tensor, Tensor)"
+_OP_ARGUMENT_NAMES = tuple(a.rsplit(" ", 1)[1] for _, carried in _OP_FIELDS for a in carried.arguments)
+
+
+def _converted_back() -> tuple:
+    """(first argument, how many, from_op) of each field converted on its way back, the last field first (splicing
+    them in that order leaves the earlier positions where they are)."""
+    converted, at = [], 0
+    for _, carried in _OP_FIELDS:
+        if carried.from_op is not None:
+            converted.append((at, len(carried.arguments), carried.from_op))
+        at += len(carried.arguments)
+    return tuple(reversed(converted))
+
+
+_CONVERTED_BACK = _converted_back()
+
+
+def _op_arguments(call: AttentionCall) -> tuple:
+    """The call as the runtime op's arguments (OP_SCHEMA's); runs at trace time."""
+    arguments = ()
+    for name, carried in _OP_FIELDS:
+        value = getattr(call, name)
+        arguments += (value,) if carried.to_op is None else carried.to_op(value)
+    return arguments
+
+
+def _call_of(arguments: tuple) -> AttentionCall:
+    """The call the runtime op's arguments carry (the inverse of _op_arguments); runs on every call of the op, so
+    it splices the few converted fields into the arguments rather than rebuilding every field."""
+    values = list(arguments)
+    for at, count, from_op in _CONVERTED_BACK:
+        values[at:at + count] = (from_op(*values[at:at + count]),)
+    return new_call(AttentionCall, values)
+
+
 def _define(name: str):
-    @torch.library.custom_op(name, mutates_args=())
-    def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
-             dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool, backend: Optional[str],
-             layout: str, policy: Optional[str], return_lse: bool, call_site: str, recorder_serial: int,
-             model: Optional[str], guard_mode: Optional[str], guard_every: int) -> tuple[torch.Tensor, torch.Tensor]:
+    @torch.library.custom_op(name, mutates_args=(), schema=OP_SCHEMA)
+    def call(*arguments) -> tuple[torch.Tensor, torch.Tensor]:
         # The eager path itself (this body also runs when the op is traced by make_fx or export).
-        quality_guard = None if guard_mode is None else (guard_mode, guard_every)
-        result = dispatch_eager(AttentionCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                              None, backend, layout, policy, return_lse, call_site,
-                                              by_serial(recorder_serial), model, quality_guard))
-        out, lse = result if return_lse else (result, query.new_empty(0, dtype=torch.float32))
+        described = _call_of(arguments)
+        result = dispatch_eager(described)
+        out, lse = result if described.return_lse else (result, described.query.new_empty(0, dtype=torch.float32))
         # An op's outputs are fresh, dense tensors, as the fake below promises the compiler.
         return out.contiguous(), lse.contiguous()
 
     @call.register_fake
-    def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, layout, policy,
-          return_lse, call_site, recorder_serial, model, guard_mode, guard_every):
+    def _(*arguments):
+        named = dict(zip(_OP_ARGUMENT_NAMES, arguments))
+        query, value, return_lse = named["query"], named["value"], named["return_lse"]
         out = query.new_empty((*query.shape[:-1], value.shape[-1]))
         # The LSE is (B, Sq, H) in BSHD and (B, H, Sq) in BHSD: the query's shape without its last axis.
         return out, query.new_empty(query.shape[:-1] if return_lse else (0,), dtype=torch.float32)
@@ -192,46 +268,46 @@ def _serial_of(recorder) -> int | None:
     return 0 if recorder is None else getattr(recorder, "serial", None)
 
 
-def _as_op(call: AttentionCall, serial: int):
+def _as_op(call: AttentionCall):
     """The call as one opaque op whose body is the eager path (real sizes and values at run time)."""
-    guard_mode, guard_every = call.guard if call.guard is not None else (None, 0)
-    out, lse = _runtime_op()(call.query, call.key, call.value, call.attn_mask, float(call.dropout_p), call.is_causal,
-                             call.scale, call.enable_gqa, call.backend, call.layout, call.policy, call.return_lse,
-                             call.call_site, serial, call.model, guard_mode, guard_every)
+    out, lse = _runtime_op()(*_op_arguments(call))
     return (out, lse) if call.return_lse else out
 
 
 def dispatch_traced(call: AttentionCall):
-    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, \
-        policy, return_lse, call_site, recorder, model, quality_guard = call
-    serial = _serial_of(recorder)
+    query, key, value, attn_mask, layout = call.query, call.key, call.value, call.attn_mask, call.layout
+    attention_kwargs, return_lse = call.attention_kwargs, call.return_lse
+    serial = _serial_of(call.recorder)
     shaped = serial is not None and query.dim() == key.dim() == value.dim() == 4 and layout in ("BSHD", "BHSD")
     opaque = (not attention_kwargs and (attn_mask is None or isinstance(attn_mask, torch.Tensor))
               and not (query.requires_grad or key.requires_grad or value.requires_grad))
     if shaped and _symbolic_sizes():
         if opaque:
-            return _as_op(call, serial)
+            return _as_op(call)
         shaped = False
     inputs = None
     if shaped:
         checks.check_shapes(query, key, value, layout)
-        inputs = describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                               layout)
+        inputs = describe_call(query, key, value, attn_mask, call.dropout_p, call.is_causal, call.scale,
+                               call.enable_gqa, return_lse, layout)
     # Plain constants (dynamo hands an assume_constant_result function no real dataclass instance).
     signature = None if inputs is None else tuple(getattr(inputs, f) for f in _FIELDS)
-    plan = _traced_plan(backend, policy, signature, layout, call_site, serial,
-                        tuple(sorted(attention_kwargs)) if attention_kwargs else (), model, quality_guard)
+    plan = _traced_plan(call.backend, call.policy, signature, layout, call.call_site, serial,
+                        tuple(sorted(attention_kwargs)) if attention_kwargs else (), call.model, call.guard)
     if plan is None:
         return _eager()(call)
     name, mode, convert_mask, count_serial, row = plan
     if count_serial:
         _count_op()(_COUNT_TOKEN, count_serial, row)
     if name == RUNTIME:
-        return _as_op(call, serial) if opaque else _eager()(call)
+        return _as_op(call) if opaque else _eager()(call)
     # The plan's constants, not only the cached candidate: dynamo reads _traced_candidates as it was at its first
     # read in this frame, so a later call of the same backend and layout (a masked one after an unmasked one)
     # would otherwise get the first call's mask handling.
-    candidate = _traced_candidates[(name, layout)]._replace(convert_mask=convert_mask)
+    candidate = _traced_candidates.get(_candidate_key(name, layout))
+    if candidate is None:  # forgotten (caches.forget) by another thread since the plan was made
+        return _eager()(call)
+    candidate = candidate._replace(convert_mask=convert_mask)
     if mode != "off":
         checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, name)
     out = run(candidate, call)

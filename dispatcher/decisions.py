@@ -77,10 +77,10 @@ def _labelled(name: str, reason: str) -> str:
     return reason if reason.startswith((f"{name}:", f"{name} ", f"'{name}'")) else f"{name}: {reason}"
 
 
+# (requested, policy, inputs, layout, trust scope, machine, model, guard setting, exact twin) -> Decision
 _decisions: dict[tuple, Decision] = {}
 _lock = threading.Lock()
-_logged: set[tuple] = set()
-_forget_hooks: list[Callable[[], None]] = []  # caches built on decisions (the eager path's fast keys)
+_logged: set[tuple] = set()  # (requested, served, reasons) already logged
 
 
 @caches.on_forget
@@ -88,8 +88,6 @@ def forget() -> None:
     with _lock:
         _decisions.clear()
         _logged.clear()
-        for hook in _forget_hooks:
-            hook()
 
 
 def fallback_order(requested: str) -> list[str]:

@@ -72,6 +72,9 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     return dispatch_eager(call)
 
 
+_PER_CALL = AttentionCall._fields.index("attn_mask") + 1  # the fields a prepared call takes on each call come first
+
+
 class PreparedAttention:
     """`dispatch_attention_fn` with every argument but the tensors fixed once: `prepared(query, key, value,
     attn_mask=None)` validates, dispatches and records each call exactly as `dispatch_attention_fn(query, key,
@@ -89,10 +92,12 @@ class PreparedAttention:
             guard = _guard_settings(guard, guard_every)
         if scale is not None and type(scale) is not float:
             scale = _plain_scale(scale)
-        # AttentionCall's fields after the mask, in its order
         self._layout = layout
-        self._rest = (dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, policy, return_lse,
-                      call_site, recorder, model, guard)
+        # AttentionCall's fields after those a call passes (the tensors and the mask), named once, in its order
+        self._rest = AttentionCall(
+            query=None, key=None, value=None, attn_mask=None, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend, layout=layout, policy=policy,
+            return_lse=return_lse, call_site=call_site, recorder=recorder, model=model, guard=guard)[_PER_CALL:]
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None):
         if attn_mask is not None and type(attn_mask) is _Tensor and attn_mask.ndim == 2:

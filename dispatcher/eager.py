@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, decisions, registry, state, support, trust
+from . import caches, checks, decisions, registry, state, support, trust
 from .call import AttentionCall
 from .execute import run
 from .inputs import describe_call
@@ -18,7 +18,10 @@ from .machine import current_machine
 from .report import current_recorder
 
 # fast key -> Decision, or _TRUST_SENSITIVE when the decision also depends on trust settings: then
-# (fast key, trust.scope_key()) holds it. Forgotten with the decisions.
+# (fast key, trust.scope_key()) holds it. The fast key is finer than the decision's (decisions.decision_for) and
+# auto's (Tuner._key): the call's shapes, dtypes, devices and flags (which make its AttentionInputs), the requested
+# backend, policy, layout, machine, model, guard setting, call site (auto's block) and attention_kwargs' keys (auto's
+# candidates are the kernels that honour them). Forgotten with the decisions.
 _fast: dict = {}
 _TRUST_SENSITIVE = object()
 # Requested backends whose decisions are `shapes_only` (SDPA's chain): their calls are first looked up by a shorter
@@ -26,12 +29,14 @@ _TRUST_SENSITIVE = object()
 # key is stored only after a call of those shapes passed full validation; a call it finds whose kernel raises
 # (mixed dtypes or devices, say) goes on through the full path, which validates it before anything else.
 _shapes_only: set = set()
-decisions._forget_hooks.extend((_fast.clear, _shapes_only.clear))
+caches.on_forget(_fast.clear)
+caches.on_forget(_shapes_only.clear)
 
 
 def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
+    # One unpacking (the hot path): AttentionCall's fields by name, in order (tests/test_call_fields.py checks it).
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, \
-        policy, return_lse, call_site, recorder, model, quality_guard = call
+        policy, return_lse, call_site, recorder, model, guard = call
     _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                      attention_kwargs)
     (scoped_backend, scoped_policy, scoped_model, scoped_guard), mode = _current_scope()
@@ -40,8 +45,8 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
         policy = scoped_policy
     if model is None:
         model = scoped_model
-    if quality_guard is None:
-        quality_guard = scoped_guard
+    if guard is None:
+        guard = scoped_guard
     m = attn_mask
     if m is None:
         mask_dtype = mask_shape = None
@@ -57,7 +62,7 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
         try:
             if requested in _shapes_only:
                 shapes_key = (requested, policy, layout, q_shape, k_shape, v_shape, mask_dtype, mask_shape, is_causal,
-                              dropout_p > 0, scale is None, enable_gqa, return_lse, machine_id, model, quality_guard,
+                              dropout_p > 0, scale is None, enable_gqa, return_lse, machine_id, model, guard,
                               call_site)
                 decision = _fast.get(shapes_key)
         except TypeError:  # an unhashable backend name or mask: the full path below raises the real error
@@ -69,7 +74,8 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
                     None if type(m) is not _Tensor else m.device, is_causal, dropout_p > 0, scale is None,
                     enable_gqa, return_lse,
                     _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
-                    machine_id, model, quality_guard, call_site)  # the block: `auto_fast` judges each one
+                    machine_id, model, guard, call_site,  # the block: `auto_fast` judges each one
+                    attention_kwargs and frozenset(attention_kwargs))  # an auto picks among kernels honouring them
         try:
             decision = _fast.get(fast_key)
             if decision is _TRUST_SENSITIVE:
@@ -77,7 +83,7 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
         except TypeError:  # an unhashable mask: the full path below raises the real error
             decision, fast_key = None, None
         if decision is None:
-            decision = _first_call(fast_key, requested, policy, model, quality_guard, call)
+            decision = _first_call(fast_key, requested, policy, model, guard, call)
         if decision.shapes_only and decision.requested == requested:  # not an auto: its pick depends on more
             _shapes_only.add(requested)  # validated in full: calls of these shapes may take the shorter key
             if shapes_key is not None:

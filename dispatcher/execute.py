@@ -9,17 +9,20 @@ from .decisions import Candidate
 
 def run(candidate: Candidate, call: AttentionCall):
     """The backend's result in the call's layout: out, or (out, lse) with return_lse."""
-    # One unpacking, not nine attribute reads: this runs on every call.
-    query, key, value, mask, dropout_p, is_causal, scale, enable_gqa, extra, _, _, _, return_lse, _, _, _, _ = call
+    # One unpacking, not nine attribute reads: this runs on every call. Its names are AttentionCall's fields, in
+    # order (tests/test_call_fields.py checks every unpacking against the definition).
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, _, _, _, return_lse, \
+        _, _, _, _ = call
     _, spec, runner, transpose, convert_mask, _ = candidate
     if transpose:  # permute, not transpose(1, 2): the same view, ~0.15 us cheaper each on the CPU
         query, key, value = query.permute(0, 2, 1, 3), key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3)
     if convert_mask:
-        mask = masks.convert(mask, spec.mask_format, query.dtype)
-    if extra:
-        result = runner(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa, return_lse, **extra)
+        attn_mask = masks.convert(attn_mask, spec.mask_format, query.dtype)
+    if attention_kwargs:
+        result = runner(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                        **attention_kwargs)
     else:  # by position: registry.prepare's protocol
-        result = runner(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
+        result = runner(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse)
     if not transpose:
         return result
     if return_lse:

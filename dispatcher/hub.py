@@ -283,5 +283,7 @@ def fetched_repos() -> set[str]:
 
 
 def forget_loaded() -> None:
+    """Load Hub kernels again on their next use. Not caches.forget's job: this is the loader's cache, not a
+    decision; a decision keeps running the kernel it holds until decisions are forgotten."""
     with _lock:
         _loaded.clear()

@@ -163,6 +163,9 @@ def requirement_reasons(name: str, machine: Machine | None = None) -> list[str]:
 
 
 def forget_availability() -> None:
+    """Ask the machine's requirements again (after an install). Not caches.forget's job: availability is an input
+    of decisions, kept per machine, and the install that calls this also makes a new machine (machine.refresh()),
+    whose decisions are made afresh under its own id; whatever changes the registry clears it with the decisions."""
     with _lock:
         _availability.clear()
 

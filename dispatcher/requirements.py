@@ -34,6 +34,8 @@ def import_error(module: str) -> str | None:
 
 
 def forget_imports() -> None:
+    """Try the imports again (after an install). Not caches.forget's job: an input of availability (see
+    registry.forget_availability), not a decision."""
     with _import_lock:
         _import_errors.clear()
 

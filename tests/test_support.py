@@ -208,6 +208,25 @@ def test_auto_honours_the_calls_attention_kwargs_as_the_decision_does(custom):
     assert record.attention_kwargs == ("window",) and record.chosen == honours
 
 
+def test_auto_decides_again_when_the_same_signature_comes_with_attention_kwargs(custom):
+    """One signature called first without attention_kwargs, then with a key only one kernel honours: the second
+    call is auto's own decision among the kernels that honour the key (not the first call's pick, filtered)."""
+    def windowed(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, window=None):
+        return sdpa_bshd(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                         enable_gqa=enable_gqa, return_lse=return_lse)
+    honours = custom("t_windowed_later", windowed)
+    q, k, v = qkv(dtype=torch.float32)
+    tuner = Tuner(cache_path=None, backends=["native", honours])
+    rec = dispatcher.Recorder()
+    with dispatcher.auto.using(tuner), dispatcher.recording(rec):
+        dispatch_attention_fn(q, k, v, backend="auto_exact", policy="strict")
+        out = dispatch_attention_fn(q, k, v, backend="auto_exact", policy="strict", attention_kwargs={"window": 1})
+    assert torch.allclose(out, sdpa_bshd(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                         enable_gqa=False, return_lse=False))
+    assert [r.attention_kwargs for r in tuner.records()] == [(), ("window",)]
+    assert tuner.records()[1].chosen == honours and rec.served_by(honours) >= 1
+
+
 def test_autos_own_rules_sit_on_top_of_the_owner(custom):
     """auto_exact times exact kernels only, and auto never downloads: both are `policy` reasons after the owner's."""
     quantised = custom("t_quantised", quantised=True)

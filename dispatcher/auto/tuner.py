@@ -142,8 +142,10 @@ class Tuner:
         self.memory_cap_bytes = memory_cap_bytes
         self.tie_margin = float(tie_margin)
         self._lock = threading.RLock()
-        self._choices: dict[tuple, tuple[str, bool]] = {}  # (signature, exact, trust, machine) -> (name, sensitive)
-        self._records: dict[tuple, TuneRecord] = {}  # (signature, exact, model, block) -> record
+        # Tuner._key (signature, exact, model, block, trust scope, machine) -> (name, trust-sensitive); forgotten
+        # with the dispatcher's decisions (caches.on_forget, auto/__init__.py), which are made from these choices.
+        self._choices: dict[tuple, tuple[str, bool]] = {}
+        self._records: dict[tuple, TuneRecord] = {}  # (signature, exact, model, block) -> record (reports)
         # What one block's tuning leaves for the next block of the same signature (`_from_memory`): the timings
         # (disk key -> (candidates, {name: (median_ms, times_ms)})) and the exact kernels' verdicts per model.
         self._timings: dict[str, tuple] = {}
@@ -228,8 +230,9 @@ class Tuner:
             inputs = describe_call(what, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                                    layout)
             check_structure(inputs)
-            live = AttentionCall(what, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                 layout=layout, return_lse=return_lse)
+            live = AttentionCall(query=what, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                 is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, layout=layout,
+                                 return_lse=return_lse)
         else:
             raise TypeError(f"tune() takes an AttentionInputs signature or a query tensor; got {type(what).__name__}")
         with self._lock:
@@ -278,6 +281,8 @@ class Tuner:
         return "\n".join(lines)
 
     def forget_choices(self) -> None:
+        """Forget the choices (caches.forget: the registry or the tuning changed); the measurements they were made
+        from stay (the records, the timings and verdicts in memory and on disk): choosing again reads them."""
         with self._lock:
             self._choices.clear()
 
@@ -403,8 +408,9 @@ class Tuner:
         run_sig = shrink(sig, cap)
         q, k, v, mask = random_inputs(run_sig, layout)
         scale = (0.9 / math.sqrt(sig.head_dim)) if sig.custom_scale else None
-        return AttentionCall(q, k, v, mask, 0.0, run_sig.is_causal, scale, run_sig.enable_gqa, None, layout=layout,
-                             return_lse=run_sig.return_lse), run_sig, False
+        call = AttentionCall(query=q, key=k, value=v, attn_mask=mask, is_causal=run_sig.is_causal, scale=scale,
+                             enable_gqa=run_sig.enable_gqa, layout=layout, return_lse=run_sig.return_lse)
+        return call, run_sig, False
 
     def _progress(self, record, stage, done, total, start, candidate=None, chosen=None) -> None:
         sig = record.signature
@@ -426,7 +432,7 @@ class Tuner:
         if run_sig != sig:
             record.timed_shape = {"len_q": run_sig.len_q, "len_kv": run_sig.len_kv,
                                   "why": f"the inputs would exceed the tuning memory cap of {cap >> 20} MiB"}
-        q, k, v, mask = attention_call[:4]
+        q, k, v, mask = attention_call.query, attention_call.key, attention_call.value, attention_call.attn_mask
         rows = sample_rows(run_sig.len_q, self.validation_rows)
         with torch.no_grad():
             ref_out, ref_lse = exact_attention(q, k, v, mask, run_sig.is_causal, attention_call.scale, layout, rows)

@@ -139,7 +139,7 @@ def _hook(delta: int) -> None:
         dispatch._context_parallel_on = _hook_users > 0
 
 
-def _route(call):
+def _route(call: AttentionCall):
     """The dispatcher's hook: the described call (an AttentionCall), split over the active block's ranks."""
     scope = _scope.get()
     if scope is None:
@@ -189,7 +189,7 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
     return _run(config, call, kv_sharded, q_lens, kv_lens)
 
 
-def _run(config, call, kv_sharded, q_lens, kv_lens):
+def _run(config, call: AttentionCall, kv_sharded, q_lens, kv_lens):
     token = _scope.set(None)  # the local calls below are plain dispatcher calls
     try:
         if config is None or config.world_size == 1:
@@ -239,11 +239,10 @@ def _fail(message: str):
 
 
 class _Call:
-    def __init__(self, config, call, kv_sharded, q_lens, kv_lens):
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, \
-            policy, return_lse, call_site, _, _, _ = call
+    def __init__(self, config, call: AttentionCall, kv_sharded, q_lens, kv_lens):
+        query, key, value, attn_mask, layout = call.query, call.key, call.value, call.attn_mask, call.layout
         self.call = call
-        requested = backend if backend is not None else state.active_backend()
+        requested = call.backend if call.backend is not None else state.active_backend()
         # A pseudo-backend (`auto`) picks per call, among the backends that return the LSE for a ring.
         auto = registry.resolver(requested) is not None
         if not auto and requested not in registry.names():
@@ -253,7 +252,7 @@ class _Call:
         if type(attn_mask).__name__ == "BlockMask":
             raise ContextParallelError("a FlexAttention BlockMask cannot be sharded for context parallelism; pass "
                                        "a bool or additive mask tensor instead")
-        if is_causal and attn_mask is not None:
+        if call.is_causal and attn_mask is not None:
             _fail("is_causal=True with attn_mask is not supported under context parallelism (SDPA, and the "
                   "dispatcher outside it, apply both: the mask and the top-left causal diagonal): fold the diagonal "
                   "into attn_mask (mask & torch.ones(Lq, Lk, dtype=torch.bool).tril()), or drop attn_mask")
@@ -261,8 +260,9 @@ class _Call:
         check_shapes(query, key, value, layout)
         config.setup()
         self.config, self.requested, self.layout = config, requested, layout
-        self.dropout_p, self.is_causal, self.scale = dropout_p, bool(is_causal), scale
-        self.extra, self.policy, self.return_lse, self.call_site = attention_kwargs, policy, return_lse, call_site
+        self.dropout_p, self.is_causal, self.scale = call.dropout_p, bool(call.is_causal), call.scale
+        self.extra, self.policy, self.return_lse = call.attention_kwargs, call.policy, call.return_lse
+        self.call_site = call.call_site
         self.kv_sharded = kv_sharded
         bshd = (lambda t: t.transpose(1, 2)) if layout == "BHSD" else (lambda t: t)
         self.q, self.k, self.v = bshd(query), bshd(key), bshd(value)
@@ -275,7 +275,7 @@ class _Call:
         if self.Hk != self.Hq:
             if self.Hq % self.Hk:
                 _fail(f"query has {self.Hq} heads, not a multiple of the {self.Hk} key/value heads")
-            if not enable_gqa:
+            if not call.enable_gqa:
                 _fail(f"key/value have {self.Hk} heads but query has {self.Hq}: pass enable_gqa=True for "
                       "grouped-query attention")
         self.attn_mask = attn_mask

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .. import checks, dispatch, registry
+from ..call import AttentionCall
 from ..inputs import describe_call
 from ..masks import to_4d
 from . import attention
@@ -148,10 +149,12 @@ def replicated_parallel(config: ReplicatedConfig | None):
 
 
 def _runner(config: ReplicatedConfig):
-    def run(call):  # the dispatcher's described call (an AttentionCall)
-        return replicated_attention(*call[:9], config=config, backend=call.backend, layout=call.layout,
-                                    policy=call.policy, return_lse=call.return_lse, call_site=call.call_site,
-                                    model=call.model, guard=call.guard)
+    def run(call: AttentionCall):  # the dispatcher's described call
+        return replicated_attention(call.query, call.key, call.value, call.attn_mask, call.dropout_p, call.is_causal,
+                                    call.scale, call.enable_gqa, call.attention_kwargs, config=config,
+                                    backend=call.backend, layout=call.layout, policy=call.policy,
+                                    return_lse=call.return_lse, call_site=call.call_site, model=call.model,
+                                    guard=call.guard)
     return run
 
 
