@@ -1,6 +1,7 @@
 """A small attention call through the pack against a bare SDPA call on the same views, on a GPU.
 
     python bench/small_call.py [--shape 2,20,1024,64] [--rounds 30] [--calls 200] [--json PATH]
+                               [--breakdown] [--order found|sdpa|cudnn] [--inference-mode] [--profile]
 
 SDXL's 32x32 level, (B, H, L, D) = (2, 20, 1024, 64), takes tens of microseconds on an H200: the host work
 per call decides whether the GPU waits. ComfyUI hands (B, L, H*D) tensors; configurations, interleaved in a
@@ -12,6 +13,15 @@ shuffled order every round, each time `calls` back-to-back calls (CUDA events ar
 The ratio bare/x is the fraction of the bare call's speed the pack reaches (1.0 = no cost). `host_us` is each
 one's host time per call measured while the GPU is kept busy (so the host never waits): when it exceeds the
 kernel's GPU time, the host, not the kernel, sets the pace.
+
+--breakdown: where the pack's host time per call goes, by timing the repeat path with its outer layers peeled off
+one at a time (`breakdown_layers`; `host_us` gets each layer, `breakdown_us` the differences, `increments`):
+the four views a (B, L, H, D) caller's call takes (3 in, 1 out), `native`'s GPU branch (SDPA's priority order),
+`execute.run` on the decided candidate, the eager path's lookup, the entry, and the override over the prepared
+call it makes. --order sets SDPA's priority order first: `sdpa` = torch's own (flash first: what a ComfyUI process
+with the override has, so `native` writes cuDNN-first and back on every call), `cudnn` = cuDNN first (nothing
+written), `found` = leave it. --inference-mode runs every call under torch.inference_mode(), as ComfyUI samples.
+--profile adds torch.profiler's host-side table (self CPU time per call of each op) for bare, dispatcher, override.
 """
 
 from __future__ import annotations
@@ -36,9 +46,21 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--json")
     parser.add_argument("--pack", type=Path, default=ROOT, help="measure the pack in this folder")
+    parser.add_argument("--breakdown", action="store_true", help="host time per layer of the repeat path")
+    parser.add_argument("--order", choices=sorted(ORDERS), default="found", help="SDPA's priority order to set first")
+    parser.add_argument("--inference-mode", action="store_true", help="every call under torch.inference_mode()")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler's host-side table per configuration")
     args = parser.parse_args(argv)
+    if args.inference_mode:
+        with torch.inference_mode():
+            return measure(args)
+    return measure(args)
+
+
+def measure(args) -> int:
     b, h, length, d = (int(x) for x in args.shape.split(","))
     adapter, dispatcher = load_pack(args.pack)
+    set_order(args.order)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q3, k3, v3 = (torch.randn(b, length, h * d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     q4, k4, v4 = (t.view(b, length, h, d) for t in (q3, k3, v3))
@@ -65,28 +87,107 @@ def main(argv=None) -> int:
         "priority_flip": lambda: native._select(native.CUDA_PRIORITY, True,
                                                 lambda: F.scaled_dot_product_attention(qb, kb, vb)),
     }
+    if args.breakdown:
+        layers.update(breakdown_layers(dispatcher, q4, k4, v4))
     ref = fns["bare"]().transpose(1, 2).flatten(2)
     torch.testing.assert_close(fns["dispatcher"]().flatten(2), ref, rtol=0, atol=0)
     torch.testing.assert_close(fns["override"](), ref, rtol=0, atol=0)
     if "comfy" in fns:
         torch.testing.assert_close(fns["comfy"](), ref, rtol=2e-2, atol=2e-2)  # its own kernel choice
+    for name in BREAKDOWN if args.breakdown else ():
+        torch.testing.assert_close(layers[name]().flatten(2), ref, rtol=0, atol=0)
     for fn in fns.values():
         for _ in range(50):
             fn()
     torch.cuda.synchronize()
     med = {name: ms * 1e3 for name, ms in interleaved_ms(fns, args.rounds, args.calls).items()}  # µs
     host = host_us_per_call({**fns, **layers}, args.rounds, min(args.calls, 100))
+    extra = {}
+    if args.breakdown:
+        extra["breakdown_us"] = {k: round(v, 3) for k, v in increments(host).items()}
+    if args.profile:
+        extra["profile"] = {name: host_profile(fns[name]) for name in ("bare", "dispatcher", "override")}
     result = {"shape_bhld": [b, h, length, d], "dtype": "bfloat16", "median_us": {k: round(v, 3) for k, v in med.items()},
-              "sdpa_priority_order": torch._C._get_sdp_priority_order(),
+              "sdpa_priority_order": torch._C._get_sdp_priority_order(), "order_set": args.order,
+              "inference_mode": torch.is_inference_mode_enabled(),
               "kernels": {name: gpu_kernels(fn) for name, fn in fns.items()},
               "bare_over_dispatcher": round(med["bare"] / med["dispatcher"], 4),
               "bare_over_override": round(med["bare"] / med["override"], 4),
               **({"comfy_over_override": round(med["comfy"] / med["override"], 4)} if "comfy" in med else {}),
               "host_us": {k: round(v, 3) for k, v in host.items()},
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": args.rounds,
-              "calls": args.calls, "pack": str(args.pack)}
+              "calls": args.calls, "pack": str(args.pack), **extra}
     emit(result, args.json)
     return 0
+
+
+# SDPA's priority orders --order sets: torch's own (what a process has unless something set another) and cuDNN first
+# (what `native` asks for on GPUs, so it writes nothing).
+ORDERS = {"found": None, "sdpa": ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION"),
+          "cudnn": ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")}
+
+
+def set_order(name: str) -> None:
+    first = ORDERS[name]
+    if first is None:
+        return
+    from torch.nn.attention import SDPBackend
+    order = [int(getattr(SDPBackend, member)) for member in first]
+    torch._C._set_sdp_priority_order(order + [p for p in torch._C._get_sdp_priority_order() if p not in order])
+
+
+BREAKDOWN = ("views", "run", "eager", "prepared")  # breakdown_layers' names, each (B, L, H, D) out
+
+
+def breakdown_layers(dispatcher, q4, k4, v4) -> dict:
+    """The repeat path of `dispatch_attention_fn(q4, k4, v4)` ((B, L, H, D) views) with its outer layers peeled off,
+    each returning the same tensor: "views" (bare SDPA plus the four views a (B, L, H, D) call takes), "run" (the
+    decided candidate through `execute.run`, on a call described once), "eager" (the eager path on that call), and
+    "prepared" (the call the override makes: (B, H, L, D) views, everything but the tensors fixed). With "bare",
+    "runner", "dispatcher" and "override" from main, `increments` attributes the host time."""
+    modules = sys.modules
+    eager, execute = modules[f"{dispatcher.__name__}.eager"], modules[f"{dispatcher.__name__}.execute"]
+    call_type = modules[f"{dispatcher.__name__}.call"].AttentionCall
+    sdpa = F.scaled_dot_product_attention
+    dispatcher.dispatch_attention_fn(q4, k4, v4)  # decided: its candidate is the one the repeat calls run
+    lanes = [d.lane for d in eager._fast.values() if getattr(d, "lane", None) is not None and d.lane.transpose]
+    call = call_type(q4, k4, v4)
+    qb, kb, vb = (t.transpose(1, 2) for t in (q4, k4, v4))
+    prepared = dispatcher.PreparedAttention(layout="BHSD")
+    return {
+        "views": lambda: sdpa(q4.permute(0, 2, 1, 3), k4.permute(0, 2, 1, 3), v4.permute(0, 2, 1, 3)).permute(0, 2, 1, 3),
+        "run": lambda: execute.run(lanes[0], call),
+        "eager": lambda: eager.dispatch_eager(call),
+        "prepared": lambda: prepared(qb, kb, vb).transpose(1, 2),
+    }
+
+
+def increments(host: dict) -> dict:
+    """Host us per call added by each layer, from `host_us` of the breakdown's configurations."""
+    return {
+        "views (3 in, 1 out)": host["views"] - host["bare"],
+        "native runner (GPU: SDPA priority order)": host["runner"] - host["bare"],
+        "execute.run": host["run"] - host["views"] - (host["runner"] - host["bare"]),
+        "eager path (lookup, scope, fast lane)": host["eager"] - host["run"],
+        "entry (dispatch_attention_fn)": host["dispatcher"] - host["eager"],
+        "override over its prepared call": host["override"] - host["prepared"],
+    }
+
+
+def host_profile(fn, calls: int = 50, rows: int = 25) -> list[dict]:
+    """torch.profiler's host-side account of `calls` calls of `fn`: self CPU us per call of each op (aten ops and
+    CUDA runtime calls), the most expensive first. The profiler slows every op: compare rows, not totals."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    fn()
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
+    return [{"name": e.key[:80], "count_per_call": round(e.count / calls, 2),
+             "self_cpu_us_per_call": round(e.self_cpu_time_total / calls, 3)} for e in events]
 
 
 def gpu_kernels(fn) -> list[str]:

@@ -106,3 +106,54 @@ def test_a_pin_writes_only_the_flags_that_differ_and_puts_back_only_those(monkey
         assert not torch._C._get_math_sdp_enabled() and torch._C._get_cudnn_sdp_enabled()
     finally:
         torch._C._set_sdp_use_math(True)
+
+
+# ------------------------------------------------------------------------------- bench/small_call.py --breakdown
+
+def _small_call():
+    import sys
+    from pathlib import Path
+    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import small_call
+    return small_call
+
+
+def test_every_breakdown_layer_computes_the_bare_call_bit_for_bit():
+    import dispatcher
+    small_call = _small_call()
+    q, k, v = qkv((2, 24, 3, 16))
+    layers = small_call.breakdown_layers(dispatcher, q, k, v)
+    assert set(layers) == set(small_call.BREAKDOWN)
+    bare = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    for name, fn in layers.items():
+        torch.testing.assert_close(fn(), bare, rtol=0, atol=0, msg=name)
+
+
+def test_the_breakdown_attributes_each_layer_once():
+    small_call = _small_call()
+    host = {"bare": 10.0, "views": 14.0, "runner": 11.5, "run": 16.0, "eager": 18.0, "dispatcher": 18.5,
+            "prepared": 17.0, "override": 20.0}
+    steps = small_call.increments(host)
+    assert steps == {"views (3 in, 1 out)": 4.0, "native runner (GPU: SDPA priority order)": 1.5, "execute.run": 0.5,
+                     "eager path (lookup, scope, fast lane)": 2.0, "entry (dispatch_attention_fn)": 0.5,
+                     "override over its prepared call": 3.0}
+    # bare + the dispatcher's steps = the dispatcher
+    assert host["bare"] + sum(v for k, v in steps.items() if not k.startswith("override")) == host["dispatcher"]
+
+
+def test_the_order_options_set_what_they_name(sdpa_order):
+    small_call = _small_call()
+    small_call.set_order("cudnn")
+    assert torch._C._get_sdp_priority_order() == CUDNN_FIRST
+    small_call.set_order("sdpa")
+    assert torch._C._get_sdp_priority_order()[:4] == [int(getattr(SDPBackend, m)) for m in small_call.ORDERS["sdpa"]]
+    before = torch._C._get_sdp_priority_order()
+    small_call.set_order("found")
+    assert torch._C._get_sdp_priority_order() == before
+
+
+def test_the_host_profile_names_sdpa():
+    rows = _small_call().host_profile(lambda: F.scaled_dot_product_attention(*qkv()), calls=3)
+    assert any("scaled_dot_product" in r["name"] for r in rows) and all(r["self_cpu_us_per_call"] >= 0 for r in rows)
