@@ -2,6 +2,7 @@
 
     python bench/small_call.py [--shape 2,20,1024,64] [--rounds 30] [--calls 200] [--json PATH]
                                [--breakdown] [--order found|sdpa|cudnn] [--inference-mode] [--profile]
+                               [--device cuda|cpu]
 
 SDXL's 32x32 level, (B, H, L, D) = (2, 20, 1024, 64), takes tens of microseconds on an H200: the host work
 per call decides whether the GPU waits. ComfyUI hands (B, L, H*D) tensors; configurations, interleaved in a
@@ -22,6 +23,8 @@ call it makes. --order sets SDPA's priority order first: `sdpa` = torch's own (f
 with the override has, so `native` writes cuDNN-first and back on every call), `cudnn` = cuDNN first (nothing
 written), `found` = leave it. --inference-mode runs every call under torch.inference_mode(), as ComfyUI samples.
 --profile adds torch.profiler's host-side table (self CPU time per call of each op) for bare, dispatcher, override.
+--device cpu: the same configurations on float32 CPU tensors, timed by the clock alone (median_us = host_us): the
+Python layers cost what they cost on a GPU's host, less the GPU-only work (the breakdown's runner line).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch.nn.functional as F
 
 from comfy_model_step import ROOT, load_pack  # bench/ is on sys.path when a script of it runs
 from output import emit
-from timing import host_us_per_call, interleaved_ms
+from timing import cpu_us_per_call, host_us_per_call, interleaved_ms
 
 
 def main(argv=None) -> int:
@@ -50,6 +53,7 @@ def main(argv=None) -> int:
     parser.add_argument("--order", choices=sorted(ORDERS), default="found", help="SDPA's priority order to set first")
     parser.add_argument("--inference-mode", action="store_true", help="every call under torch.inference_mode()")
     parser.add_argument("--profile", action="store_true", help="torch.profiler's host-side table per configuration")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = parser.parse_args(argv)
     if args.inference_mode:
         with torch.inference_mode():
@@ -61,8 +65,12 @@ def measure(args) -> int:
     b, h, length, d = (int(x) for x in args.shape.split(","))
     adapter, dispatcher = load_pack(args.pack)
     set_order(args.order)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q3, k3, v3 = (torch.randn(b, length, h * d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    cuda = args.device == "cuda"
+    if not cuda:
+        torch.set_num_threads(1)  # the least noise (as bench/hot_path.py): the kernel's threads are not what is timed
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    q3, k3, v3 = (torch.randn(b, length, h * d, device=args.device, dtype=dtype, generator=gen) for _ in range(3))
     q4, k4, v4 = (t.view(b, length, h, d) for t in (q3, k3, v3))
     qb, kb, vb = (t.transpose(1, 2) for t in (q4, k4, v4))
     override = adapter.make_override("native")
@@ -89,33 +97,41 @@ def measure(args) -> int:
     }
     if args.breakdown:
         layers.update(breakdown_layers(dispatcher, q4, k4, v4))
+        if not cuda:  # what the runner's GPU branch costs in Python, on these CPU tensors (SDPA's order read, ...)
+            layers["gpu_branch"] = lambda: native._sdpa_cuda(qb, kb, vb, None, 0.0, False, None, False)
     ref = fns["bare"]().transpose(1, 2).flatten(2)
     torch.testing.assert_close(fns["dispatcher"]().flatten(2), ref, rtol=0, atol=0)
     torch.testing.assert_close(fns["override"](), ref, rtol=0, atol=0)
     if "comfy" in fns:
         torch.testing.assert_close(fns["comfy"](), ref, rtol=2e-2, atol=2e-2)  # its own kernel choice
     for name in BREAKDOWN if args.breakdown else ():
-        torch.testing.assert_close(layers[name]().flatten(2), ref, rtol=0, atol=0)
+        out = layers[name]()
+        torch.testing.assert_close((out.transpose(1, 2) if name == "prepared" else out).flatten(2), ref, rtol=0, atol=0)
     for fn in fns.values():
         for _ in range(50):
             fn()
-    torch.cuda.synchronize()
-    med = {name: ms * 1e3 for name, ms in interleaved_ms(fns, args.rounds, args.calls).items()}  # µs
-    host = host_us_per_call({**fns, **layers}, args.rounds, min(args.calls, 100))
+    if cuda:
+        torch.cuda.synchronize()
+        med = {name: ms * 1e3 for name, ms in interleaved_ms(fns, args.rounds, args.calls).items()}  # µs
+        host = host_us_per_call({**fns, **layers}, args.rounds, min(args.calls, 100))
+    else:  # the CPU computes as it goes: its clock time is its host time
+        host = cpu_us_per_call({**fns, **layers}, args.rounds, min(args.calls, 100))
+        med = {name: host[name] for name in fns}
     extra = {}
     if args.breakdown:
         extra["breakdown_us"] = {k: round(v, 3) for k, v in increments(host).items()}
     if args.profile:
         extra["profile"] = {name: host_profile(fns[name]) for name in ("bare", "dispatcher", "override")}
-    result = {"shape_bhld": [b, h, length, d], "dtype": "bfloat16", "median_us": {k: round(v, 3) for k, v in med.items()},
+    result = {"shape_bhld": [b, h, length, d], "dtype": str(dtype).replace("torch.", ""), "device": args.device,
+              "median_us": {k: round(v, 3) for k, v in med.items()},
               "sdpa_priority_order": torch._C._get_sdp_priority_order(), "order_set": args.order,
               "inference_mode": torch.is_inference_mode_enabled(),
-              "kernels": {name: gpu_kernels(fn) for name, fn in fns.items()},
+              **({"kernels": {name: gpu_kernels(fn) for name, fn in fns.items()}} if cuda else {}),
               "bare_over_dispatcher": round(med["bare"] / med["dispatcher"], 4),
               "bare_over_override": round(med["bare"] / med["override"], 4),
               **({"comfy_over_override": round(med["comfy"] / med["override"], 4)} if "comfy" in med else {}),
               "host_us": {k: round(v, 3) for k, v in host.items()},
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": args.rounds,
+              "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__, "rounds": args.rounds,
               "calls": args.calls, "pack": str(args.pack), **extra}
     emit(result, args.json)
     return 0
@@ -136,14 +152,14 @@ def set_order(name: str) -> None:
     torch._C._set_sdp_priority_order(order + [p for p in torch._C._get_sdp_priority_order() if p not in order])
 
 
-BREAKDOWN = ("views", "run", "eager", "prepared")  # breakdown_layers' names, each (B, L, H, D) out
+BREAKDOWN = ("views", "run", "eager", "prepared")  # breakdown_layers' names ("prepared" returns (B, H, L, D))
 
 
 def breakdown_layers(dispatcher, q4, k4, v4) -> dict:
     """The repeat path of `dispatch_attention_fn(q4, k4, v4)` ((B, L, H, D) views) with its outer layers peeled off,
     each returning the same tensor: "views" (bare SDPA plus the four views a (B, L, H, D) call takes), "run" (the
     decided candidate through `execute.run`, on a call described once), "eager" (the eager path on that call), and
-    "prepared" (the call the override makes: (B, H, L, D) views, everything but the tensors fixed). With "bare",
+    "prepared" (the call the override makes, on (B, H, L, D) views: no view of its own). With "bare",
     "runner", "dispatcher" and "override" from main, `increments` attributes the host time."""
     modules = sys.modules
     eager, execute = modules[f"{dispatcher.__name__}.eager"], modules[f"{dispatcher.__name__}.execute"]
@@ -158,7 +174,7 @@ def breakdown_layers(dispatcher, q4, k4, v4) -> dict:
         "views": lambda: sdpa(q4.permute(0, 2, 1, 3), k4.permute(0, 2, 1, 3), v4.permute(0, 2, 1, 3)).permute(0, 2, 1, 3),
         "run": lambda: execute.run(lanes[0], call),
         "eager": lambda: eager.dispatch_eager(call),
-        "prepared": lambda: prepared(qb, kb, vb).transpose(1, 2),
+        "prepared": lambda: prepared(qb, kb, vb),
     }
 
 
@@ -166,11 +182,12 @@ def increments(host: dict) -> dict:
     """Host us per call added by each layer, from `host_us` of the breakdown's configurations."""
     return {
         "views (3 in, 1 out)": host["views"] - host["bare"],
-        "native runner (GPU: SDPA priority order)": host["runner"] - host["bare"],
+        "native runner (on a GPU: SDPA's priority order)": host["runner"] - host["bare"],
         "execute.run": host["run"] - host["views"] - (host["runner"] - host["bare"]),
         "eager path (lookup, scope, fast lane)": host["eager"] - host["run"],
         "entry (dispatch_attention_fn)": host["dispatcher"] - host["eager"],
-        "override over its prepared call": host["override"] - host["prepared"],
+        "prepared call on (B, H, L, D) views": host["prepared"] - host["bare"],
+        "override over its prepared call (4 views, plan)": host["override"] - host["prepared"],
     }
 
 
