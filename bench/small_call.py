@@ -16,13 +16,14 @@ one's host time per call measured while the GPU is kept busy (so the host never 
 kernel's GPU time, the host, not the kernel, sets the pace.
 
 --breakdown: where the pack's host time per call goes, by timing the repeat path with its outer layers peeled off
-one at a time (`breakdown_layers`; `host_us` gets each layer, `breakdown_us` the differences, `increments`):
-the four views a (B, L, H, D) caller's call takes (3 in, 1 out), `native`'s GPU branch (SDPA's priority order),
-`execute.run` on the decided candidate, the eager path's lookup, the entry, and the override over the prepared
-call it makes. --order sets SDPA's priority order first: `sdpa` = torch's own (flash first: what a ComfyUI process
-with the override has, so `native` writes cuDNN-first and back on every call), `cudnn` = cuDNN first (nothing
-written), `found` = leave it. --inference-mode runs every call under torch.inference_mode(), as ComfyUI samples.
---profile adds torch.profiler's host-side table (self CPU time per call of each op) for bare, dispatcher, override.
+one at a time (`breakdown_layers`; `host_us` gets each layer, `breakdown_us` the differences, `increments`): the
+four views a (B, L, H, D) caller's call takes (3 in, 1 out), `native`'s GPU branch (SDPA's priority order),
+`execute.run` on the decided candidate, the eager path's lookup, the entry, the override over the prepared call it
+makes, and the override in a model (SDXL's block options, the node's recorder). --order sets SDPA's priority order
+first: `sdpa` = torch's own (flash first: what a ComfyUI process with the override has, so `native` writes
+cuDNN-first and back on every call), `cudnn` = cuDNN first (nothing written), `found` = leave it.
+--inference-mode runs every call under torch.inference_mode(), as ComfyUI samples. --profile adds torch.profiler's
+host-side table (self CPU time per call of each op) for bare, dispatcher, override.
 --device cpu: the same configurations on float32 CPU tensors, timed by the clock alone (median_us = host_us): the
 Python layers cost what they cost on a GPU's host, less the GPU-only work (the breakdown's runner line).
 """
@@ -99,12 +100,15 @@ def measure(args) -> int:
         layers.update(breakdown_layers(dispatcher, q4, k4, v4))
         if not cuda:  # what the runner's GPU branch costs in Python, on these CPU tensors (SDPA's order read, ...)
             layers["gpu_branch"] = lambda: native._sdpa_cuda(qb, kb, vb, None, 0.0, False, None, False)
+        # the override as a model's call reaches it: SDXL's block options (a block name per call) and the node's recorder
+        in_model = adapter.make_override("native", recorder=dispatcher.Recorder("small_call"))
+        layers["override_model"] = lambda: in_model(comfy_func, q3, k3, v3, h, transformer_options=SDXL_OPTIONS)
     ref = fns["bare"]().transpose(1, 2).flatten(2)
     torch.testing.assert_close(fns["dispatcher"]().flatten(2), ref, rtol=0, atol=0)
     torch.testing.assert_close(fns["override"](), ref, rtol=0, atol=0)
     if "comfy" in fns:
         torch.testing.assert_close(fns["comfy"](), ref, rtol=2e-2, atol=2e-2)  # its own kernel choice
-    for name in BREAKDOWN if args.breakdown else ():
+    for name in BREAKDOWN + ("override_model",) if args.breakdown else ():
         out = layers[name]()
         torch.testing.assert_close((out.transpose(1, 2) if name == "prepared" else out).flatten(2), ref, rtol=0, atol=0)
     for fn in fns.values():
@@ -152,6 +156,9 @@ def set_order(name: str) -> None:
     torch._C._set_sdp_priority_order(order + [p for p in torch._C._get_sdp_priority_order() if p not in order])
 
 
+# What SDXL's UNet passes an input block's attention (ComfyUI 0.3.64: openaimodel.py, attention.py): the override
+# names the block "#3.0" from it on every call.
+SDXL_OPTIONS = {"block": ("input", 4), "block_index": 0, "transformer_index": 3, "cond_or_uncond": [1, 0]}
 BREAKDOWN = ("views", "run", "eager", "prepared")  # breakdown_layers' names ("prepared" returns (B, H, L, D))
 
 
@@ -188,6 +195,8 @@ def increments(host: dict) -> dict:
         "entry (dispatch_attention_fn)": host["dispatcher"] - host["eager"],
         "prepared call on (B, H, L, D) views": host["prepared"] - host["bare"],
         "override over its prepared call (4 views, plan)": host["override"] - host["prepared"],
+        **({"override in a model (block name, the node's recorder)": host["override_model"] - host["override"]}
+           if "override_model" in host else {}),
     }
 
 

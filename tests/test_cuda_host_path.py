@@ -159,3 +159,25 @@ def test_the_order_options_set_what_they_name(sdpa_order):
 def test_the_host_profile_names_sdpa():
     rows = _small_call().host_profile(lambda: F.scaled_dot_product_attention(*qkv()), calls=3)
     assert any("scaled_dot_product" in r["name"] for r in rows) and all(r["self_cpu_us_per_call"] >= 0 for r in rows)
+
+
+def test_the_small_call_bench_runs_its_breakdown_on_the_cpu(tmp_path):
+    """End to end, in its own process (it loads the pack under the name the adapter tests use, and sets SDPA's order)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = tmp_path / "small_call.json"
+    env = {k: v for k, v in os.environ.items() if k != "COMFYUI_PATH"}  # ComfyUI's own column needs a ComfyUI
+    run = subprocess.run([sys.executable, "bench/small_call.py", "--device", "cpu", "--shape", "1,2,8,16", "--rounds",
+                          "2", "--calls", "3", "--breakdown", "--order", "cudnn", "--inference-mode", "--json", str(out)],
+                         cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["inference_mode"] and result["order_set"] == "cudnn" and result["device"] == "cpu"
+    assert result["sdpa_priority_order"] == CUDNN_FIRST
+    layers = {"bare", "dispatcher", "override", "runner", "views", "run", "eager", "prepared", "override_model",
+              "gpu_branch"}
+    assert layers <= set(result["host_us"]) and all(v > 0 for v in result["host_us"].values())
+    assert len(result["breakdown_us"]) == 8
