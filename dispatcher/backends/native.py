@@ -126,7 +126,7 @@ def _select(backends, priority: bool, fn, *args, **kwargs):
         _last_pin = (backends, wants)
     with _FLAGS:
         # Only the flags that differ from the pin are written, and only those put back: with every kernel enabled
-        # (the default) three of the four are written, not all four twice.
+        # (the default) all but the pinned one are written once and put back once, the pinned one not at all.
         restore = []
         for (_, get, set_flag), want in zip(_FLAG_ACCESS, wants):
             was = get()
