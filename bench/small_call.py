@@ -23,7 +23,8 @@ makes, and the override in a model (SDXL's block options, the node's recorder). 
 first: `sdpa` = torch's own (flash first: what a ComfyUI process with the override has, so `native` writes
 cuDNN-first and back on every call), `cudnn` = cuDNN first (nothing written), `found` = leave it.
 --inference-mode runs every call under torch.inference_mode(), as ComfyUI samples. --profile adds torch.profiler's
-host-side table (self CPU time per call of each op) for bare, dispatcher, override.
+host-side table (self CPU time per call of each op) and the Python functions and builtins one call runs
+(`python_calls`) for bare, dispatcher, override.
 --device cpu: the same configurations on float32 CPU tensors, timed by the clock alone (median_us = host_us): the
 Python layers cost what they cost on a GPU's host, less the GPU-only work (the breakdown's runner line).
 """
@@ -126,6 +127,7 @@ def measure(args) -> int:
         extra["breakdown_us"] = {k: round(v, 3) for k, v in increments(host).items()}
     if args.profile:
         extra["profile"] = {name: host_profile(fns[name]) for name in ("bare", "dispatcher", "override")}
+        extra["python_calls"] = {name: python_calls(fns[name]) for name in ("bare", "dispatcher", "override")}
     result = {"shape_bhld": [b, h, length, d], "dtype": str(dtype).replace("torch.", ""), "device": args.device,
               "median_us": {k: round(v, 3) for k, v in med.items()},
               "sdpa_priority_order": torch._C._get_sdp_priority_order(), "order_set": args.order,
@@ -198,6 +200,35 @@ def increments(host: dict) -> dict:
         **({"override in a model (block name, the node's recorder)": host["override_model"] - host["override"]}
            if "override_model" in host else {}),
     }
+
+
+def python_calls(fn, calls: int = 10) -> dict[str, float]:
+    """Every Python function and builtin one call of `fn` runs, with how many times (sys.setprofile: the inventory
+    of a repeat call, e.g. a torch.cuda query or a context manager that should not be there), most frequent first."""
+    import collections
+    import types
+    counts: collections.Counter = collections.Counter()
+
+    def seen(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            counts[f"{Path(code.co_filename).name}:{code.co_name}"] += 1
+        elif event == "c_call" and arg is not sys.setprofile:
+            owner = getattr(arg, "__self__", None)
+            if owner is None or isinstance(owner, types.ModuleType):
+                prefix = getattr(arg, "__module__", None) or "builtins"
+            else:
+                prefix = owner.__name__ if isinstance(owner, type) else type(owner).__name__
+            counts[f"{prefix}.{getattr(arg, '__name__', '?')}"] += 1
+
+    fn()
+    sys.setprofile(seen)
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        sys.setprofile(None)
+    return {name: n / calls for name, n in counts.most_common() if name != "small_call.py:<lambda>"}
 
 
 def host_profile(fn, calls: int = 50, rows: int = 25) -> list[dict]:

@@ -171,7 +171,8 @@ def test_the_small_call_bench_runs_its_breakdown_on_the_cpu(tmp_path):
     out = tmp_path / "small_call.json"
     env = {k: v for k, v in os.environ.items() if k != "COMFYUI_PATH"}  # ComfyUI's own column needs a ComfyUI
     run = subprocess.run([sys.executable, "bench/small_call.py", "--device", "cpu", "--shape", "1,2,8,16", "--rounds",
-                          "2", "--calls", "3", "--breakdown", "--order", "cudnn", "--inference-mode", "--json", str(out)],
+                          "2", "--calls", "3", "--breakdown", "--order", "cudnn", "--inference-mode", "--profile",
+                          "--json", str(out)],
                          cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -181,3 +182,10 @@ def test_the_small_call_bench_runs_its_breakdown_on_the_cpu(tmp_path):
               "gpu_branch"}
     assert layers <= set(result["host_us"]) and all(v > 0 for v in result["host_us"].values())
     assert len(result["breakdown_us"]) == 8
+    # the inventory of a repeat call: the dispatcher's own functions, the views and SDPA; nothing of torch.cuda's
+    inventory = result["python_calls"]["dispatcher"]
+    assert inventory["dispatch.py:dispatch_attention_fn"] == 1 and inventory["Tensor.permute"] == 4
+    assert inventory["eager.py:dispatch_eager"] == 1 and "eager.py:_first_call" not in inventory
+    assert not [name for name in inventory if "cuda" in name.lower() or "sdpa_kernel" in name or "contextmanager" in name]
+    assert result["python_calls"]["bare"] == {"torch._C._nn.scaled_dot_product_attention": 1.0}
+    assert {"bare", "dispatcher", "override"} == set(result["profile"])
