@@ -1,6 +1,8 @@
 """A small attention call through the pack against a bare SDPA call on the same views, on a GPU.
 
     python bench/small_call.py [--shape 2,20,1024,64] [--rounds 30] [--calls 200] [--json PATH]
+                               [--breakdown] [--order found|sdpa|cudnn] [--inference-mode] [--profile]
+                               [--device cuda|cpu]
 
 SDXL's 32x32 level, (B, H, L, D) = (2, 20, 1024, 64), takes tens of microseconds on an H200: the host work
 per call decides whether the GPU waits. ComfyUI hands (B, L, H*D) tensors; configurations, interleaved in a
@@ -12,6 +14,19 @@ shuffled order every round, each time `calls` back-to-back calls (CUDA events ar
 The ratio bare/x is the fraction of the bare call's speed the pack reaches (1.0 = no cost). `host_us` is each
 one's host time per call measured while the GPU is kept busy (so the host never waits): when it exceeds the
 kernel's GPU time, the host, not the kernel, sets the pace.
+
+--breakdown: where the pack's host time per call goes, by timing the repeat path with its outer layers peeled off
+one at a time (`breakdown_layers`; `host_us` gets each layer, `breakdown_us` the differences, `increments`): the
+four views a (B, L, H, D) caller's call takes (3 in, 1 out), `native`'s GPU branch (SDPA's priority order),
+`execute.run` on the decided candidate, the eager path's lookup, the entry, the override over the prepared call it
+makes, and the override in a model (SDXL's block options, the node's recorder). --order sets SDPA's priority order
+first: `sdpa` = torch's own (flash first: what a ComfyUI process with the override has, so `native` writes
+cuDNN-first and back on every call), `cudnn` = cuDNN first (nothing written), `found` = leave it.
+--inference-mode runs every call under torch.inference_mode(), as ComfyUI samples. --profile adds torch.profiler's
+host-side table (self CPU time per call of each op) and the Python functions and builtins one call runs
+(`python_calls`) for bare, dispatcher, override.
+--device cpu: the same configurations on float32 CPU tensors, timed by the clock alone (median_us = host_us): the
+Python layers cost what they cost on a GPU's host, less the GPU-only work (the breakdown's runner line).
 """
 
 from __future__ import annotations
@@ -26,7 +41,7 @@ import torch.nn.functional as F
 
 from comfy_model_step import ROOT, load_pack  # bench/ is on sys.path when a script of it runs
 from output import emit
-from timing import host_us_per_call, interleaved_ms
+from timing import cpu_us_per_call, host_us_per_call, interleaved_ms
 
 
 def main(argv=None) -> int:
@@ -36,11 +51,28 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--json")
     parser.add_argument("--pack", type=Path, default=ROOT, help="measure the pack in this folder")
+    parser.add_argument("--breakdown", action="store_true", help="host time per layer of the repeat path")
+    parser.add_argument("--order", choices=sorted(ORDERS), default="found", help="SDPA's priority order to set first")
+    parser.add_argument("--inference-mode", action="store_true", help="every call under torch.inference_mode()")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler's host-side table per configuration")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = parser.parse_args(argv)
+    if args.inference_mode:
+        with torch.inference_mode():
+            return measure(args)
+    return measure(args)
+
+
+def measure(args) -> int:
     b, h, length, d = (int(x) for x in args.shape.split(","))
     adapter, dispatcher = load_pack(args.pack)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q3, k3, v3 = (torch.randn(b, length, h * d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    set_order(args.order)
+    cuda = args.device == "cuda"
+    if not cuda:
+        torch.set_num_threads(1)  # the least noise (as bench/hot_path.py): the kernel's threads are not what is timed
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    q3, k3, v3 = (torch.randn(b, length, h * d, device=args.device, dtype=dtype, generator=gen) for _ in range(3))
     q4, k4, v4 = (t.view(b, length, h, d) for t in (q3, k3, v3))
     qb, kb, vb = (t.transpose(1, 2) for t in (q4, k4, v4))
     override = adapter.make_override("native")
@@ -65,28 +97,154 @@ def main(argv=None) -> int:
         "priority_flip": lambda: native._select(native.CUDA_PRIORITY, True,
                                                 lambda: F.scaled_dot_product_attention(qb, kb, vb)),
     }
+    if args.breakdown:
+        layers.update(breakdown_layers(dispatcher, q4, k4, v4))
+        if not cuda:  # what the runner's GPU branch costs in Python, on these CPU tensors (SDPA's order read, ...)
+            layers["gpu_branch"] = lambda: native._sdpa_cuda(qb, kb, vb, None, 0.0, False, None, False)
+        # the override as a model's call reaches it: SDXL's block options (a block name per call) and the node's recorder
+        in_model = adapter.make_override("native", recorder=dispatcher.Recorder("small_call"))
+        layers["override_model"] = lambda: in_model(comfy_func, q3, k3, v3, h, transformer_options=SDXL_OPTIONS)
     ref = fns["bare"]().transpose(1, 2).flatten(2)
     torch.testing.assert_close(fns["dispatcher"]().flatten(2), ref, rtol=0, atol=0)
     torch.testing.assert_close(fns["override"](), ref, rtol=0, atol=0)
     if "comfy" in fns:
         torch.testing.assert_close(fns["comfy"](), ref, rtol=2e-2, atol=2e-2)  # its own kernel choice
+    for name in BREAKDOWN + ("override_model",) if args.breakdown else ():
+        out = layers[name]()
+        torch.testing.assert_close((out.transpose(1, 2) if name == "prepared" else out).flatten(2), ref, rtol=0, atol=0)
     for fn in fns.values():
         for _ in range(50):
             fn()
-    torch.cuda.synchronize()
-    med = {name: ms * 1e3 for name, ms in interleaved_ms(fns, args.rounds, args.calls).items()}  # µs
-    host = host_us_per_call({**fns, **layers}, args.rounds, min(args.calls, 100))
-    result = {"shape_bhld": [b, h, length, d], "dtype": "bfloat16", "median_us": {k: round(v, 3) for k, v in med.items()},
-              "sdpa_priority_order": torch._C._get_sdp_priority_order(),
-              "kernels": {name: gpu_kernels(fn) for name, fn in fns.items()},
+    if cuda:
+        torch.cuda.synchronize()
+        med = {name: ms * 1e3 for name, ms in interleaved_ms(fns, args.rounds, args.calls).items()}  # µs
+        host = host_us_per_call({**fns, **layers}, args.rounds, min(args.calls, 100))
+    else:  # the CPU computes as it goes: its clock time is its host time
+        host = cpu_us_per_call({**fns, **layers}, args.rounds, min(args.calls, 100))
+        med = {name: host[name] for name in fns}
+    extra = {}
+    if args.breakdown:
+        extra["breakdown_us"] = {k: round(v, 3) for k, v in increments(host).items()}
+    if args.profile:
+        extra["profile"] = {name: host_profile(fns[name]) for name in ("bare", "dispatcher", "override")}
+        extra["python_calls"] = {name: python_calls(fns[name]) for name in ("bare", "dispatcher", "override")}
+    result = {"shape_bhld": [b, h, length, d], "dtype": str(dtype).replace("torch.", ""), "device": args.device,
+              "median_us": {k: round(v, 3) for k, v in med.items()},
+              "sdpa_priority_order": torch._C._get_sdp_priority_order(), "order_set": args.order,
+              "inference_mode": torch.is_inference_mode_enabled(),
+              **({"kernels": {name: gpu_kernels(fn) for name, fn in fns.items()}} if cuda else {}),
               "bare_over_dispatcher": round(med["bare"] / med["dispatcher"], 4),
               "bare_over_override": round(med["bare"] / med["override"], 4),
               **({"comfy_over_override": round(med["comfy"] / med["override"], 4)} if "comfy" in med else {}),
               "host_us": {k: round(v, 3) for k, v in host.items()},
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rounds": args.rounds,
-              "calls": args.calls, "pack": str(args.pack)}
+              "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__, "rounds": args.rounds,
+              "calls": args.calls, "pack": str(args.pack), **extra}
     emit(result, args.json)
     return 0
+
+
+# SDPA's priority orders --order sets: torch's own (what a process has unless something set another) and cuDNN first
+# (what `native` asks for on GPUs, so it writes nothing).
+ORDERS = {"found": None, "sdpa": ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION"),
+          "cudnn": ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")}
+
+
+def set_order(name: str) -> None:
+    first = ORDERS[name]
+    if first is None:
+        return
+    from torch.nn.attention import SDPBackend
+    order = [int(getattr(SDPBackend, member)) for member in first]
+    torch._C._set_sdp_priority_order(order + [p for p in torch._C._get_sdp_priority_order() if p not in order])
+
+
+# What SDXL's UNet passes an input block's attention (ComfyUI 0.3.64: openaimodel.py, attention.py): the override
+# names the block "#3.0" from it on every call.
+SDXL_OPTIONS = {"block": ("input", 4), "block_index": 0, "transformer_index": 3, "cond_or_uncond": [1, 0]}
+BREAKDOWN = ("views", "run", "eager", "prepared")  # breakdown_layers' names ("prepared" returns (B, H, L, D))
+
+
+def breakdown_layers(dispatcher, q4, k4, v4) -> dict:
+    """The repeat path of `dispatch_attention_fn(q4, k4, v4)` ((B, L, H, D) views) with its outer layers peeled off,
+    each returning the same tensor: "views" (bare SDPA plus the four views a (B, L, H, D) call takes), "run" (the
+    decided candidate through `execute.run`, on a call described once), "eager" (the eager path on that call), and
+    "prepared" (the call the override makes, on (B, H, L, D) views: no view of its own). With "bare",
+    "runner", "dispatcher" and "override" from main, `increments` attributes the host time."""
+    modules = sys.modules
+    eager, execute = modules[f"{dispatcher.__name__}.eager"], modules[f"{dispatcher.__name__}.execute"]
+    call_type = modules[f"{dispatcher.__name__}.call"].AttentionCall
+    sdpa = F.scaled_dot_product_attention
+    dispatcher.dispatch_attention_fn(q4, k4, v4)  # decided: its candidate is the one the repeat calls run
+    lanes = [d.lane for d in eager._fast.values() if getattr(d, "lane", None) is not None and d.lane.transpose]
+    call = call_type(q4, k4, v4)
+    qb, kb, vb = (t.transpose(1, 2) for t in (q4, k4, v4))
+    prepared = dispatcher.PreparedAttention(layout="BHSD")
+    return {
+        "views": lambda: sdpa(q4.permute(0, 2, 1, 3), k4.permute(0, 2, 1, 3), v4.permute(0, 2, 1, 3)).permute(0, 2, 1, 3),
+        "run": lambda: execute.run(lanes[0], call),
+        "eager": lambda: eager.dispatch_eager(call),
+        "prepared": lambda: prepared(qb, kb, vb),
+    }
+
+
+def increments(host: dict) -> dict:
+    """Host us per call added by each layer, from `host_us` of the breakdown's configurations."""
+    return {
+        "views (3 in, 1 out)": host["views"] - host["bare"],
+        "native runner (on a GPU: SDPA's priority order)": host["runner"] - host["bare"],
+        "execute.run": host["run"] - host["views"] - (host["runner"] - host["bare"]),
+        "eager path (lookup, scope, fast lane)": host["eager"] - host["run"],
+        "entry (dispatch_attention_fn)": host["dispatcher"] - host["eager"],
+        "prepared call on (B, H, L, D) views": host["prepared"] - host["bare"],
+        "override over its prepared call (4 views, plan)": host["override"] - host["prepared"],
+        **({"override in a model (block name, the node's recorder)": host["override_model"] - host["override"]}
+           if "override_model" in host else {}),
+    }
+
+
+def python_calls(fn, calls: int = 10) -> dict[str, float]:
+    """Every Python function and builtin one call of `fn` runs, with how many times (sys.setprofile: the inventory
+    of a repeat call, e.g. a torch.cuda query or a context manager that should not be there), most frequent first."""
+    import collections
+    import types
+    counts: collections.Counter = collections.Counter()
+
+    def seen(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            counts[f"{Path(code.co_filename).name}:{code.co_name}"] += 1
+        elif event == "c_call" and arg is not sys.setprofile:
+            owner = getattr(arg, "__self__", None)
+            if owner is None or isinstance(owner, types.ModuleType):
+                prefix = getattr(arg, "__module__", None) or "builtins"
+            else:
+                prefix = owner.__name__ if isinstance(owner, type) else type(owner).__name__
+            counts[f"{prefix}.{getattr(arg, '__name__', '?')}"] += 1
+
+    fn()
+    sys.setprofile(seen)
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        sys.setprofile(None)
+    return {name: n / calls for name, n in counts.most_common() if name != "small_call.py:<lambda>"}
+
+
+def host_profile(fn, calls: int = 50, rows: int = 25) -> list[dict]:
+    """torch.profiler's host-side account of `calls` calls of `fn`: self CPU us per call of each op (aten ops and
+    CUDA runtime calls), the most expensive first. The profiler slows every op: compare rows, not totals."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    fn()
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
+    return [{"name": e.key[:80], "count_per_call": round(e.count / calls, 2),
+             "self_cpu_us_per_call": round(e.self_cpu_time_total / calls, 3)} for e in events]
 
 
 def gpu_kernels(fn) -> list[str]:

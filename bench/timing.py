@@ -49,6 +49,18 @@ def host_us_per_call(fns: dict, rounds: int, calls: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def cpu_us_per_call(fns: dict, rounds: int, calls: int) -> dict[str, float]:
+    """CPU: median clock time per call of each, in µs (on the CPU the host's time is the call's time)."""
+    samples = {name: [] for name in fns}
+    for name in shuffled_rounds(fns, rounds, seed=1):
+        fn = fns[name]
+        begin = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples[name].append((time.perf_counter() - begin) / calls * 1e6)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def gpu_us_per_call(fns: dict, rounds: int, calls: int) -> dict[str, float]:
     """GPU: median GPU time per call of each, in µs: the calls are queued behind a sleep kernel and run back to
     back, so the host's pace never shows (what the kernels cost, not what the host makes the GPU wait)."""

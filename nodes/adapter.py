@@ -340,16 +340,17 @@ class AttentionOverride:
         if backend == COMFY_DEFAULT or backend == PASS_THROUGH:
             _check_call(q, k, v, mask, skip_reshape)
             return _Plan("", site=_site(to, q, k, skip_reshape)), ""
-        block = signature = plan = None
+        block = signature = plan = q_shape = k_shape = None
         compiling = _dynamo_compiling()
         try:  # the block first: every call is counted, passed on or not, so ordinals stay block numbers
+            q_shape, k_shape = q.shape, k.shape  # read once for both uses: each read builds a torch.Size
             axis = 2 if skip_reshape else 1
-            block = block_name(to, None if compiling else self._ordinals, q.shape[axis] == k.shape[axis])
+            block = block_name(to, None if compiling else self._ordinals, q_shape[axis] == k_shape[axis])
         except (AttributeError, IndexError, TypeError):  # not tensors: _plan says why
             pass
-        if not compiling:  # traced once per graph; hashing symbolic sizes would specialise them
+        if not compiling and q_shape is not None:  # traced once per graph: hashing symbolic sizes would specialise them
             try:  # everything a plan depends on; not tensors or unhashable options: no plan (_plan says why)
-                signature = (q.shape, k.shape, v.shape, q.dtype, heads, None if mask is None else mask.dtype,
+                signature = (q_shape, k_shape, v.shape, q.dtype, heads, None if mask is None else mask.dtype,
                              attn_precision, skip_reshape, skip_output_reshape, kwargs.get("scale"),
                              kwargs.get("enable_gqa", False), kwargs.get("low_precision_attention", True),
                              to.get("block_type"), to.get("block"), block)

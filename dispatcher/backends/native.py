@@ -91,6 +91,10 @@ _FLAG_ACCESS = [(getattr(SDPBackend, member), getattr(torch._C, f"_get_{flag}_sd
 # (backends, order in force, the order to set) of the last flip: the next call finds it by identity and one
 # list comparison (hashing SDPBackend members, pybind11 enums, costs ~0.2 us each).
 _last_flip: tuple = (None, None, None)
+# (backends, the flag values they pin) of the last pin, found the same way; the pinned backends pass these tuples.
+_last_pin: tuple = (None, None)
+FLASH_ONLY, EFFICIENT_ONLY, CUDNN_ONLY = ((SDPBackend.FLASH_ATTENTION,), (SDPBackend.EFFICIENT_ATTENTION,),
+                                          (SDPBackend.CUDNN_ATTENTION,))
 # Bound once: the priority branch runs on every SDPA call on a GPU, and attribute chains there add up.
 _get_order, _set_order = torch._C._get_sdp_priority_order, torch._C._set_sdp_priority_order
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
@@ -112,29 +116,47 @@ def _select(backends, priority: bool, fn, *args, **kwargs):
     if _dynamo_compiling():
         with sdpa_kernel(list(backends), set_priority=priority):
             return fn(*args, **kwargs)
+    if priority:
+        return _tried_first(backends, fn, *args, **kwargs)
+    global _last_pin
+    pinned, wants = _last_pin
+    if pinned is not backends:  # found by identity: comparing SDPBackend members (pybind11 enums) costs ~0.1 us each
+        wants = tuple(member in backends for member, _, _ in _FLAG_ACCESS)
+        _last_pin = (backends, wants)
     with _FLAGS:
-        if priority:
-            global _last_flip
-            previous = _get_order()
-            last_backends, last_previous, wanted = _last_flip
-            if last_backends is not backends or last_previous != previous:
-                wanted = _backends_first(backends, previous)
-                _last_flip = (backends, previous, wanted)
-            if wanted == previous:  # already in force (e.g. inside ComfyUI's own priority block): nothing to flip
-                return fn(*args, **kwargs)
-            _set_order(wanted)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                _set_order(previous)
-        saved = [get() for _, get, _ in _FLAG_ACCESS]
+        # Only the flags that differ from the pin are written, and only those put back: with every kernel enabled
+        # (the default) all but the pinned one are written once and put back once, the pinned one not at all.
+        restore = []
+        for (_, get, set_flag), want in zip(_FLAG_ACCESS, wants):
+            was = get()
+            if was != want:
+                set_flag(want)
+                restore.append((set_flag, was))
         try:
-            for member, _, set_flag in _FLAG_ACCESS:
-                set_flag(member in backends)
             return fn(*args, **kwargs)
         finally:
-            for (_, _, set_flag), was in zip(_FLAG_ACCESS, saved):
+            for set_flag, was in restore:
                 set_flag(was)
+
+
+def _tried_first(backends, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` with `backends` first in SDPA's priority order (eager only). Writes the order only when
+    another is in force, and puts it back; where it is in force already (ComfyUI's own priority block, or a
+    process that set it) a call costs the lock, one read of the order and one list comparison."""
+    global _last_flip
+    with _FLAGS:
+        previous = _get_order()
+        last_backends, last_previous, wanted = _last_flip
+        if last_backends is not backends or last_previous != previous:
+            wanted = _backends_first(backends, previous)
+            _last_flip = (backends, previous, wanted)
+        if wanted == previous:
+            return fn(*args, **kwargs)
+        _set_order(wanted)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _set_order(previous)
 
 
 def _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *, pinned=None):
@@ -144,7 +166,7 @@ def _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_ls
         kwargs["enable_gqa"] = True
     if pinned is None:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    return _select((pinned,), False, F.scaled_dot_product_attention, q, k, v, **kwargs)
+    return _select(pinned, False, F.scaled_dot_product_attention, q, k, v, **kwargs)
 
 
 def _math(q, k, v, *, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -180,12 +202,18 @@ def sdpa_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, 
 
 
 def _sdpa_cuda(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    k, v, enable_gqa = _like_query(q, k, v, enable_gqa)  # so that the fused kernels, not math, can take broadcasts
+    """SDPA with cuDNN tried first. A repeat call costs two shape reads, the priority order read under the flags'
+    lock and SDPA itself: no context manager, no torch.cuda query, no flag or order written while the order is in
+    force (tests/test_cuda_host_path.py counts it)."""
+    q_shape, k_shape = q.shape, k.shape  # each read builds a torch.Size: read once
+    if k_shape[0] != q_shape[0] or k_shape[1] != q_shape[1]:  # a broadcast the fused kernels do not take
+        k, v, enable_gqa = _like_query(q, k, v, enable_gqa)
     if is_causal and attn_mask is not None:  # math (and so SDPA, when it picks math) refuses both: fold them
         attn_mask, is_causal = _with_causal(q, k, attn_mask), False
-    if not enable_gqa and scale is None:  # the common call, positional (as on the CPU above)
-        return _select(CUDA_PRIORITY, True, _scaled_dot_product_attention, q, k, v, attn_mask, dropout_p, is_causal)
-    return _select(CUDA_PRIORITY, True, _sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, False)
+    if enable_gqa or scale is not None or _dynamo_compiling():
+        return _select(CUDA_PRIORITY, True, _sdpa, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, False)
+    # the common call, positional (as on the CPU above)
+    return _tried_first(CUDA_PRIORITY, _scaled_dot_product_attention, q, k, v, attn_mask, dropout_p, is_causal)
 
 
 def math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
@@ -215,7 +243,7 @@ def flash_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, retu
     if not return_lse and q.device.type != "cpu":
         k, v, enable_gqa = _like_query(q, k, v, enable_gqa)
         return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                     enable_gqa=enable_gqa, return_lse=False, pinned=SDPBackend.FLASH_ATTENTION)
+                     enable_gqa=enable_gqa, return_lse=False, pinned=FLASH_ONLY)
     k, v = _gqa_expand(q, k, v, enable_gqa)
     if q.device.type == "cpu":  # the op SDPA's flash backend runs on the CPU, called directly (no flags)
         attn_mask, is_causal = _causal_as_mask(q, k, attn_mask, is_causal, scale)
@@ -235,7 +263,7 @@ def efficient_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, 
     q, k, v = _unit_stride(q, k, v)  # pinned to one fused kernel: SDPA cannot pick math for a strided view
     if not return_lse:
         return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                     enable_gqa=False, return_lse=False, pinned=SDPBackend.EFFICIENT_ATTENTION)
+                     enable_gqa=False, return_lse=False, pinned=EFFICIENT_ONLY)
     bias = None if attn_mask is None else _as_bias(attn_mask, q)
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, bias, True, dropout_p, is_causal, scale=scale)[:2]
@@ -247,7 +275,7 @@ def cudnn_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, retu
     q, k, v = _unit_stride(q, k, v)  # pinned to one fused kernel: SDPA cannot pick math for a strided view
     if not return_lse:
         return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                     enable_gqa=False, return_lse=False, pinned=SDPBackend.CUDNN_ATTENTION)
+                     enable_gqa=False, return_lse=False, pinned=CUDNN_ONLY)
     bias = None if attn_mask is None else _as_bias(attn_mask, q)
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, bias, True, dropout_p, is_causal, False, scale=scale)[:2]
