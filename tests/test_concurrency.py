@@ -419,5 +419,13 @@ def test_registry_listing_while_backends_are_registered():
 
 
 def test_hammer_reports_its_reads():
-    h = Hammer().run(lambda i: time.sleep(0.05), n=2, readers=server_reads())
-    assert h.reads > 0
+    """The readers loop alongside the workers until the workers end: workers that wait for three reads see them
+    (a worker that slept a fixed time instead could end before a starved reader ran once on a loaded machine)."""
+    h = Hammer()
+
+    def worker(i):
+        deadline = time.monotonic() + 60
+        while h.reads < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    h.run(worker, n=2, readers=server_reads())
+    assert h.reads >= 3
