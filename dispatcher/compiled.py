@@ -45,6 +45,7 @@ caches.on_forget(_traced_candidates.clear)
 _traced_rows: dict[tuple, int] = {}
 _rows_by_number: dict[int, tuple] = {}
 # The tensor the counting op says it mutates: an op with no output and no mutation would be dropped from the graph.
+# On the CPU whatever device the call runs on; see `_define_count` for what that does to CUDA graphs.
 _COUNT_TOKEN = torch.zeros(1, dtype=torch.int8)
 RUNTIME = "<runtime op>"  # a traced plan that runs the call as the opaque op (the eager path inside)
 _FIELDS = tuple(f.name for f in fields(AttentionInputs))
@@ -152,8 +153,26 @@ def _count_op():
     return _counter
 
 
+# The counting op's body is host work that must run on every run of the graph, and a CUDA graph replays only the
+# kernels it captured. So inductor must never capture it, and does not (torch 2.13, mode="reduce-overhead"):
+# - with graph partitions (torch._inductor.config.graph_partition, on by default in 2.13) a CPU op or one tagged
+#   cudagraph_unsafe is a partition boundary (Scheduler.should_partition): it runs in the graph's `call`
+#   between CUDA-graphed partitions; the count ops depend on nothing but the token, so inductor's reordering
+#   for fewer partitions (reorder_for_minimizing_partition) can move them together. CUDA graphs are used and
+#   every run counts (tests/gpu/test_gpu_compile.py checks both).
+# - without them, a CPU node (cudagraph_utils.check_multiple_devices_or_any_cpu_nodes: "skipping cudagraphs due
+#   to cpu device") or a cudagraph_unsafe op (get_first_incompatible_cudagraph_node) turns CUDA graphs off for
+#   the whole graph: the counts stay right, the graph runs without CUDA graphs. Counting there too would need
+#   counters the graph's own kernels increment on the device, read back when a recorder is read.
+# The tag says so whatever the token's device: a token on the call's device alone would make the op look like
+# any CUDA kernel, captured once and never run again, and a recorder would stop counting after the first runs.
+_CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
 def _define_count(name: str):
-    @torch.library.custom_op(name, mutates_args=("token",))
+    tags = {"tags": _CUDAGRAPH_UNSAFE} if _CUDAGRAPH_UNSAFE else {}
+
+    @torch.library.custom_op(name, mutates_args=("token",), **tags)
     def count(token: torch.Tensor, recorder_serial: int, row: int) -> None:
         recorder = by_serial(recorder_serial)
         if recorder is not None and row in _rows_by_number:

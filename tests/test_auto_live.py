@@ -17,13 +17,17 @@ import dispatcher
 from dispatcher import Recorder, dispatch_attention_fn, model_scope, recording
 from dispatcher import auto
 from dispatcher.auto import Tuner
+from helpers import fake_clock
 from helpers.tensors import qkv, sdpa as exact
 
 
-def slow_exact(q, k, v, **kw):
-    import time
-    time.sleep(0.02)
-    return exact(q, k, v)
+CLOCK = fake_clock.FakeClock()  # the tuner's clock in every test here: only slow_exact takes time on it
+slow_exact = CLOCK.kernel(20)  # exact, and slower than every kernel it competes with
+
+
+@pytest.fixture(autouse=True)
+def _fake_clock(monkeypatch):
+    fake_clock.use(monkeypatch, CLOCK)
 
 
 def clamping(q, k, v, **_):
@@ -55,7 +59,6 @@ def register(name, fn, **kw):
 @pytest.fixture
 def tuner(tmp_path):
     def make(*names, **kw):
-        kw.setdefault("time_budget_s", 2.0)  # not the 0.5 s CPU default: these kernels sleep, the machine is loaded
         t = Tuner(cache_path=tmp_path / "tune.json", backends=names, **kw)
         return auto.using(t)
     return make

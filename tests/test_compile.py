@@ -169,6 +169,32 @@ def test_fallback_inside_compile_is_recorded_with_its_reasons():
     assert recorder.served_by("_native_flash") == 3 + 3
 
 
+def test_the_counting_op_is_never_captured_by_a_cuda_graph():
+    """The counting op's body is host work a CUDA graph replay would skip: the op in the graph inductor is given
+    carries the tag inductor reads as cudagraph-unsafe (torch._inductor.utils.is_cudagraph_unsafe_fx_node), so
+    inductor partitions the graph around it, or runs it without CUDA graphs, and every run counts
+    (compiled._define_count says why; tests/gpu/test_gpu_compile.py checks CUDA graphs are used on a GPU)."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    graphs = []
+
+    def keep_graph(gm, example_inputs):  # the graph inductor would be given: AOT autograd's, of OpOverloads
+        def forward(graph, _):
+            graphs.append(graph)
+            return graph
+        return aot_module_simplified(gm, example_inputs, fw_compiler=forward)
+
+    q, k, v = tiny()
+    recorder = Recorder()
+    with recording(recorder):
+        compiled = torch.compile(model(backend="native"), backend=keep_graph, fullgraph=True)
+        for _ in range(2):
+            compiled(q, k, v)
+    ops = [arg for g in graphs for n in g.graph.nodes if n.op == "call_function"  # the op, or the op functionalized
+           for arg in (n.target, *n.args) if str(arg).startswith("attention_dispatch.count_")]
+    assert len(ops) == 1 and torch.Tag.cudagraph_unsafe in ops[0].tags
+    assert recorder.served_by("native") == 2
+
+
 def test_a_new_backend_argument_retraces():
     q, k, v = tiny()
     choice = {"name": "native"}

@@ -198,6 +198,34 @@ def test_shared_recorder_through_the_dispatcher_and_the_adapter():
     assert counts == {(f"site{s}", b): THREADS // 2 * CALLS // 2 for s in (0, 1) for b in ("native", "flex")}
 
 
+def test_eager_flex_from_two_copies_of_the_pack_takes_turns():
+    """torch's eager flex is not thread-safe: each call enters torch.fx.traceback.annotate, which adds a key to a
+    module-level dict and deletes it on exit. Threads running it through two copies of the pack at once (the one
+    ComfyUI loaded and another import) take turns under one lock; with a lock per copy, one thread raised
+    KeyError: 'custom' now and then (flex fell back to native), and every run left the key in torch's dict."""
+    copies = (dispatcher, pack_dispatcher)
+    flex_modules = [importlib.import_module(f"{d.__name__}.backends.flex") for d in copies]
+    assert flex_modules[0] is not flex_modules[1] and flex_modules[0]._eager_lock is flex_modules[1]._eager_lock
+    recorders = [d.Recorder() for d in copies]
+    q, k, v = qkv()
+    expected = sdpa(q, k, v)
+    annotations = dict(torch.fx.traceback.current_meta)
+
+    calls = 4 * CALLS  # without the shared lock, the key was left behind in about half the runs of 1 x CALLS
+
+    def worker(i):
+        d = copies[i % 2]
+        for _ in range(calls):
+            with d.recording(recorders[i % 2]):
+                out = d.dispatch_attention_fn(q, k, v, backend="flex")
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+    Hammer().run(worker)
+    for rec in recorders:  # no call fell back
+        assert {r["served"]: r["calls"] for r in rec.snapshot()["rows"]} == {"flex": THREADS // 2 * calls}, rec.summary()
+    assert torch.fx.traceback.current_meta == annotations
+
+
 # ------------------------------------------------------------------------------------------- decision cache
 
 def test_decision_cache_under_registry_changes():
@@ -419,5 +447,13 @@ def test_registry_listing_while_backends_are_registered():
 
 
 def test_hammer_reports_its_reads():
-    h = Hammer().run(lambda i: time.sleep(0.05), n=2, readers=server_reads())
-    assert h.reads > 0
+    """The readers loop alongside the workers until the workers end: workers that wait for three reads see them
+    (a worker that slept a fixed time instead could end before a starved reader ran once on a loaded machine)."""
+    h = Hammer()
+
+    def worker(i):
+        deadline = time.monotonic() + 60
+        while h.reads < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    h.run(worker, n=2, readers=server_reads())
+    assert h.reads >= 3

@@ -21,6 +21,7 @@ from dispatcher.auto import Tuner
 from dispatcher.backends import kitchen
 from dispatcher.inputs import AttentionInputs, describe_call
 from dispatcher.tools import doctor
+from helpers import fake_clock
 from helpers.tensors import qkv, sdpa as exact
 
 TORCH = "2.13.0"
@@ -214,10 +215,8 @@ def windowed(q, k, v, **_):
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=near).transpose(1, 2)
 
 
-def slow_exact(q, k, v, **_):
-    import time
-    time.sleep(0.02)
-    return exact(q, k, v)
+CLOCK = fake_clock.FakeClock()  # the tuner's clock with `approximate_pair`: only slow_exact takes time on it
+slow_exact = CLOCK.kernel(20)  # exact, and slower than the windowed kernel
 
 
 def local_activations(length=128, heads=2, dim=16, scale=3.0):
@@ -231,7 +230,8 @@ def local_activations(length=128, heads=2, dim=16, scale=3.0):
 
 
 @pytest.fixture
-def approximate_pair(tmp_path):
+def approximate_pair(tmp_path, monkeypatch):
+    fake_clock.use(monkeypatch, CLOCK)
     names = ("t_windowed", "t_exact")
     dispatcher.register_backend(names[0], windowed, devices=("cpu",), approximate=True, error_bound=1e-1)
     dispatcher.register_backend(names[1], slow_exact, devices=("cpu",))

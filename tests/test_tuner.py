@@ -1,14 +1,15 @@
 """`auto`: the tuner picks the fastest backend that is correct, caches it on disk per machine, stays bounded.
 
 Every test uses custom CPU backends and a tuner restricted to them (`Tuner(backends=...)`), so what
-wins is decided by the test, not by the machine's built-in kernels, and nothing is written outside tmp.
+wins is decided by the test, not by the machine's built-in kernels, and nothing is written outside tmp. The
+tuner's clock is a fake one (helpers/fake_clock.py) on which each kernel takes the time the test gives it, so
+timings are exact however loaded the machine is; one test times real kernels in another process.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import time
 
 import pytest
 import torch
@@ -18,21 +19,15 @@ import dispatcher
 from dispatcher import AttentionInputs, Recorder, dispatch_attention_fn, eager, recording
 from dispatcher import auto as tuner
 from dispatcher.auto import Tuner
+from helpers import fake_clock
 from helpers.tensors import sdpa as exact
 
 Signature = AttentionInputs.of
 
 SIG = Signature(1, 2, 32, 16, dtype=torch.float32, device="cpu")
-
-
-def slow(q, k, v, **kw):
-    time.sleep(0.03)
-    return exact(q, k, v)
-
-
-def slower(q, k, v, **kw):
-    time.sleep(0.06)
-    return exact(q, k, v)
+CLOCK = fake_clock.FakeClock()  # the tuner's clock in every test here (`_fake_clock`)
+slow = CLOCK.kernel(30)  # milliseconds a call takes; `exact` and the wrong kernels below take none
+slower = CLOCK.kernel(60)
 
 
 def noise(q, k, v, **kw):  # fastest of all, and wrong
@@ -66,6 +61,11 @@ def cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _fake_clock(monkeypatch):
+    fake_clock.use(monkeypatch, CLOCK)
+
+
+@pytest.fixture(autouse=True)
 def _own_default_tuner(tmp_path):
     """`auto` through dispatch uses a default tuner: make it this test's, with nothing on disk outside tmp."""
     with tuner.using(Tuner(cache_path=tmp_path / "default-tune.json", backends=())):
@@ -73,9 +73,6 @@ def _own_default_tuner(tmp_path):
 
 
 def make(cache, *names, **kw) -> Tuner:
-    # 2 s unless a test says otherwise: the 0.5 s CPU default, every call counted, is short for kernels that sleep
-    # on a loaded 2-core machine (tests/test_tuning_host.py tests the budget itself)
-    kw.setdefault("time_budget_s", 2.0)
     return Tuner(cache_path=cache, backends=names, **kw)
 
 
@@ -85,34 +82,25 @@ def test_the_fast_backend_wins_over_a_slow_one(cache):
     assert record.chosen == "t_fast" and record.source == "timed"
     by = {c.name: c for c in record.candidates}
     assert by["t_fast"].status == "chosen" and by["t_slow"].status == "valid"
-    assert by["t_slow"].median_ms >= 25 > by["t_fast"].median_ms
-    assert by["t_fast"].rel_error < 1e-5 and record.seconds > 0
+    assert by["t_slow"].median_ms == pytest.approx(30) and by["t_fast"].median_ms == 0
+    assert by["t_fast"].rel_error < 1e-5
+    assert record.seconds == pytest.approx(7 * 0.030)  # every call counted: first, warm, 5 timed; `exact` takes none
 
 
-def test_front_runners_are_timed_again_side_by_side(cache, monkeypatch):
-    """A kernel slowed by drift while it was timed (GPU clocks, other work: here its first calls sleep longer)
+def test_front_runners_are_timed_again_side_by_side(cache):
+    """A kernel slowed by drift while it was timed (GPU clocks, other work: here its first calls take longer)
     loses a sequential timing to one that is really slower; the final interleaved round among the candidates
-    near the fastest sets the times the pick uses, and a backend far behind is not timed again. (The margin is
-    widened from 25% so that this machine's sleep jitter cannot keep the drifting one out of the round.)"""
-    monkeypatch.setattr(tuner.tuner, "CONTENDER_MARGIN", 0.5)
-    calls = {"n": 0}
-
-    def drifting(q, k, v, **kw):  # slow for the calls of its sequential timing, fast afterwards
-        calls["n"] += 1
-        time.sleep(0.030 if calls["n"] <= 7 else 0.010)
-        return exact(q, k, v)
-
-    def steady(q, k, v, **kw):  # 7% faster than the other's drifting calls: a contender, and the fastest at first
-        time.sleep(0.028)
-        return exact(q, k, v)
-
+    near the fastest sets the times the pick uses, and a backend far behind is not timed again."""
+    # slow for the 7 calls of its sequential timing (first, warm, 5 runs), fast afterwards
+    drifting = CLOCK.kernel(lambda call: 30 if call <= 7 else 10)
+    steady = CLOCK.kernel(28)  # 7% faster than the other's drifting calls: a contender, and the fastest at first
     names = register("t_drifting", drifting), register("t_steady", steady), register("t_far", slower)
     record = make(cache, *names, runs=5, time_budget_s=5).tune(SIG)
     by = {c.name: c for c in record.candidates}
     assert record.chosen == "t_drifting", {n: c.median_ms for n, c in by.items()}
     assert len(by["t_drifting"].times_ms) == len(by["t_steady"].times_ms) >= 3  # the rounds, side by side
-    assert by["t_drifting"].median_ms < 20 < by["t_steady"].median_ms
-    assert len(by["t_far"].times_ms) == 5  # 60 ms against ~30, over 1.5x: its sequential times stand
+    assert by["t_drifting"].median_ms == pytest.approx(10) and by["t_steady"].median_ms == pytest.approx(28)
+    assert by["t_far"].times_ms == pytest.approx([60] * 5)  # 60 ms against 28, over 1.25x: its sequential times stand
 
 
 def test_interleaved_rounds_change_the_order_and_time_samples_after_a_settling_call():
@@ -207,7 +195,8 @@ def test_the_cache_in_another_process_does_no_timing(cache, tmp_path):
         "def slow(q, k, v, **kw):\n    time.sleep(0.03)\n    return exact(q, k, v)\n"
         "dispatcher.register_backend('t_slow', slow, devices=('cpu',))\n"
         "dispatcher.register_backend('t_fast', exact, devices=('cpu',))\n"
-        "t = tuner.Tuner(backends=('t_slow', 't_fast'))\n"
+        # the real clock, and a budget no load runs out of before both are timed (a 30 ms sleep against microseconds)
+        "t = tuner.Tuner(backends=('t_slow', 't_fast'), time_budget_s=10)\n"
         "r = t.tune(dispatcher.AttentionInputs.of(1, 2, 32, 16, dtype=torch.float32, device='cpu'))\n"
         "print(r.source, r.chosen, t.timing_calls)\n")
     from pathlib import Path
@@ -307,7 +296,7 @@ def test_tuning_leaves_the_callers_random_stream_alone(cache):
 
 
 def test_report_explain_and_clear_cache(cache):
-    names = register("t_wrong", zeros), register("t_fast", exact)
+    names = register("t_wrong", zeros), register("t_fast", CLOCK.kernel(1))  # 1 ms a call: time to report
     t = make(cache, *names)
     t.tune(SIG)
     report = t.report()

@@ -2,13 +2,12 @@
 an interrupt that stops tuning with the host's own exception; one failing custom backend left out with its reason,
 never the end of tuning.
 
-Custom CPU backends and tuners restricted to them, as in test_tuner.py; the hooks are reset after each test.
+Custom CPU backends and tuners restricted to them, as in test_tuner.py; the hooks are reset after each test. The
+tuner's clock is a fake one (helpers/fake_clock.py): each kernel takes the time a test gives it, so the budget
+runs out, and the final round runs, exactly where the test says, however loaded the machine is.
 """
 
 from __future__ import annotations
-
-import math
-import time
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import dispatcher
 from dispatcher import dispatch_attention_fn, model_scope
 from dispatcher import auto as tuner
 from dispatcher.auto import Tuner, hooks
+from helpers import fake_clock
 from helpers.tensors import sdpa as exact
 
 SIG = dispatcher.AttentionInputs.of(1, 2, 32, 16, dtype=torch.float32, device="cpu")
@@ -25,6 +25,11 @@ SIG = dispatcher.AttentionInputs.of(1, 2, 32, 16, dtype=torch.float32, device="c
 def register(name, fn, **kw):
     dispatcher.register_backend(name, fn, devices=("cpu",), **kw)
     return name
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch):
+    return fake_clock.use(monkeypatch)
 
 
 @pytest.fixture(autouse=True)
@@ -39,16 +44,9 @@ def make(tmp_path, *names, **kw) -> Tuner:
     return Tuner(cache_path=tmp_path / "tune.json", backends=names, **kw)
 
 
-def slow_first_call(seconds):
-    """A kernel whose first call loads or compiles for `seconds`, then runs fast."""
-    state = {"calls": 0}
-
-    def fn(q, k, v, **kw):
-        state["calls"] += 1
-        if state["calls"] == 1:
-            time.sleep(seconds)
-        return exact(q, k, v)
-    return fn
+def slow_first_call(clock, ms):
+    """A kernel whose first call loads or compiles for `ms`, then runs in 1 ms."""
+    return clock.kernel(lambda call: ms if call == 1 else 1)
 
 
 def test_the_default_budget_is_short_on_a_cpu(monkeypatch):
@@ -60,16 +58,21 @@ def test_the_default_budget_is_short_on_a_cpu(monkeypatch):
     assert Tuner(cache_path=None).budget("cuda") == 0.25
 
 
-def test_first_calls_count_against_the_budget(tmp_path):
-    """Three kernels that each spend 0.4 s in their first call, with a 0.3 s budget: the first is tried and timed
-    (a pick needs one), the second's first call runs past the budget, the third is never tried."""
-    names = [register(f"h_loads{i}", slow_first_call(0.4)) for i in range(3)]
+def test_first_calls_count_against_the_budget(tmp_path, clock):
+    """Three kernels that each spend 0.2 s in their first call, with a 0.3 s budget: the first is tried and timed
+    (a pick needs one), the second's first call runs past the budget (it is judged, not timed), the third is
+    never tried."""
+    names = [register(f"h_loads{i}", slow_first_call(clock, 200)) for i in range(3)]
     record = make(tmp_path, *names, time_budget_s=0.3).tune(SIG)
     by = {c.name: c for c in record.candidates}
-    assert record.chosen in names[:2] and record.source == "timed"
+    assert record.chosen == names[0] and record.source == "timed"
+    assert by[names[0]].first_call_ms == pytest.approx(200) and by[names[0]].median_ms == pytest.approx(1)
+    assert by[names[1]].first_call_ms == pytest.approx(200) and by[names[1]].median_ms is None
+    assert "not timed" in by[names[1]].reason and "budget" in by[names[1]].reason
     assert by[names[2]].first_call_ms is None and "not tried" in by[names[2]].reason
     assert "budget" in by[names[2]].reason
-    assert record.seconds < 0.3 + 0.4 + 0.4  # the budget, and at most the one step that began before it ran out
+    # the budget, and at most the one step that began before it ran out: 0.2 s + 1 ms x (warm + 5 runs) + 0.2 s
+    assert record.seconds == pytest.approx(0.406)
 
 
 def test_progress_events_from_start_to_the_pick(tmp_path):
@@ -125,10 +128,8 @@ def test_an_interrupt_stops_tuning_with_the_hosts_exception(tmp_path):
     assert [r.source for r in t.records()] == ["timed"] and t.report()["timed_signatures"] == 1
 
 
-def test_an_interrupt_during_the_final_round_stops_it_too(tmp_path, monkeypatch):
-    # both are front-runners, whatever the timing noise (a cold first kernel has timed 400x the other here)
-    monkeypatch.setattr(tuner.tuner, "CONTENDER_MARGIN", math.inf)
-    names = register("h_a", exact), register("h_b", exact)
+def test_an_interrupt_during_the_final_round_stops_it_too(tmp_path, clock):
+    names = register("h_a", clock.kernel(1.0)), register("h_b", clock.kernel(1.02))  # front-runners both
     asked = {"n": 0}
 
     def check():  # 2 candidates x 2 checks each, then the first round
@@ -136,8 +137,8 @@ def test_an_interrupt_during_the_final_round_stops_it_too(tmp_path, monkeypatch)
         if asked["n"] == 5:
             raise HostInterrupt("cancelled in the final round")
     hooks.set_interrupt_check(check)
-    with pytest.raises(HostInterrupt, match="final round"):  # a budget the final round always fits, however
-        make(tmp_path, *names, time_budget_s=60).tune(SIG)     # loaded the machine (its rounds stay bounded)
+    with pytest.raises(HostInterrupt, match="final round"):
+        make(tmp_path, *names, time_budget_s=1).tune(SIG)
 
 
 def test_a_backend_that_raises_when_timed_is_left_out_with_its_reason(tmp_path):
@@ -160,8 +161,7 @@ def test_a_backend_that_raises_when_timed_is_left_out_with_its_reason(tmp_path):
     assert again.source == "timed" and again.chosen != "h_flaky"
 
 
-def test_a_backend_that_raises_in_the_final_round_is_left_out(tmp_path, monkeypatch):
-    monkeypatch.setattr(tuner.tuner, "CONTENDER_MARGIN", math.inf)  # both are front-runners, however noisy
+def test_a_backend_that_raises_in_the_final_round_is_left_out(tmp_path, clock):
     state = {"calls": 0}
 
     def late(q, k, v, **kw):  # first call, the timed warm call and 5 runs pass; the final round's raise
@@ -169,9 +169,8 @@ def test_a_backend_that_raises_in_the_final_round_is_left_out(tmp_path, monkeypa
         if state["calls"] > 7:
             raise RuntimeError("out of resources")
         return exact(q, k, v)
-    names = register("h_late", late), register("h_good", exact)
-    # a budget the final round always fits, however loaded the machine (its rounds stay bounded by 2 x runs)
-    record = make(tmp_path, *names, time_budget_s=60, runs=5, warmup=1).tune(SIG)
+    names = register("h_late", clock.kernel(1.0, late)), register("h_good", clock.kernel(1.02))  # front-runners
+    record = make(tmp_path, *names, time_budget_s=1, runs=5, warmup=1).tune(SIG)
     by = {c.name: c for c in record.candidates}
     assert by["h_late"].status == "rejected" and "out of resources" in by["h_late"].reason
     assert record.chosen == "h_good" and by["h_good"].median_ms is not None

@@ -11,6 +11,12 @@ import torch
 from ..inputs import AttentionInputs
 from ..reference import non_finite, relative_error, to_bhsd
 
+# The tuner's one clock, in seconds: its budget and its timings on a CPU read it (a GPU's calls are timed by CUDA
+# events). A test replaces it (tests/helpers/fake_clock.py) with a clock whose kernels take fixed times, so what
+# it asserts on timings holds exactly however loaded the machine is; nothing else in the tuner measures time.
+now = time.perf_counter
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -31,10 +37,10 @@ def time_calls(call, device: torch.device, warmup: int, runs: int) -> list[float
         return [begin.elapsed_time(end) for begin, end in events]
     times = []
     for _ in range(runs):
-        t0 = time.perf_counter()
+        t0 = now()
         call()
         sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append((now() - t0) * 1e3)
     return times
 
 
@@ -99,11 +105,11 @@ def time_rounds(calls: list, device: torch.device, rounds: int, per_sample: list
         for i in turn:
             calls[i]()
             sync(device)
-            t0 = time.perf_counter()
+            t0 = now()
             for _ in range(per_sample[i]):
                 calls[i]()
             sync(device)
-            times[i].append((time.perf_counter() - t0) * 1e3 / per_sample[i])
+            times[i].append((now() - t0) * 1e3 / per_sample[i])
     return times
 
 

@@ -6,7 +6,6 @@ import contextlib
 import math
 import statistics
 import threading
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from ..call import AttentionCall
 from ..checks import check_shapes, check_structure
 from ..execute import run
 from ..inputs import AttentionInputs, describe_call
-from . import cache, hooks
+from . import cache, hooks, measure
 from .fingerprint import fingerprint_key, machine_fingerprint
 from .measure import random_inputs, shrink, sync, time_calls, time_rounds, validate
 from ..reference import exact_attention, first_line, sample_rows
@@ -326,7 +325,7 @@ class Tuner:
     # -- deciding
     def _resolve(self, sig: AttentionInputs, exact: bool, *, layout: str, live, timing: bool, model: str,
                  block: str = "", use_disk: bool = True, keys: tuple = ()) -> TuneRecord:
-        start = time.perf_counter()
+        start = measure.now()
         names, skipped, sensitive = self.candidates(sig, exact, keys)
         record = TuneRecord(sig, names[0] if names else "native", "preference", skipped=skipped, layout=layout,
                             trust_sensitive=sensitive, exact=exact, model=model, block=block, attention_kwargs=keys)
@@ -379,7 +378,7 @@ class Tuner:
             if record.source in ("timed", "judged"):
                 self._to_memory(record)
                 self._to_disk(record, names)
-        record.seconds = time.perf_counter() - start
+        record.seconds = measure.now() - start
         if record.source == "preference" and names:
             # Without a verdict on this model's values, never a kernel that is not exact.
             record.chosen = next((c.name for c in record.candidates if c.status != "rejected"
@@ -418,7 +417,7 @@ class Tuner:
             f", k/v length {sig.len_kv}" if sig.len_kv != sig.len_q else "")
         hooks.progress(hooks.TuningProgress(
             "auto_exact" if record.exact else "auto_fast", shape, record.model, stage, done,
-            total, time.perf_counter() - start, self.budget(record.signature.device), candidate, chosen))
+            total, measure.now() - start, self.budget(record.signature.device), candidate, chosen))
 
     def _measure(self, sig, record, names, layout, live, start):
         """Judge (on live values) and time (where the disk has no timing) every candidate not known yet, within
@@ -443,7 +442,7 @@ class Tuner:
         self._progress(record, "start", 0, len(names), start)
 
         def spent() -> bool:  # once one candidate is valid and timed, the budget decides what else runs
-            return (time.perf_counter() - start >= budget
+            return (measure.now() - start >= budget
                     and any(c.status == "valid" and c.median_ms is not None for c in record.candidates))
 
         for position, name in enumerate(names):
@@ -478,11 +477,11 @@ class Tuner:
                 # A timed warm call (the first one may have compiled or planned) sizes the runs that fit this
                 # candidate's share of what is left of the budget.
                 with torch.no_grad():
-                    t0 = time.perf_counter()
+                    t0 = measure.now()
                     call()
                     sync(device)
-                    steady = max(time.perf_counter() - t0, 1e-6)
-                    left = max(0.0, budget - (time.perf_counter() - start))
+                    steady = max(measure.now() - t0, 1e-6)
+                    left = max(0.0, budget - (measure.now() - start))
                     fits = int(left / max(1, len(names) - position) / steady)
                     runs = max(1, min(self.runs, fits))
                     warmup = min(max(0, self.warmup - 1), max(0, fits - runs))
@@ -522,10 +521,10 @@ class Tuner:
         if known:
             return call
         with torch.no_grad():
-            t0 = time.perf_counter()
+            t0 = measure.now()
             result_value = call()
             sync(device)
-            result.first_call_ms = (time.perf_counter() - t0) * 1e3
+            result.first_call_ms = (measure.now() - t0) * 1e3
         out, lse = result_value if run_sig.return_lse else (result_value, None)
         # Noise has none of the locality an approximate kernel relies on (sol_attn: 0.76 on N(0,1)): there only a
         # broken output (NaN, shape) rejects it; its error is judged on live values alone.
@@ -557,7 +556,7 @@ class Tuner:
         contenders = [c for c in valid if c.name in calls and c.median_ms <= fastest * (1 + CONTENDER_MARGIN)]
         if len(contenders) < 2:
             return
-        left = budget - (time.perf_counter() - start)
+        left = budget - (measure.now() - start)
         one_each = sum(c.median_ms for c in contenders) / 1e3  # one call of each contender, in seconds
         fit = left / FINAL_ROUNDS / max(one_each, 1e-9) - 1  # calls per sample that fit FINAL_ROUNDS rounds
         if fit < 1:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import warnings
 from typing import Optional
 
@@ -12,6 +11,7 @@ import torch
 
 from ..checks import broadcast_kv
 from ..custom_ops import define_once
+from ..process_locks import shared_lock
 from ..registry import add
 from ..requirements import TorchVersion
 from ..spec import FLOATS, BackendSpec, HeadDims
@@ -56,7 +56,10 @@ def _causal(b, h, q_idx, kv_idx):
 @functools.lru_cache(maxsize=64)
 def causal_block_mask(len_q: int, len_kv: int, device: str):
     from torch.nn.attention.flex_attention import create_block_mask
-    return create_block_mask(_causal, None, None, len_q, len_kv, device=device)
+    if torch.compiler.is_dynamo_compiling():
+        return create_block_mask(_causal, None, None, len_q, len_kv, device=device)
+    with _eager_lock:  # made eagerly, it mutates the same dict eager flex does (`_eager_lock`)
+        return create_block_mask(_causal, None, None, len_q, len_kv, device=device)
 
 
 _compiled: dict[tuple, object] = {}
@@ -187,10 +190,14 @@ def _define_cpu_op(name: str):
 _cpu_op()  # registered on import: registering while dynamo traces would break the graph
 
 
-# Eager flex_attention runs itself through torch.compile(fullgraph=True, backend="eager"); with two threads in it
-# at once, one can fail with "torch.compile with fullgraph=True found no compiled frames" (1 run in 8 of
-# tests/test_concurrency.py), which demoted flex to native for that signature. Eager flex calls take turns.
-_eager_lock = threading.Lock()
+# Eager flex_attention is not safe in two threads at once. It runs itself through torch.compile(fullgraph=True,
+# backend="eager"), where one thread could fail with "torch.compile with fullgraph=True found no compiled frames"
+# (1 run in 8 of tests/test_concurrency.py); and each call (its block masks: _dense_to_ordered) enters
+# torch.fx.traceback.annotate, which adds a key to a module-level dict and deletes it on exit: one thread then
+# raised KeyError: 'custom', or the key stayed in the dict for good (4 threads, two copies of the pack: in 10
+# runs of 10). Either demoted flex to native for that signature. Eager flex calls, and the block masks made
+# eagerly, take turns under one lock for every copy of the pack in the process (`process_locks`).
+_eager_lock = shared_lock("eager flex")
 
 
 def _eager(fn, *args, **kwargs):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..inputs import AttentionInputs
+from ..process_locks import shared_lock
 from ..registry import add
 from ..requirements import CudaCapability, OnDevice, Package, TorchVersion
 from ..spec import ANY_DEVICE, FLOATS, HALF, BackendSpec, HeadDims
@@ -75,8 +75,9 @@ def _with_causal(q, k, attn_mask):
 # sdpa_kernel() sets process-wide flags (not per thread) and restores, on exit, the ones it found on entry:
 # two threads interleaving their enter/exit leave SDPA's flash, efficient and cuDNN kernels off for the whole
 # process (seen: _native_math and _native_flash from two threads). So every flag change here is made by one
-# thread at a time, and the CPU kernels are called directly, changing no flag at all.
-_FLAGS = threading.RLock()
+# thread at a time (of every copy of the pack in the process: `process_locks`), and the CPU kernels are called
+# directly, changing no flag at all.
+_FLAGS = shared_lock("sdpa flags", reentrant=True)
 
 
 try:  # flag name -> SDPBackend member name, as torch's own sdpa_kernel uses them
