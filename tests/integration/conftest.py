@@ -152,6 +152,28 @@ def serve_comfyui(prefix: str, command, ready, start_timeout: float = 120, stop_
         shutil.rmtree(base, ignore_errors=True)
 
 
+# How a test-only custom node reaches the pack's dispatcher inside the server (a backend can only be registered
+# from there): through the Set Attention Backend class ComfyUI loaded, whatever module name the pack got.
+_FIND_DISPATCHER = r'''import importlib
+
+
+def _dispatcher():
+    import nodes
+    cls = nodes.NODE_CLASS_MAPPINGS.get("SetAttentionBackend")
+    if cls is None:  # the pack is not loaded yet
+        return None
+    return importlib.import_module(cls.__module__.rsplit(".nodes.", 1)[0] + ".dispatcher")
+'''
+
+
+def write_test_node(base: Path, folder: str, source: str) -> None:
+    """Custom node `folder` in the server's base directory: `_dispatcher()` (the pack's dispatcher, or None before
+    the pack is loaded), then `source`."""
+    node = base / "custom_nodes" / folder
+    node.mkdir(parents=True, exist_ok=True)
+    (node / "__init__.py").write_text(_FIND_DISPATCHER + source)
+
+
 def main_py(base: Path, port: int) -> list[str]:
     return [COMFYUI_PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch",
             "--base-directory", str(base)]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import main_py, require_comfyui, serve_comfyui
+from .conftest import main_py, require_comfyui, serve_comfyui, write_test_node
 from .test_comfyui import _cond, latent, model_report, served
 from .test_node_inputs import refused
 
@@ -31,7 +31,6 @@ NO_POSITION = ("this model tells attention no block position (ComfyUI 0.3.64's W
 _seed = itertools.count(1400)
 
 FLAKY_NODE = r'''
-import importlib
 import os
 
 import torch
@@ -41,14 +40,6 @@ NAME = "test_flaky_int8"
 STATE = {"calls": 0, "good": 10 ** 9, "block": None, "bad_block": -1, "block_good": 0, "block_calls": 0,
          "log": None, "hooks": []}
 BLOCK_CLASSES = ("WanAttentionBlock", "BasicTransformerBlock")  # WAN's blocks; the UNet's transformer blocks
-
-
-def _dispatcher():
-    import nodes
-    cls = nodes.NODE_CLASS_MAPPINGS.get("SetAttentionBackend")
-    if cls is None:  # the pack is not loaded yet
-        return None
-    return importlib.import_module(cls.__module__.rsplit(".nodes.", 1)[0] + ".dispatcher")
 
 
 def kernel(q, k, v, *, attn_mask=None, scale=None, **_):
@@ -124,9 +115,7 @@ def comfy():
     require_comfyui()
 
     def command(base, port):
-        helper = base / "custom_nodes" / "attn_dispatch_test_flaky"
-        helper.mkdir(parents=True, exist_ok=True)
-        (helper / "__init__.py").write_text(FLAKY_NODE)
+        write_test_node(base, "attn_dispatch_test_flaky", FLAKY_NODE)
         return main_py(base, port)
 
     def ready(server):  # listing the flaky node registers its backend, before any prompt is queued

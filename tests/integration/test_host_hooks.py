@@ -19,28 +19,19 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import COMFYUI_PYTHON, main_py, require_comfyui, serve_comfyui
+from .conftest import COMFYUI_PYTHON, main_py, require_comfyui, serve_comfyui, write_test_node
 from .test_comfyui import _cond, model_report
 
 pytestmark = pytest.mark.integration
 SET = "SetAttentionBackend"
 
 SLOW_NODE = r'''
-import importlib
 import time
 
 import torch.nn.functional as F
 
 NAME = "test_slow_exact"
 STATE = {"sleep": 0.0, "marker": ""}
-
-
-def _dispatcher():
-    import nodes
-    cls = nodes.NODE_CLASS_MAPPINGS.get("SetAttentionBackend")
-    if cls is None:  # the pack is not loaded yet
-        return None
-    return importlib.import_module(cls.__module__.rsplit(".nodes.", 1)[0] + ".dispatcher")
 
 
 def kernel(q, k, v, *, attn_mask=None, scale=None, **_):
@@ -108,9 +99,7 @@ def comfy():
     require_comfyui()
 
     def command(base, port):
-        helper = base / "custom_nodes" / "attn_dispatch_test_slow"
-        helper.mkdir(parents=True, exist_ok=True)
-        (helper / "__init__.py").write_text(SLOW_NODE)
+        write_test_node(base, "attn_dispatch_test_slow", SLOW_NODE)
         return ["env", "ATTN_DISPATCH_TUNE_BUDGET=30", *main_py(base, port)]
 
     def ready(server):
