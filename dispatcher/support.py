@@ -154,8 +154,13 @@ def attention_kwargs_reasons(spec, keys) -> list[str]:
     return found
 
 
+def _honouring(key: str) -> list[str]:
+    """The backends that pass attention_kwargs key `key` on to their kernel, in priority order."""
+    return _backends_where(lambda s: _honours(s, key))
+
+
 def _honoured_by(key: str) -> str:
-    names = _backends_where(lambda s: _honours(s, key))
+    names = _honouring(key)
     return f"honoured by {', '.join(names)}" if names else "no attention backend honours it"
 
 
@@ -185,7 +190,7 @@ def candidates_for_attention_kwargs(requested: str, policy: str, candidates: lis
              f"{sorted(keys)}: none of the backends that can run this call ({tried}) passes "
              f"{'it' if len(keys) == 1 else 'them'} on to its kernel"]
     for key in sorted(keys):
-        names = _backends_where(lambda s, key=key: _honours(s, key))
+        names = _honouring(key)
         if names:
             lines.append(f"  {key!r} is honoured by {', '.join(names)}: select one of them (backend='{names[0]}'), "
                          f"or drop the key")
