@@ -182,7 +182,10 @@ def one_bad_block(args) -> int:
     exact_norm = exact.norm()
     recorder = dispatcher.Recorder("one-bad-block")
     spoiled, errors = [], {}
-    with dispatcher.model_scope("bench-one-bad-block"), dispatcher.recording(recorder):
+    # A tuner of its own, in memory only: verdicts an earlier run left on disk would decide the blocks before this
+    # run's scenario is seen (a second run with --bad-from-step reused the first run's demotion of the bad block).
+    tuner = dispatcher.auto.Tuner(cache_path=None)
+    with dispatcher.auto.using(tuner), dispatcher.model_scope("bench-one-bad-block"), dispatcher.recording(recorder):
         for step in range(steps):
             for block in range(args.blocks):
                 bad = block == args.bad_block and step >= args.bad_from_step
@@ -212,7 +215,7 @@ def one_bad_block(args) -> int:
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "shape_bshd": list(shape), "dtype": str(dtype)}
     if backend in dispatcher.auto.PSEUDO_BACKENDS:
-        result["auto_blocks"] = {r.block: r.chosen for r in dispatcher.auto.default_tuner().records() if r.block}
+        result["auto_blocks"] = {r.block: r.chosen for r in tuner.records() if r.block}
     emit(result, args.json)
     return 0
 

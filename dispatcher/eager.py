@@ -185,18 +185,18 @@ def _first_call(fast_key, requested, policy, model, quality_guard, call: Attenti
     checks.check_shapes(query, key, value, call.layout, attn_mask)
     inputs = describe_call(query, key, value, attn_mask, call.dropout_p, call.is_causal, call.scale, call.enable_gqa,
                            call.return_lse, call.layout)
-    sensitive = False
+    sensitive, settled = False, True
     name, exact = requested, None
     resolve = registry.resolver(requested)
     if resolve is not None and not inputs.empty:  # nothing to choose for empty inputs (decisions.EMPTY)
         checks.check_structure(inputs)
-        name, sensitive = resolve(inputs, call, model=model, timing=True)
+        name, sensitive, settled = resolve(inputs, call, model=model, timing=True)
         twin = registry.exact_twin(requested)
         if twin is not None and not registry.get(name).exact:  # what replaces it where it fails: the fastest exact
-            exact, twin_sensitive = registry.resolver(twin)(inputs, call, model=model, timing=True)
-            sensitive = sensitive or twin_sensitive
+            exact, twin_sensitive, twin_settled = registry.resolver(twin)(inputs, call, model=model, timing=True)
+            sensitive, settled = sensitive or twin_sensitive, settled and twin_settled
     decision = decisions.decision_for(name, policy, inputs, call.layout, model, quality_guard, exact)
-    if fast_key is not None:
+    if fast_key is not None and settled:  # an unsettled pick (the tuning was cut short) is asked again next call
         if sensitive or decision.trust_sensitive:
             _fast[fast_key] = _TRUST_SENSITIVE
             _fast[(fast_key, trust.scope_key())] = decision

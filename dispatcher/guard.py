@@ -52,7 +52,11 @@ BUDGET = 0.01  # of the attention time (so of a step, which also has other layer
 CHECK_HOST_S = 5e-4
 CALL_HOST_S = 2e-5
 KERNEL_FLOPS = 7e14  # FA3 on WAN 1.3B's self-attention on the H200: 6.6e12 flops in 9.4 ms (issue 29's figures)
-F64_FLOPS = 5e13
+# The float64 products' rate as the check gets it: 16-row products run far below the chip's float64 peak. Fitted
+# to the WAN 1.3B step on the H200 (2026-12-05: a check of its self-attention added 4.45 ms, where 5e13 had
+# predicted 0.94 and sized the interval at 10 calls, so the guard took 2.5% of the step); SDXL's calls (0.6-1.1
+# ms a check, fourth session) agree.
+F64_FLOPS = 8e11
 MEMORY_BYTES_S = 3e12
 MAX_EVERY = 100_000
 

@@ -21,7 +21,7 @@ _availability: dict[tuple[str, int], tuple[Machine, tuple[str, ...]]] = {}
 _priority: dict[str, int] = {}
 # Names that are not kernels but choose one per call (`auto_exact`, `auto_fast`, `auto`): name ->
 # resolver(inputs, call, *, model, timing) returning (backend name, whether the choice depends on trust
-# settings). Registered by their wing. `_live` names those whose choice needs the call's live values (a
+# settings, whether it holds for the later calls of the same signature and block). Registered by their wing. `_live` names those whose choice needs the call's live values (a
 # traced call then runs as an opaque op, deciding at run time).
 _resolvers: dict[str, Callable] = {}
 _twins: dict[str, str | None] = {}  # pseudo-backend -> its exact twin (add_resolver)
@@ -92,9 +92,10 @@ def builtin_names() -> tuple[str, ...]:
 
 def add_resolver(name: str, resolve: Callable, *, needs_live_values: bool = False, exact_twin: str | None = None
                  ) -> None:
-    """A pseudo-backend: `resolve(inputs, call, *, model, timing)` -> (backend name, trust-sensitive), decided per
-    signature, model and block (`call.call_site`); needs_live_values: its choice cannot be made from a signature
-    alone (in a trace); exact_twin: the pseudo-backend whose choice replaces a quantised pick where it fails."""
+    """A pseudo-backend: `resolve(inputs, call, *, model, timing)` -> (backend name, trust-sensitive, settled),
+    decided per signature, model and block (`call.call_site`); settled False: the next call asks again;
+    needs_live_values: its choice cannot be made from a signature alone (in a trace); exact_twin: the
+    pseudo-backend whose choice replaces a quantised pick where it fails."""
     with _lock:
         _resolvers[name] = resolve
         _twins[name] = exact_twin

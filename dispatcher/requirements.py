@@ -7,6 +7,7 @@ problem and the fix (the pip command, the env var, the GPU needed).
 from __future__ import annotations
 
 import importlib
+import re
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -74,8 +75,18 @@ class Package:
         if self.module and not machine.simulated:
             error = import_error(self.module)
             if error:
-                return f"{self.dist} {version} is installed but `import {self.module}` fails ({error}); reinstall it for this torch"
+                return f"{self.dist} {version} is installed but `import {self.module}` fails ({error}); " \
+                       + self._fix_for(error)
         return None
+
+    def _fix_for(self, error: str) -> str:
+        """The fix an import error asks for: a module of another package missing (flash-attn-4 without its CuTe
+        DSL's `cutlass`) wants that package, anything else a build of this one for this torch."""
+        missing = re.search(r"No module named '([^']+)'", error)
+        if missing and missing.group(1).split(".")[0] != self.module.split(".")[0]:
+            return (f"a package it needs is missing or incomplete (no `{missing.group(1)}`): reinstall it with its "
+                    f"requirements, {self.install_hint} --force-reinstall")
+        return "reinstall it for this torch"
 
 
 @dataclass(frozen=True)

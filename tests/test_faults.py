@@ -262,6 +262,26 @@ def test_package_that_imports_but_fails_its_first_call(monkeypatch, tmp_path):
     forget_imports()
 
 
+@pytest.mark.parametrize("body,fix", [
+    ("import cutlass_ns.cute\n", "a package it needs is missing or incomplete (no `cutlass_ns.cute`)"
+                                          ": reinstall it with its requirements, pip install 'fake-attn-dep' "
+                                          "--force-reinstall"),
+    ("raise ImportError('undefined symbol: _ZN3c10')\n", "reinstall it for this torch"),
+], ids=["a_dependency_missing", "built_for_another_torch"])
+def test_a_package_that_fails_to_import_names_the_fix_its_error_asks_for(monkeypatch, tmp_path, body, fix):
+    """flash-attn-4 without its CuTe DSL's `cutlass` (seen on the H200) wants its requirements, not a rebuild."""
+    (tmp_path / "fake_attn_dep").mkdir()
+    (tmp_path / "fake_attn_dep" / "__init__.py").write_text(body)
+    (tmp_path / "cutlass_ns").mkdir()  # a namespace package without `cute`, as the DSL's half-installed `cutlass`
+    monkeypatch.syspath_prepend(str(tmp_path))
+    forget_imports()
+    machine = current_machine().with_packages(**{"fake-attn-dep": "1.0"})
+    reason = Package("fake-attn-dep", module="fake_attn_dep").reason(machine)
+    forget_imports()
+    assert reason.startswith("fake-attn-dep 1.0 is installed but `import fake_attn_dep` fails (")
+    assert reason.endswith(fix), reason
+
+
 def test_package_whose_probe_fails_is_unavailable_with_the_reason():
     def probe():
         raise RuntimeError("CUDA error: no kernel image is available (simulated)")

@@ -239,6 +239,33 @@ def test_the_time_budget_bounds_the_cost(cache):
     assert record.source == "timed" and record.chosen in names
 
 
+def test_a_tuning_cut_short_by_the_budget_goes_on_at_the_next_call(cache):
+    """A kernel whose first call loads for 300 ms spends a 0.2 s budget before the fastest is even tried: that
+    call is served by what was timed, and the next call of the same signature goes on from there (the loaded
+    kernel's verdict and timing kept) instead of keeping the slower pick for the rest of the process."""
+    cold = CLOCK.kernel(lambda call: 300 if call == 1 else 20)
+    names = register("t_cold", cold), register("t_fast", exact)
+    rec = Recorder()
+    q, k, v = (torch.randn(1, 32, 2, 16) for _ in range(3))
+    with tuner.using(make(cache, *names, time_budget_s=0.2)) as t, recording(rec):
+        first = dispatch_attention_fn(q, k, v, backend="auto")
+        (record,) = t.records()
+        assert record.chosen == "t_cold" and record.cut_short
+        assert "budget" in {c.name: c for c in record.candidates}["t_fast"].reason
+        timed_first = t.timing_calls
+        second = dispatch_attention_fn(q, k, v, backend="auto")
+        assert t.timing_calls == timed_first + 1  # only the kernel left was timed: t_cold kept its timing
+        (record,) = t.records()
+        assert record.chosen == "t_fast" and not record.cut_short
+        third = dispatch_attention_fn(q, k, v, backend="auto")
+        assert t.timing_calls == timed_first + 1  # settled: a lookup
+        assert t.report()["timed_signatures"] == 1
+    for out in (first, second, third):
+        torch.testing.assert_close(out, exact(q, k, v))
+    served = {r["served"]: r["calls"] for r in rec.snapshot()["rows"]}
+    assert served == {"t_cold": 1, "t_fast": 2}
+
+
 def test_past_the_signature_limit_preference_decides_without_timing(cache):
     names = register("t_slow", slow), register("t_fast", exact)
     t = make(cache, *names, max_signatures=1)

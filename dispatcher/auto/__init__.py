@@ -118,8 +118,8 @@ def clear_cache(disk: bool = True) -> None:
 
 
 def _resolver(exact: bool):
-    def resolve(inputs: AttentionInputs, call, *, model: str, timing: bool) -> tuple[str, bool]:
-        return default_tuner().choose(inputs, layout=call.layout if call is not None else "BSHD", live=call,
+    def resolve(inputs: AttentionInputs, call, *, model: str, timing: bool) -> tuple[str, bool, bool]:
+        return default_tuner().decide(inputs, layout=call.layout if call is not None else "BSHD", live=call,
                                       timing=timing, exact=exact, model=model,
                                       block=call.call_site if call is not None else DEFAULT_BLOCK)
     return resolve

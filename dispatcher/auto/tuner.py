@@ -99,6 +99,9 @@ class TuneRecord:
     block: str = ""  # which block's (auto_fast: its call site); "" for auto_exact, whose verdicts hold for every block
     judged_on: str = ""  # live values | noise (provisional, judged again on the first live call) | disk
     attention_kwargs: tuple[str, ...] = ()  # the call's attention_kwargs keys: only backends honouring them compete
+    # The budget ran out before every candidate was judged and timed (first calls that load or compile a kernel
+    # count): the choice serves this call only, and the block's next call goes on from where this one stopped.
+    cut_short: bool = False
 
     @property
     def rejected(self) -> list[CandidateResult]:
@@ -108,7 +111,8 @@ class TuneRecord:
         return {"signature": self.signature.as_dict(), "description": self.signature.describe(), "exact": self.exact,
                 "attention_kwargs": list(self.attention_kwargs),
                 "model": self.model, "block": self.block, "judged_on": self.judged_on, "chosen": self.chosen,
-                "source": self.source, "reason": self.reason, "seconds": round(self.seconds, 4),
+                "source": self.source, "reason": self.reason, "cut_short": self.cut_short,
+                "seconds": round(self.seconds, 4),
                 "layout": self.layout, "timed_shape": self.timed_shape,
                 "candidates": [asdict(c) for c in self.candidates],
                 "rejected": {c.name: c.reason for c in self.rejected},
@@ -182,27 +186,35 @@ class Tuner:
         return 512 << 20
 
     # -- the dispatcher's entry
-    def choose(self, inputs: AttentionInputs, *, layout: str = "BSHD", live: AttentionCall | None = None,
+    def choose(self, inputs: AttentionInputs, **kwargs) -> tuple[str, bool]:
+        """(backend name, whether the choice depends on trust settings): `decide` without whether it holds."""
+        return self.decide(inputs, **kwargs)[:2]
+
+    def decide(self, inputs: AttentionInputs, *, layout: str = "BSHD", live: AttentionCall | None = None,
                timing: bool = True, exact: bool = False, model: str = state.UNSCOPED_MODEL,
-               block: str = DEFAULT_BLOCK) -> tuple[str, bool]:
-        """(backend name, whether the choice depends on trust settings) for these inputs of `model`; live: the
-        call itself (its tensors judge accuracy); exact=True: never a quantised kernel; block: which block of the
-        model the call comes from (auto_fast judges quantised kernels on each block's own activations)."""
+               block: str = DEFAULT_BLOCK) -> tuple[str, bool, bool]:
+        """(backend name, whether the choice depends on trust settings, whether it holds for the later calls of
+        this block) for these inputs of `model`; live: the call itself (its tensors judge accuracy); exact=True:
+        never a quantised kernel; block: which block of the model the call comes from (auto_fast judges quantised
+        kernels on each block's own activations). A choice that does not hold (made on noise or in a trace, or cut
+        short by the budget) is made again on the next call."""
         block = "" if exact else block
         keys = tuple(sorted(live.attention_kwargs)) if live is not None and live.attention_kwargs else ()
         key = self._key(inputs, exact, model, block, keys)
         hit = self._choices.get(key)
         if hit is not None:
-            return hit
+            return (*hit, True)
         with self._lock:
             hit = self._choices.get(key)
-            if hit is None:
-                record = self._resolve(inputs, exact, layout=layout, live=live, timing=timing, model=model,
-                                       block=block, keys=keys)
-                hit = (record.chosen, record.trust_sensitive)
-                if _settled(record):
-                    self._choices[key] = hit
-        return hit
+            if hit is not None:
+                return (*hit, True)
+            record = self._resolve(inputs, exact, layout=layout, live=live, timing=timing, model=model, block=block,
+                                   keys=keys)
+            hit = (record.chosen, record.trust_sensitive)
+            settled = _settled(record)
+            if settled:
+                self._choices[key] = hit
+        return (*hit, settled)
 
     @staticmethod
     def _key(sig: AttentionInputs, exact: bool, model: str, block: str, keys: tuple = ()) -> tuple:
@@ -331,11 +343,12 @@ class Tuner:
                             trust_sensitive=sensitive, exact=exact, model=model, block=block, attention_kwargs=keys)
         record.candidates = [CandidateResult(n, "untimed", i, admission_bound(registry.get(n)))
                              for i, n in enumerate(names)]
-        from_disk = from_memory = False
+        from_disk = from_memory = resumed = False
         if use_disk and len(names) > 1:
             from_disk = self._from_disk(record, names)
             from_memory = self._from_memory(record)
-        known = from_disk or from_memory
+            resumed = self._resume(record)
+        known = from_disk or from_memory or resumed
         judged = known and all(c.status in ("valid", "rejected") for c in record.candidates)
         timed = known and all(c.median_ms is not None for c in record.candidates if c.status == "valid")
         if not names:
@@ -362,12 +375,13 @@ class Tuner:
         elif self.budget(sig.device) <= 0 and not (timed and live is not None):
             record.reason = f"the time budget is {self.budget(sig.device):g} s ({ENV_BUDGET}): preference order"
         else:
-            if not timed:
+            counted = not known  # a signature measured before in this process (or cut short) is not counted again
+            if counted:
                 self._timed += 1
             try:
                 self._measure(sig, record, names, layout, live, start)
             except hooks.TuningInterrupted as stop:  # the host's own interrupt: nothing is decided or saved
-                if not timed:
+                if counted:
                     self._timed -= 1
                 raise stop.original from None
             except Exception as exc:  # tuning must never break the call it was made for
@@ -457,7 +471,8 @@ class Tuner:
                 continue
             if spent():
                 result.reason = f"not {'timed' if known else 'tried'}: the {budget:g} s budget for this signature " \
-                                "was spent"
+                                "was spent (the next call goes on)"
+                record.cut_short = True
                 continue
             self._progress(record, "candidate", position, len(names), start, candidate=name)
             try:
@@ -469,7 +484,9 @@ class Tuner:
                 if result.median_ms is not None:  # timed before (disk): only its verdict was wanted
                     continue
                 if spent():
-                    result.reason = f"not timed: the {budget:g} s budget for this signature was spent"
+                    result.reason = f"not timed: the {budget:g} s budget for this signature was spent (the next " \
+                                    "call goes on)"
+                    record.cut_short = True
                     continue
                 hooks.check_interrupt()
                 self.timing_calls += 1
@@ -609,6 +626,24 @@ class Tuner:
                 c.status, c.rel_error, c.reason = verdicts[c.name]
         return True
 
+    def _resume(self, record: TuneRecord) -> bool:
+        """Carry this block's own verdicts from its record that the budget cut short (its timings are in memory
+        already): the next call judges and times only what is left. False when there is none."""
+        previous = self._records.get((record.signature, record.exact, record.model, record.block,
+                                      record.attention_kwargs))
+        if previous is None or not previous.cut_short:
+            return False
+        before = {c.name: c for c in previous.candidates}
+        for c in record.candidates:
+            old = before.get(c.name)
+            if old is not None and c.status not in ("valid", "rejected") and old.status in ("chosen", "valid",
+                                                                                                "rejected"):
+                c.status = "valid" if old.status == "chosen" else old.status
+                c.rel_error, c.reason = old.rel_error, old.reason
+                if c.median_ms is None and old.median_ms is not None:
+                    c.median_ms, c.times_ms = old.median_ms, list(old.times_ms)
+        return True
+
     def _to_memory(self, record: TuneRecord) -> None:
         key = record.signature.key()
         self._timings.setdefault(key, {}).update(
@@ -659,9 +694,10 @@ class Tuner:
 
 
 def _settled(record: TuneRecord) -> bool:
-    """Whether a choice may be remembered: judged on live values (now or on disk), or there was nothing to judge.
-    A provisional one (noise, a trace, a preference) is made again on the next call, with its live values."""
-    return record.judged_on in (LIVE, DISK) or record.source in ("only-candidate", "none")
+    """Whether a choice may be remembered: judged on live values (now or on disk) and not cut short by the budget,
+    or there was nothing to judge. A provisional one (noise, a trace, a preference, a cut-short tuning) is made
+    again on the next call, with its live values."""
+    return (record.judged_on in (LIVE, DISK) and not record.cut_short) or record.source in ("only-candidate", "none")
 
 
 def _reject(result: CandidateResult, reason: str, device: torch.device) -> None:

@@ -87,16 +87,19 @@ def _run_case(backend, case, q, k, v, local=False, **kwargs):
     if reasons:
         _record(backend=backend, case=case, skipped=reasons)
         pytest.skip("; ".join(reasons))
+    spec = dispatcher.get_backend_spec(backend)
+    bound = None if spec.approximate and not local else spec.error_bound
     recorder = dispatcher.Recorder()
     with dispatcher.recording(recorder):
-        out = dispatcher.dispatch_attention_fn(q, k, v, backend=backend, layout="BHSD", policy="strict", **kwargs)
+        # An approximate kernel on noise (no locality to route by: sol_attn 0.76 off) is measured, not judged: the
+        # guard would rightly refuse it under policy strict (tests/test_kitchen_and_fa4.py pins that on the CPU).
+        out = dispatcher.dispatch_attention_fn(q, k, v, backend=backend, layout="BHSD", policy="strict",
+                                               guard="off" if bound is None else None, **kwargs)
     torch.cuda.synchronize()
     assert recorder.served_by(backend) == 1
     assert not torch.isnan(out).any(), f"{backend} returned NaN on {case}"
     ref = reference(q, k, v, kwargs.get("attn_mask"), kwargs.get("is_causal", False))
     err = rel_error(out, ref)
-    spec = dispatcher.get_backend_spec(backend)
-    bound = None if spec.approximate and not local else spec.error_bound
     _record(backend=backend, case=case, shape=list(q.shape), kv_shape=list(k.shape), dtype=str(q.dtype),
             rel_error=err, bound=bound, local=local)
     if bound is not None:
