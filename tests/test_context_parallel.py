@@ -358,3 +358,47 @@ def test_a_recorder_passed_by_argument_counts_routed_calls():
     with context_parallel(ContextParallelConfig()):
         dispatcher.dispatch_attention_fn(q, k, v, backend="native", recorder=recorder, call_site="cp")
     assert [(r["site"], r["served"], r["calls"]) for r in recorder.snapshot()["rows"]] == [("cp", "native", 1)]
+
+
+# A fresh interpreter: this test process has long imported torch._dynamo. The order is a real launch's:
+# the package first, then init_process_group, then the first context-parallel block (which imports dynamo).
+_FREED_AFTER_DESTROY = """
+import gc, os, sys, weakref
+import torch, torch.distributed as dist
+import dispatcher
+from dispatcher.parallel import ContextParallelConfig, context_parallel
+if os.path.exists("/sys/class/net/lo"):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+assert "torch._dynamo" not in sys.modules, "the test needs dynamo imported after init_process_group"
+group = weakref.ref(dist.group.WORLD)
+q = torch.randn(1, 8, 2, 4)
+with context_parallel(ContextParallelConfig()):
+    dispatcher.dispatch_attention_fn(q, q, q, backend="_native_math")
+assert "torch._dynamo" in sys.modules
+done = torch.ones(1)
+dist.all_reduce(done)
+dist.destroy_process_group()
+gc.collect()
+print("freed" if group() is None else f"alive with {sys.getrefcount(group()) - 1} references")
+"""
+
+
+def test_destroy_process_group_frees_the_group_when_a_block_imported_dynamo_after_init(tmp_path):
+    """A group still alive at interpreter exit keeps gloo's worker threads, and one of them dropping a
+    finished collective's tensors while the interpreter finalizes aborts the rank ("terminate called without
+    an active exception", a -6 exit after a correct result). torch.distributed.nn, imported by dynamo,
+    binds group.WORLD as default arguments when first imported: after init_process_group, that pinned the group.
+    """
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    run = subprocess.run([sys.executable, "-c", _FREED_AFTER_DESTROY, str(tmp_path / "rendezvous")], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "freed", run.stdout[-2000:]

@@ -28,6 +28,16 @@ ReplicatedConfig(mode="heads" | "sequence"))` splits the attention work itself (
 dispatcher.parallel.example`` under torchrun runs a self-check against single-process attention.
 """
 
+import torch.distributed
+
+# torch.distributed.nn binds `group=group.WORLD` as its functions' defaults when first imported. torch._dynamo
+# imports it, and `context_parallel` first imports torch._dynamo (torch.compiler.disable) after
+# init_process_group: those defaults would then pin the default group, destroy_process_group could not free
+# it, and its gloo worker threads would outlive the interpreter; one dropping a finished collective's tensors
+# during interpreter finalization aborts the rank (std::terminate). So import it here, before any group exists.
+if torch.distributed.is_available():
+    import torch.distributed.nn  # noqa: F401
+
 from .attention import (active_config, backends_for, check_backend, context_parallel, context_parallel_attention,
                         head_plan, supported_modes)
 from .config import MODES, RING_METHODS, ContextParallelConfig, ContextParallelError, split_sizes
