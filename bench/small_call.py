@@ -114,7 +114,9 @@ def measure(args) -> int:
         torch.testing.assert_close(fns["comfy"](), ref, rtol=2e-2, atol=2e-2)  # its own kernel choice
     for name in BREAKDOWN + ("override_model",) if args.breakdown else ():
         out = layers[name]()
-        torch.testing.assert_close((out.transpose(1, 2) if name == "prepared" else out).flatten(2), ref, rtol=0, atol=0)
+        exact = name != "views"  # bare SDPA on the views: its own kernel under --order, like "bare"
+        torch.testing.assert_close((out.transpose(1, 2) if name == "prepared" else out).flatten(2), ref,
+                                   rtol=0 if exact else 2e-2, atol=0 if exact else 2e-2)
     for fn in fns.values():
         for _ in range(50):
             fn()
