@@ -21,8 +21,9 @@ _availability: dict[tuple[str, int], tuple[Machine, tuple[str, ...]]] = {}
 _priority: dict[str, int] = {}
 # Names that are not kernels but choose one per call (`auto_exact`, `auto_fast`, `auto`): name ->
 # resolver(inputs, call, *, model, timing) returning (backend name, whether the choice depends on trust
-# settings, whether it holds for the later calls of the same signature and block). Registered by their wing. `_live` names those whose choice needs the call's live values (a
-# traced call then runs as an opaque op, deciding at run time).
+# settings, whether it holds for the later calls of the same signature and block). Registered by their wing.
+# `_live` names those whose choice needs the call's live values (a traced call then runs as an opaque op,
+# deciding at run time).
 _resolvers: dict[str, Callable] = {}
 _twins: dict[str, str | None] = {}  # pseudo-backend -> its exact twin (add_resolver)
 _live: set[str] = set()
