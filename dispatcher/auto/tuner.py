@@ -627,8 +627,8 @@ class Tuner:
         return True
 
     def _resume(self, record: TuneRecord) -> bool:
-        """Carry this block's own verdicts from its record that the budget cut short (its timings are in memory
-        already): the next call judges and times only what is left. False when there is none."""
+        """Carry this block's own verdicts from its record that the budget cut short (its timings went to memory
+        with it: `_from_memory`): the next call judges and times only what is left. False when there is none."""
         previous = self._records.get((record.signature, record.exact, record.model, record.block,
                                       record.attention_kwargs))
         if previous is None or not previous.cut_short:
@@ -640,8 +640,6 @@ class Tuner:
                                                                                                 "rejected"):
                 c.status = "valid" if old.status == "chosen" else old.status
                 c.rel_error, c.reason = old.rel_error, old.reason
-                if c.median_ms is None and old.median_ms is not None:
-                    c.median_ms, c.times_ms = old.median_ms, list(old.times_ms)
         return True
 
     def _to_memory(self, record: TuneRecord) -> None:
