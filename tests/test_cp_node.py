@@ -245,6 +245,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             broken = case.name
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(results, handle)
+    # The cached configs hold the process group: dropped first, destroy_process_group frees it and gloo's worker
+    # threads end with it (kept, the group outlived the interpreter and a rank could abort at exit)
+    _configs.clear()
     dist.destroy_process_group()
 
 
