@@ -459,6 +459,10 @@ class Tuner:
             return (measure.now() - start >= budget
                     and any(c.status == "valid" and c.median_ms is not None for c in record.candidates))
 
+        def cut_short(result, what: str) -> None:
+            result.reason = f"not {what}: the {budget:g} s budget for this signature was spent (the next call goes on)"
+            record.cut_short = True
+
         for position, name in enumerate(names):
             hooks.check_interrupt()
             result = by_name[name]
@@ -470,9 +474,7 @@ class Tuner:
                                  f"tuning memory cap")
                 continue
             if spent():
-                result.reason = f"not {'timed' if known else 'tried'}: the {budget:g} s budget for this signature " \
-                                "was spent (the next call goes on)"
-                record.cut_short = True
+                cut_short(result, "timed" if known else "tried")
                 continue
             self._progress(record, "candidate", position, len(names), start, candidate=name)
             try:
@@ -484,9 +486,7 @@ class Tuner:
                 if result.median_ms is not None:  # timed before (disk): only its verdict was wanted
                     continue
                 if spent():
-                    result.reason = f"not timed: the {budget:g} s budget for this signature was spent (the next " \
-                                    "call goes on)"
-                    record.cut_short = True
+                    cut_short(result, "timed")
                     continue
                 hooks.check_interrupt()
                 self.timing_calls += 1
