@@ -106,7 +106,23 @@ function bumpTick() {
 function refreshNode(node) {
   redraw(node);
   bumpTick();
-  try { panelWidgetOf(node)?.triggerDraw?.(); } catch (err) { warnOnce("panel redraw", err); }
+  try { redrawPanelWidget(node); } catch (err) { warnOnce("panel redraw", err); }
+}
+
+/** Nodes 2.0: the panel widget's canvas takes the height the frontend last laid out (computedHeight), so set it to
+ * what the panel needs now before asking for a redraw. */
+function redrawPanelWidget(node) {
+  const w = panelWidgetOf(node);
+  if (!w) return;
+  if (!vueMode()) return;
+  const before = node.size?.[1];
+  if (typeof w.computeSize === "function") w.computedHeight = w.computeSize(node.size?.[0])[1];
+  w.triggerDraw?.();
+  // The Vue node grows once the browser has laid it out (a ResizeObserver sets node.size): then move the nodes
+  // the panel now reaches, as drawPanel does on the canvas.
+  if (Number.isFinite(before)) {
+    setTimeout(guard("make room", () => { if (node.size[1] > before + 1) makeRoom(node, before); }), 150);
+  }
 }
 
 function forEachNode(fn) {
@@ -374,7 +390,7 @@ function refreshAll() {
   forEachNode((node) => {
     if (!REPORT_NODES.has(typeOf(node))) return;
     if (BACKEND_NODES.has(typeOf(node))) applyVisibleValues(widgetNamed(node, "backend"));
-    panelWidgetOf(node)?.triggerDraw?.();
+    redrawPanelWidget(node);
   });
   bumpTick();
   redraw();
@@ -404,7 +420,9 @@ function panelBlocks(st) {
   const { warning, summary } = st;
   // After a run of the chosen backend the report already says why it fell back: keep its install hint.
   const reported = !!summary && !!summary.requested && summary.requested === st.backend;
-  if (warning && !reported) blocks.push({ text: warning.text, level: warning.strict ? "error" : "warn" });
+  if (st.refused) blocks.push({ text: ["\u2717 Refused at queue time:", ...st.refused].join("\n"), level: "error" });
+  // A refusal already says why the backend cannot run: the warning would repeat it.
+  if (warning && !reported && !st.refused) blocks.push({ text: warning.text, level: warning.strict ? "error" : "warn" });
   if (summary) {
     const lines = ["Last run:", ...summary.lines];
     if (warning && reported) {
@@ -612,25 +630,52 @@ function inputNamesOf(id) {
   return [...new Set(names.filter((n) => typeof n === "string" && n && n !== PANEL_WIDGET))];
 }
 
+/** Each node's panel says why the last queueing refused it (the frontend's toast may only say "couldn't validate"),
+ * until the next queueing. */
+function showRefusals(nodeErrors) {
+  forEachNode((node) => {
+    if (!REPORT_NODES.has(typeOf(node))) return;
+    const st = nodeState(node);
+    const entry = nodeErrors && typeof nodeErrors === "object" ? nodeErrors[String(node.id)] : null;
+    const inputsOf = new Map(); // sentence -> the inputs it was placed on (a window error rings both ends)
+    for (const e of Array.isArray(entry?.errors) ? entry.errors : []) {
+      if (typeof e?.details !== "string" || !e.details) continue;
+      const inputs = inputsOf.get(e.details) ?? [];
+      if (e.extra_info?.input_name) inputs.push(e.extra_info.input_name);
+      inputsOf.set(e.details, inputs);
+    }
+    const refused = [...inputsOf].map(([text, inputs]) => (inputs.length ? `${inputs.join(", ")}: ${text}` : text));
+    if (!refused.length && !st.refused) return;
+    st.refused = refused.length ? refused : null;
+    refreshNode(node);
+  });
+}
+
 /** api.queuePrompt, with the pack's queue-time errors moved onto the inputs at fault (./node_errors.js) before the
  * frontend reads them: it rings those widgets and its toast quotes the pack's sentence for each. */
 function placeQueueErrors() {
   const original = api.queuePrompt;
   if (typeof original !== "function" || original.__attentionDispatch) return;
-  const wrapped = async function queuePrompt(...args) {
+  const place = (response) => { // a refusal (HTTP 400), or a prompt queued with some outputs refused (HTTP 200)
     try {
-      return await original.apply(this, args);
-    } catch (err) {
-      try {
-        const response = err?.response;
-        if (response?.node_errors) {
-          response.node_errors = placeNodeErrors(response.node_errors, VALIDATED_NODES, inputNamesOf);
-        }
-      } catch (inner) {
-        warnOnce("queue errors", inner);
+      if (response?.node_errors && typeof response.node_errors === "object") {
+        response.node_errors = placeNodeErrors(response.node_errors, VALIDATED_NODES, inputNamesOf);
       }
+      showRefusals(response?.node_errors);
+    } catch (err) {
+      warnOnce("queue errors", err);
+    }
+  };
+  const wrapped = async function queuePrompt(...args) {
+    let result;
+    try {
+      result = await original.apply(this, args);
+    } catch (err) {
+      place(err?.response);
       throw err;
     }
+    place(result);
+    return result;
   };
   wrapped.__attentionDispatch = true;
   api.queuePrompt = wrapped;

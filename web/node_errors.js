@@ -63,8 +63,9 @@ export function placeNodeErrors(nodeErrors, classTypes, inputsOf) {
       for (const problem of problems) {
         for (const input of problem.inputs) {
           const details = sentenceFor(problem.text, input);
-          errors.push({ ...error, details,
-                        extra_info: { ...(error.extra_info ?? {}), input_name: input, exception_message: details } });
+          // input_config was the downstream input's (MODEL): it says nothing about this input
+          const { input_config: _downstream, ...extra } = error.extra_info ?? {};
+          errors.push({ ...error, details, extra_info: { ...extra, input_name: input, exception_message: details } });
         }
       }
     }
