@@ -441,8 +441,7 @@ function panelBlocks(st) {
 function makeRoom(node, heightBefore) {
   const graph = node.graph;
   const nodes = graph?._nodes ?? graph?.nodes ?? [];
-  // A node's badges are drawn in a row above its title (LGraphNode.drawBadges): that row must clear the panel too.
-  const title = (window.LiteGraph?.NODE_TITLE_HEIGHT ?? 30) + BADGE_ROW;
+  const title = window.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
   const gap = 12;
   const queue = [[node, node.pos[1] + heightBefore]];
   for (let guard = 0; queue.length && guard < 500; guard++) {
@@ -452,9 +451,11 @@ function makeRoom(node, heightBefore) {
       if (!b || b === a || b === node || !b.pos || !b.size) continue;
       if (b.pos[0] + b.size[0] <= a.pos[0] || b.pos[0] >= a.pos[0] + a.size[0]) continue; // not across from it
       const top = b.pos[1] - (b.flags?.collapsed ? 0 : title);
-      if (top < bottomBefore - 1 || top >= bottom + gap) continue; // above it before, or still clear of it
+      // Its badges are drawn in a row above its title (LGraphNode.drawBadges): that row must clear the panel too.
+      const badgeTop = top - BADGE_ROW;
+      if (top < bottomBefore - 1 || badgeTop >= bottom + gap) continue; // above it before, or still clear of it
       const heightB = b.size[1];
-      const shift = bottom + gap - top;
+      const shift = bottom + gap - badgeTop;
       b.pos[1] += shift;
       queue.push([b, b.pos[1] - shift + heightB]);
     }
