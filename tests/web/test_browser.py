@@ -38,6 +38,7 @@ SETTINGS = {"policy": "AttentionDispatch.DefaultPolicy", "show": "AttentionDispa
             "toast": "AttentionDispatch.FallbackToast"}
 APP = "window.comfyAPI.app.app"
 VUE_OPTIONS = "[data-testid=widget-select-default-overlay] [role=option]"
+VUE_VIEWPORT = "[data-testid=widget-select-default-viewport]"
 # The page is ready once the extension has loaded the backend list (app.extensions throws until Pinia is up).
 READY = """() => { try { const app = window.comfyAPI?.app?.app;
     const ext = app?.extensions?.find((e) => e.name === 'attention_dispatch');
@@ -145,15 +146,42 @@ class Page:
             mark: e.dataset.attentionDispatch || null }))""")
 
     def open_vue_dropdown(self, name):
+        """Nodes 2.0's select renders only the entries in view (a virtual list): scroll it through, gather each
+        label once, and pair them with the values by the widget's own getOptionLabel."""
         self.page.keyboard.press("Escape")
         node_id = self.js("() => window.__adNode.id")
         trigger = self.page.locator(f"[data-node-id='{node_id}'] [data-testid=widget-select-default-trigger]"
                                     f"[aria-label='{name}']")
         trigger.click()
         self.page.wait_for_selector(VUE_OPTIONS, timeout=10000)
-        values = self.js(f"() => window.__adNode.widgets.find((w) => w.name === '{name}').options.values.slice()")
-        labels = self.js(f"() => [...document.querySelectorAll('{VUE_OPTIONS}')].map((e) => e.textContent.trim())")
-        return [{"value": v, "text": t, "title": "", "mark": None} for v, t in zip(values, labels)]
+        labels = self.js(f"""async () => {{ const vp = document.querySelector(VUE_VIEWPORT), seen = [];
+            const frame = () => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)));
+            vp.scrollTop = 0;
+            for (let i = 0; i < 200; i++) {{
+                await frame();
+                for (const e of document.querySelectorAll('{VUE_OPTIONS}')) {{
+                    const t = e.textContent.trim(); if (!seen.includes(t)) seen.push(t); }}
+                if (vp.scrollTop + vp.clientHeight >= vp.scrollHeight - 1) break;
+                vp.scrollTop += Math.max(16, vp.clientHeight / 2);
+            }}
+            vp.scrollTop = 0; await frame(); return seen; }}""".replace("VUE_VIEWPORT", repr(VUE_VIEWPORT)))
+        pairs = self.js(f"""() => {{ const w = window.__adNode.widgets.find((w) => w.name === '{name}');
+            return w.options.values.map((v) => [v, w.options.getOptionLabel ? w.options.getOptionLabel(v) : v]); }}""")
+        return [{"value": v, "text": label, "title": "", "mark": None} for v, label in pairs if label in labels]
+
+    def pick_vue_option(self, text):
+        """Scroll Nodes 2.0's open select until the entry whose label starts with `text` is rendered; click it."""
+        self.js(f"""async (text) => {{ const vp = document.querySelector({VUE_VIEWPORT!r});
+            const frame = () => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)));
+            vp.scrollTop = 0;
+            for (let i = 0; i < 200; i++) {{
+                await frame();
+                const hit = [...document.querySelectorAll('{VUE_OPTIONS}')]
+                    .find((e) => e.textContent.trim().startsWith(text));
+                if (hit) {{ hit.scrollIntoView({{block: 'nearest'}}); await frame(); return; }}
+                vp.scrollTop += Math.max(16, vp.clientHeight / 2);
+            }} }}""", text)
+        self.page.locator(VUE_OPTIONS, has_text=text).first.click()
 
     def close_menus(self):
         if self.mode == "nodes2":
@@ -265,7 +293,7 @@ def test_dropdown_marks_what_cannot_run_here(ui):
     else:  # Nodes 2.0's select: one label per entry, no hover text (docs/nodes.md)
         assert flash["text"].startswith("\u2717 flash \u2014 flash-attn is not installed"), flash
         assert all(entries[v]["text"] == v for v in ("auto_exact", "auto_fast", "comfy default")), entries
-        ui.page.locator(VUE_OPTIONS, has_text="\u2717 flash \u2014").first.click()
+        ui.pick_vue_option("\u2717 flash \u2014")
     ui.page.wait_for_timeout(300)
     st = ui.node_state()
     assert st["value"] == "flash"  # the value sent with the prompt is the real backend name
