@@ -115,14 +115,26 @@ function redrawPanelWidget(node) {
   const w = panelWidgetOf(node);
   if (!w) return;
   if (!vueMode()) return;
-  const before = node.size?.[1];
+  const before = vueBodyHeight(node);
   if (typeof w.computeSize === "function") w.computedHeight = w.computeSize(node.size?.[0])[1];
   w.triggerDraw?.();
-  // The Vue node grows once the browser has laid it out (a ResizeObserver sets node.size): then move the nodes
-  // the panel now reaches, as drawPanel does on the canvas.
-  if (Number.isFinite(before)) {
-    setTimeout(guard("make room", () => { if (node.size[1] > before + 1) makeRoom(node, before); }), 150);
-  }
+  // The Vue node grows once the browser has laid it out, and node.size follows later if at all: measure the page,
+  // then move the nodes the panel now reaches, as drawPanel does on the canvas.
+  if (before == null) return;
+  setTimeout(guard("make room", () => {
+    const now = vueBodyHeight(node);
+    if (now == null || now <= before + 1) return;
+    if (node.size[1] < now) node.size[1] = now; // what makeRoom measures the node by
+    makeRoom(node, before);
+  }), 150);
+}
+
+/** A Vue node's height below its title, in canvas units (the page's element holds the title too). */
+function vueBodyHeight(node) {
+  const el = document.querySelector(`[data-node-id="${CSS.escape(String(node.id))}"]`);
+  const scale = app.canvas?.ds?.scale || 1;
+  if (!el) return null;
+  return el.getBoundingClientRect().height / scale - (window.LiteGraph?.NODE_TITLE_HEIGHT ?? 30);
 }
 
 function forEachNode(fn) {
@@ -456,7 +468,7 @@ function makeRoom(node, heightBefore) {
       if (top < bottomBefore - 1 || badgeTop >= bottom + gap) continue; // above it before, or still clear of it
       const heightB = b.size[1];
       const shift = bottom + gap - badgeTop;
-      b.pos[1] += shift;
+      b.pos = [b.pos[0], b.pos[1] + shift]; // through the setter: Nodes 2.0 moves its Vue node from there
       queue.push([b, b.pos[1] - shift + heightB]);
     }
   }
