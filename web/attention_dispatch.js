@@ -115,17 +115,22 @@ function redrawPanelWidget(node) {
   const w = panelWidgetOf(node);
   if (!w) return;
   if (!vueMode()) return;
-  const before = vueBodyHeight(node);
   if (typeof w.computeSize === "function") w.computedHeight = w.computeSize(node.size?.[0])[1];
   w.triggerDraw?.();
-  // The Vue node grows once the browser has laid it out, and node.size follows later if at all: measure the page,
-  // then move the nodes the panel now reaches, as drawPanel does on the canvas.
-  if (before == null) return;
+}
+
+/** Nodes 2.0: the panel (a warning on load, a run's report, a refusal) grew by what it needs now over what it needed
+ * before. The Vue node grows once the browser has laid it out, and node.size follows later if at all: measure the
+ * page then, and move the nodes the panel now reaches, as drawPanel does on the canvas. */
+function vuePanelGrew(node, st, height) {
+  const before = st.vueHeight ?? 0;
+  st.vueHeight = height;
+  if (height <= before + 1) return;
   setTimeout(guard("make room", () => {
     const now = vueBodyHeight(node);
-    if (now == null || now <= before + 1) return;
+    if (now == null) return;
     if (node.size[1] < now) node.size[1] = now; // what makeRoom measures the node by
-    makeRoom(node, before);
+    makeRoom(node, now - (height - before));
   }), 150);
 }
 
@@ -458,7 +463,7 @@ function makeRoom(node, heightBefore) {
   const queue = [[node, node.pos[1] + heightBefore]];
   for (let guard = 0; queue.length && guard < 500; guard++) {
     const [a, bottomBefore] = queue.shift();
-    const bottom = a.pos[1] + a.size[1];
+    const bottom = a.pos[1] + heightOf(a);
     for (const b of nodes) {
       if (!b || b === a || b === node || !b.pos || !b.size) continue;
       if (b.pos[0] + b.size[0] <= a.pos[0] || b.pos[0] >= a.pos[0] + a.size[0]) continue; // not across from it
@@ -466,12 +471,17 @@ function makeRoom(node, heightBefore) {
       // Its badges are drawn in a row above its title (LGraphNode.drawBadges): that row must clear the panel too.
       const badgeTop = top - BADGE_ROW;
       if (top < bottomBefore - 1 || badgeTop >= bottom + gap) continue; // above it before, or still clear of it
-      const heightB = b.size[1];
+      const heightB = heightOf(b);
       const shift = bottom + gap - badgeTop;
       b.pos = [b.pos[0], b.pos[1] + shift]; // through the setter: Nodes 2.0 moves its Vue node from there
       queue.push([b, b.pos[1] - shift + heightB]);
     }
   }
+}
+
+/** A node's height below its title: Nodes 2.0's page element is the truth there (node.size lags it). */
+function heightOf(node) {
+  return (vueMode() ? vueBodyHeight(node) : null) ?? node.size[1];
 }
 
 function roundRect(ctx, x, y, w, h, r) {
@@ -570,7 +580,9 @@ function addPanelWidget(node, st) {
     computeSize(width) {
       if (!vueMode()) return [0, -4]; // LiteGraph's "takes no room" (it adds 4 px of margin per widget)
       try {
-        return [width, vuePanelHeight(node, st, Number.isFinite(width) ? width : node.size[0])];
+        const height = vuePanelHeight(node, st, Number.isFinite(width) ? width : node.size[0]);
+        vuePanelGrew(node, st, height);
+        return [width, height];
       } catch (err) {
         warnOnce("panel size", err);
         return [width, 0];
