@@ -512,6 +512,12 @@ def test_report_badge_after_a_prompt(ui):
                  for i in (100, 110)}
         assert fell["badge"] in shown[100] and "flash unavailable" not in shown[100], shown
         assert ok["badge"] in shown[110], shown
+        # the flash node's grown panel moved the node below it instead of sliding under it (the page's boxes)
+        boxes = ui.js("""() => [100, 110].map((i) => {
+            const r = document.querySelector(`[data-node-id='${i}']`).getBoundingClientRect();
+            return [r.left, r.top, r.right, r.bottom]; })""")
+        (l1, t1, r1, b1), (l2, t2, r2, b2) = boxes
+        assert min(r1, r2) <= max(l1, l2) or b1 <= t2, boxes
     shot = ui.shots / "report.png"
     ui.page.screenshot(path=str(shot))
     _artifact(ui, f"badges-{ui.tag}.png")
