@@ -13,6 +13,11 @@ repeats a message that `validate_inputs` returns once per input the function nam
 raises that message instead (`refuse`): ComfyUI reports an exception in validation once
 (`exception_during_inner_validation`, "Exception when validating inner node: <message>"). It raises a
 ValueError, a builtin, because ComfyUI names an exception by its module and a pack's modules by their path.
+
+ComfyUI puts that error on the downstream node's input that links to ours (`input_name: "model"`): neither path
+lets a `validate_inputs` name the widget at fault. So each problem starts with the input it is about ("backend:
+...", "start_percent 0.8 is after end_percent 0.2 (...)") and problems are joined by "; ": the web extension
+(web/node_errors.js) splits the message there and moves each problem onto its widget before the frontend shows it.
 """
 
 from __future__ import annotations

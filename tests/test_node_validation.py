@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 import types
 
 import pytest
@@ -98,6 +99,16 @@ def test_cross_field_rules(nodes):
     many = nodes.SetAttentionBackend.check_inputs("flsh", "Strict", "abc", None)
     assert [p.split(":")[0] for p in many.split("; ") if ":" in p.split(" ")[0]] == [
         "backend", "policy", "start_percent", "end_percent"], many
+
+
+def test_every_problem_starts_with_the_input_it_is_about(nodes):
+    """The contract web/node_errors.js relies on to move each problem of a refusal onto its widget (ComfyUI puts the
+    whole message on the downstream `model` link): problems are joined by "; " and each starts with its input."""
+    names = [f.name for f in nodes.SET_FIELDS]
+    message = nodes.SetAttentionBackend.check_inputs("flash", "strict", 0.8, 0.2, 5, 2)
+    problems = re.split(r"; (?=(?:%s)[:\s])" % "|".join(names), message)
+    assert [re.match(r"\w+", p).group() for p in problems] == ["start_percent", "block_start", "backend"], message
+    assert "; " in problems[-1]  # a problem may hold "; " itself (flash's reasons): the split is at input names
 
 
 def test_unknown_values_name_the_close_match(nodes):

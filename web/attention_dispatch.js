@@ -1,23 +1,29 @@
-// Attention Dispatch in the ComfyUI frontend (LiteGraph canvas, frontend 1.27):
+// Attention Dispatch in the ComfyUI frontend (frontend 1.27 to 1.58; the LiteGraph canvas and "Modern Node Design
+// (Nodes 2.0)", where nodes are Vue components and the canvas draws no node: docs/nodes.md says what differs):
 //  - the backend dropdown of Set Attention Backend / Set CLIP Attention Backend marks what cannot run
 //    here (✗, the reason beside it, reason + install command on hover); the VALUE stays the real name;
 //  - choosing such a backend draws the reason on the node (and the title badge) before queueing;
 //  - after each run the `attention_dispatch.report` message puts what actually ran on the node;
-//  - settings: default policy of new Set nodes, show/hide unavailable backends, fallback toast.
+//  - settings: default policy of new Set nodes, show/hide unavailable backends, fallback toast;
+//  - a refused prompt: each error on the widget at fault, with the pack's sentence (./node_errors.js).
 // One GET /attention_dispatch/backends per page load, no polling. Every hook is guarded and chains
 // the callbacks it wraps. Formatting lives in ./format.js (pure, unit-tested with Node).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import {
-  displayLabel, fallbackToast, groupedEntry, indexBackends, isUnavailable, menuGroups, mergeReports, resolveNode,
-  selectionWarning, summarizeClipText, summarizeReport, summarizeTrustText, visibleValues, wrapText,
+  displayLabel, fallbackToast, groupedEntry, indexBackends, isUnavailable, menuGroups, mergeReports, optionLabel,
+  resolveNode, selectionWarning, summarizeClipText, summarizeReport, summarizeTrustText, visibleValues, wrapText,
 } from "./format.js";
+import { placeNodeErrors } from "./node_errors.js";
 
 const EXTENSION = "attention_dispatch";
 const EVENT = "attention_dispatch.report";
 const BACKEND_NODES = new Set(["SetAttentionBackend", "SetClipAttentionBackend"]);
 const TEXT_NODES = new Set(["SetClipAttentionBackend", "TrustRemoteKernels"]); // panels from `executed` ui text
 const REPORT_NODES = new Set([...BACKEND_NODES, "AttentionChecks", "TrustRemoteKernels"]);
+// Every node of the pack whose validate_inputs can refuse a prompt.
+const VALIDATED_NODES = new Set([...REPORT_NODES, "SparseAttentionOptions"]);
+const PANEL_WIDGET = "attention_dispatch_panel";
 const POLICIES = ["fallback", "strict"];
 export const SETTINGS = {
   policy: "AttentionDispatch.DefaultPolicy",
@@ -71,6 +77,69 @@ function redraw(node) {
     if (node?.setDirtyCanvas) node.setDirtyCanvas(true, true);
     else app.graph?.setDirtyCanvas?.(true, true);
   } catch { /* no canvas yet */ }
+}
+
+/** Nodes 2.0: the nodes are Vue components; the canvas draws links only (no onDrawForeground, no widgets). */
+function vueMode() {
+  return window.LiteGraph?.vueNodesMode === true;
+}
+
+// Nodes 2.0 renders a node's badges from a Vue `computed` that reads node.badges once and recomputes only when a
+// reactive value it read changes; the pack's badge text is plain state. So each badge getter reads one key of the
+// workspace store (a reactive Pinia store: app.extensionManager), and a change of what the badges say writes it.
+const TICK = "attentionDispatchTick";
+let tick = 0;
+
+function readTick() {
+  try { return app.extensionManager?.[TICK]; } catch { return undefined; }
+}
+
+function bumpTick() {
+  tick += 1;
+  try {
+    const manager = app.extensionManager;
+    if (manager && typeof manager === "object") manager[TICK] = tick;
+  } catch { /* a frozen or absent manager: Nodes 2.0 badges then update on the node's next change */ }
+}
+
+/** Redraw what shows the node's state: the canvas, the Nodes 2.0 badge and panel. */
+function refreshNode(node) {
+  redraw(node);
+  bumpTick();
+  try { redrawPanelWidget(node); } catch (err) { warnOnce("panel redraw", err); }
+}
+
+/** Nodes 2.0: the panel widget's canvas takes the height the frontend last laid out (computedHeight), so set it to
+ * what the panel needs now before asking for a redraw. */
+function redrawPanelWidget(node) {
+  const w = panelWidgetOf(node);
+  if (!w) return;
+  if (!vueMode()) return;
+  if (typeof w.computeSize === "function") w.computedHeight = w.computeSize(node.size?.[0])[1];
+  w.triggerDraw?.();
+}
+
+/** Nodes 2.0: the panel (a warning on load, a run's report, a refusal) grew by what it needs now over what it needed
+ * before. The Vue node grows once the browser has laid it out, and node.size follows later if at all: measure the
+ * page then, and move the nodes the panel now reaches, as drawPanel does on the canvas. */
+function vuePanelGrew(node, st, height) {
+  const before = st.vueHeight ?? 0;
+  st.vueHeight = height;
+  if (height <= before + 1) return;
+  setTimeout(guard("make room", () => {
+    const now = vueBodyHeight(node);
+    if (now == null) return;
+    if (node.size[1] < now) node.size[1] = now; // what makeRoom measures the node by
+    makeRoom(node, now - (height - before));
+  }), 150);
+}
+
+/** A Vue node's height below its title, in canvas units (the page's element holds the title too). */
+function vueBodyHeight(node) {
+  const el = document.querySelector(`[data-node-id="${CSS.escape(String(node.id))}"]`);
+  const scale = app.canvas?.ds?.scale || 1;
+  if (!el) return null;
+  return el.getBoundingClientRect().height / scale - (window.LiteGraph?.NODE_TITLE_HEIGHT ?? 30);
 }
 
 function forEachNode(fn) {
@@ -132,6 +201,7 @@ function addBadge(node, st) {
   if (typeof Badge !== "function" || !Array.isArray(node.badges)) return;
   const badge = new Badge({ text: "", fgColor: "#ffffff", bgColor: COLORS.info.edge });
   node.badges.push(() => {
+    readTick();
     try {
       badge.text = st.badgeText || "";
       badge.bgColor = (COLORS[st.badgeLevel] ?? COLORS.info).edge;
@@ -153,14 +223,18 @@ function protoGetter(obj, name) {
   return null;
 }
 
-/** Keep the dropdown's list in line with the show/hide setting; the full list is kept on the widget. */
+/** Keep the dropdown's list in line with the show/hide setting; the full list is kept on the widget. The widget's
+ * own array is changed in place: Nodes 2.0's select holds a copy of the options that refers to that array. */
 function applyVisibleValues(w) {
-  const cur = w?.options?.values;
+  let cur = w?.options?.values;
   if (!Array.isArray(cur)) return;
-  if (!w.__attnFull || cur !== w.__attnShown) w.__attnFull = cur; // first time, or replaced (R refresh)
+  if (!w.__attnFull || cur !== w.__attnShown) { // first time, or replaced (R refresh): a list of this widget's own
+    w.__attnFull = [...cur];
+    if (w.__attnShown) w.options.values = cur = [...cur];
+  }
   const shown = visibleValues(w.__attnFull, state.index, setting(SETTINGS.showUnavailable, true) !== false, w.value);
-  if (shown !== cur) w.options.values = shown;
-  w.__attnShown = shown;
+  if (shown.length !== cur.length || shown.some((v, i) => v !== cur[i])) cur.splice(0, cur.length, ...shown);
+  w.__attnShown = cur;
 }
 
 function entryValue(el) {
@@ -228,6 +302,20 @@ function decorateBackendWidget(node, w) {
     });
   }
 
+  // Frontends from 1.3x label combo entries through options.getOptionLabel: Nodes 2.0's select shows only that label
+  // (no headings, notes or hover), so it carries the mark and the reason; the canvas keeps the short label.
+  if (w.options && typeof w.options === "object") {
+    if (Array.isArray(w.options.values)) w.options.values = [...w.options.values]; // this widget's own list
+    w.options.getOptionLabel = (value) => {
+      if (value == null) return "";
+      try {
+        return vueMode() ? optionLabel(state.index, value) : displayLabel(state.index, value);
+      } catch {
+        return String(value);
+      }
+    };
+  }
+
   // Hover on the widget (the frontend reads widget.tooltip when set): the reason and the install command.
   let ownTooltip = Object.prototype.hasOwnProperty.call(w, "tooltip") ? w.tooltip : undefined;
   Object.defineProperty(w, "tooltip", {
@@ -270,7 +358,7 @@ function decorateBackendWidget(node, w) {
   const originalCallback = w.callback;
   w.callback = function callback(...args) {
     const r = typeof originalCallback === "function" ? originalCallback.apply(this, args) : undefined;
-    redraw(node);
+    refreshNode(node);
     return r;
   };
 }
@@ -301,6 +389,7 @@ function setupNode(node, { fresh }) {
   st.setUp = true;
   addBadge(node, st);
   keepRoomForPanel(node, st);
+  addPanelWidget(node, st);
   if (!BACKEND_NODES.has(type)) return;
   const w = widgetNamed(node, "backend");
   decorateBackendWidget(node, w);
@@ -316,22 +405,25 @@ function setupNode(node, { fresh }) {
 function refreshAll() {
   if (!app.graph) return;
   forEachNode((node) => {
-    if (!BACKEND_NODES.has(typeOf(node))) return;
-    applyVisibleValues(widgetNamed(node, "backend"));
+    if (!REPORT_NODES.has(typeOf(node))) return;
+    if (BACKEND_NODES.has(typeOf(node))) applyVisibleValues(widgetNamed(node, "backend"));
+    redrawPanelWidget(node);
   });
+  bumpTick();
   redraw();
 }
 
 // ---- the panel under the widgets -------------------------------------------------------------------
 
 const FONT_PX = 12;
+const BADGE_ROW = 24; // an LGraphBadge (20 px) and the 2 px gaps around it
 const LINE_H = 15;
 const PAD = 6;
 
 function widgetsBottom(node) {
   let bottom = 0;
   for (const w of node.widgets ?? []) {
-    if (!w || (node.isWidgetVisible && !node.isWidgetVisible(w))) continue;
+    if (!w || w.name === PANEL_WIDGET || (node.isWidgetVisible && !node.isWidgetVisible(w))) continue;
     const y = Number.isFinite(w.y) ? w.y : Number.isFinite(w.last_y) ? w.last_y : null;
     if (y == null) continue;
     const h = Number.isFinite(w.computedHeight) ? w.computedHeight : (window.LiteGraph?.NODE_WIDGET_HEIGHT ?? 20) + 4;
@@ -345,7 +437,9 @@ function panelBlocks(st) {
   const { warning, summary } = st;
   // After a run of the chosen backend the report already says why it fell back: keep its install hint.
   const reported = !!summary && !!summary.requested && summary.requested === st.backend;
-  if (warning && !reported) blocks.push({ text: warning.text, level: warning.strict ? "error" : "warn" });
+  if (st.refused) blocks.push({ text: ["\u2717 Refused at queue time:", ...st.refused].join("\n"), level: "error" });
+  // A refusal already says why the backend cannot run: the warning would repeat it.
+  if (warning && !reported && !st.refused) blocks.push({ text: warning.text, level: warning.strict ? "error" : "warn" });
   if (summary) {
     const lines = ["Last run:", ...summary.lines];
     if (warning && reported) {
@@ -369,18 +463,25 @@ function makeRoom(node, heightBefore) {
   const queue = [[node, node.pos[1] + heightBefore]];
   for (let guard = 0; queue.length && guard < 500; guard++) {
     const [a, bottomBefore] = queue.shift();
-    const bottom = a.pos[1] + a.size[1];
+    const bottom = a.pos[1] + heightOf(a);
     for (const b of nodes) {
       if (!b || b === a || b === node || !b.pos || !b.size) continue;
       if (b.pos[0] + b.size[0] <= a.pos[0] || b.pos[0] >= a.pos[0] + a.size[0]) continue; // not across from it
       const top = b.pos[1] - (b.flags?.collapsed ? 0 : title);
-      if (top < bottomBefore - 1 || top >= bottom + gap) continue; // above it before, or still clear of it
-      const heightB = b.size[1];
-      const shift = bottom + gap - top;
-      b.pos[1] += shift;
+      // Its badges are drawn in a row above its title (LGraphNode.drawBadges): that row must clear the panel too.
+      const badgeTop = top - BADGE_ROW;
+      if (top < bottomBefore - 1 || badgeTop >= bottom + gap) continue; // above it before, or still clear of it
+      const heightB = heightOf(b);
+      const shift = bottom + gap - badgeTop;
+      b.pos = [b.pos[0], b.pos[1] + shift]; // through the setter: Nodes 2.0 moves its Vue node from there
       queue.push([b, b.pos[1] - shift + heightB]);
     }
   }
+}
+
+/** A node's height below its title: Nodes 2.0's page element is the truth there (node.size lags it). */
+function heightOf(node) {
+  return (vueMode() ? vueBodyHeight(node) : null) ?? node.size[1];
 }
 
 function roundRect(ctx, x, y, w, h, r) {
@@ -402,37 +503,42 @@ function drawPanel(node, ctx, canvas) {
     }
     return;
   }
-  const width = Math.max(40, node.size[0] - 4 * PAD);
   ctx.save();
   try {
-    drawBlocks(node, ctx, canvas, st, blocks, top, width);
+    const need = layoutBlocks(st, blocks, node.size[0], ctx);
+    if (node.size[1] < top + need) {
+      const before = node.size[1];
+      node.setSize?.([node.size[0], top + need]);
+      st.grown = true;
+      makeRoom(node, before);
+      redraw(node);
+    }
+    drawBlocks(ctx, st.layout, top, node.size[0], !!canvas?.low_quality);
   } finally {
     ctx.restore();
   }
 }
 
-function drawBlocks(node, ctx, canvas, st, blocks, top, width) {
+/** Wrap the blocks' text to a panel `nodeWidth` wide (cached on the node's state); the height they need. */
+function layoutBlocks(st, blocks, nodeWidth, ctx) {
+  const width = Math.max(40, nodeWidth - 4 * PAD);
   ctx.font = `${FONT_PX}px sans-serif`;
   const key = `${width}|${blocks.map((b) => `${b.level}:${b.text}`).join("\u0001")}`;
   if (key !== st.layoutKey) {
     st.layoutKey = key;
     st.layout = blocks.map((b) => ({ ...b, lines: wrapText(b.text, width, (s) => ctx.measureText(s).width) }));
   }
-  const need = st.layout.reduce((h, b) => h + b.lines.length * LINE_H + 2 * PAD + PAD, 0);
-  st.need = need;
-  if (node.size[1] < top + need) {
-    const before = node.size[1];
-    node.setSize?.([node.size[0], top + need]);
-    st.grown = true;
-    makeRoom(node, before);
-    redraw(node);
-  }
-  const lowQuality = !!canvas?.low_quality;
+  st.need = st.layout.reduce((h, b) => h + b.lines.length * LINE_H + 2 * PAD + PAD, 0);
+  return st.need;
+}
+
+function drawBlocks(ctx, layout, top, nodeWidth, lowQuality) {
+  ctx.font = `${FONT_PX}px sans-serif`;
   let y = top;
-  for (const block of st.layout) {
+  for (const block of layout) {
     const c = COLORS[block.level] ?? COLORS.info;
     const h = block.lines.length * LINE_H + 2 * PAD;
-    roundRect(ctx, PAD, y, node.size[0] - 2 * PAD, h, 4);
+    roundRect(ctx, PAD, y, nodeWidth - 2 * PAD, h, 4);
     ctx.fillStyle = c.bg;
     ctx.fill();
     ctx.strokeStyle = c.edge;
@@ -446,6 +552,60 @@ function drawBlocks(node, ctx, canvas, st, blocks, top, width) {
     }
     y += h + PAD;
   }
+}
+
+// Nodes 2.0 draws no node on the canvas, so the panel is also a widget of its own: the frontend renders a widget that
+// has draw() on a canvas of its own inside the Vue node (WidgetLegacy), as tall as computeSize() says. On the canvas
+// (classic nodes) it takes no room and draws nothing: drawPanel draws the panel there, under the real widgets.
+let measureCtx = null;
+
+function measuringContext() {
+  measureCtx ??= document.createElement("canvas").getContext("2d");
+  return measureCtx;
+}
+
+function vuePanelHeight(node, st, width) {
+  const blocks = panelBlocks(st);
+  return blocks.length ? layoutBlocks(st, blocks, width, measuringContext()) : 0;
+}
+
+function addPanelWidget(node, st) {
+  if (typeof node.addCustomWidget !== "function" || panelWidgetOf(node)) return;
+  node.addCustomWidget({
+    name: PANEL_WIDGET,
+    type: PANEL_WIDGET,
+    value: "",
+    serialize: false, // not in the saved workflow's widgets_values
+    options: { serialize: false, canvasOnly: false }, // nor in the prompt
+    computeSize(width) {
+      if (!vueMode()) return [0, -4]; // LiteGraph's "takes no room" (it adds 4 px of margin per widget)
+      try {
+        const height = vuePanelHeight(node, st, Number.isFinite(width) ? width : node.size[0]);
+        vuePanelGrew(node, st, height);
+        return [width, height];
+      } catch (err) {
+        warnOnce("panel size", err);
+        return [width, 0];
+      }
+    },
+    draw(ctx, _node, width, y) {
+      if (!vueMode()) return;
+      try {
+        const blocks = panelBlocks(st);
+        if (!blocks.length) return;
+        ctx.save();
+        layoutBlocks(st, blocks, width, ctx);
+        drawBlocks(ctx, st.layout, y, width, false);
+        ctx.restore();
+      } catch (err) {
+        warnOnce("panel widget", err);
+      }
+    },
+  });
+}
+
+function panelWidgetOf(node) {
+  return widgetNamed(node, PANEL_WIDGET);
 }
 
 // ---- messages ----------------------------------------------------------------------------------------
@@ -462,7 +622,7 @@ function onReport(report) {
   st.reports.push(report);
   st.report = mergeReports(st.reports);
   st.summary = summarizeReport(st.report);
-  redraw(node);
+  refreshNode(node);
   if (setting(SETTINGS.toast, true) !== false) {
     const toast = fallbackToast(report, node.title);
     const t = app.extensionManager?.toast;
@@ -482,7 +642,68 @@ function onExecuted(detail) {
   st.reports = [];
   st.promptId = detail.prompt_id ?? null;
   st.summary = summary;
-  redraw(node);
+  refreshNode(node);
+}
+
+// ---- a refused prompt ----------------------------------------------------------------------------------
+
+/** The names an error of node `id` can be about: its inputs (slots) and widgets. */
+function inputNamesOf(id) {
+  const node = resolveNode(app.graph, id);
+  if (!node) return [];
+  const names = [...(node.inputs ?? []), ...(node.widgets ?? [])].map((x) => x?.name);
+  return [...new Set(names.filter((n) => typeof n === "string" && n && n !== PANEL_WIDGET))];
+}
+
+/** Each node's panel says why the last queueing refused it (the frontend's toast may only say "couldn't validate"),
+ * until the next queueing. */
+function showRefusals(nodeErrors) {
+  forEachNode((node) => {
+    if (!REPORT_NODES.has(typeOf(node))) return;
+    const st = nodeState(node);
+    const entry = nodeErrors && typeof nodeErrors === "object" ? nodeErrors[String(node.id)] : null;
+    const inputsOf = new Map(); // sentence -> the inputs it was placed on (a window error rings both ends)
+    for (const e of Array.isArray(entry?.errors) ? entry.errors : []) {
+      if (typeof e?.details !== "string" || !e.details) continue;
+      const inputs = inputsOf.get(e.details) ?? [];
+      if (e.extra_info?.input_name) inputs.push(e.extra_info.input_name);
+      inputsOf.set(e.details, inputs);
+    }
+    const refused = [...inputsOf].map(([text, inputs]) => (inputs.length ? `${inputs.join(", ")}: ${text}` : text));
+    if (!refused.length && !st.refused) return;
+    st.refused = refused.length ? refused : null;
+    refreshNode(node);
+  });
+}
+
+/** api.queuePrompt, with the pack's queue-time errors moved onto the inputs at fault (./node_errors.js) before the
+ * frontend reads them: it rings those widgets and its toast quotes the pack's sentence for each. */
+function placeQueueErrors() {
+  const original = api.queuePrompt;
+  if (typeof original !== "function" || original.__attentionDispatch) return;
+  const place = (response) => { // a refusal (HTTP 400), or a prompt queued with some outputs refused (HTTP 200)
+    try {
+      if (response?.node_errors && typeof response.node_errors === "object") {
+        response.node_errors = placeNodeErrors(response.node_errors, VALIDATED_NODES, inputNamesOf);
+      }
+      showRefusals(response?.node_errors);
+    } catch (err) {
+      warnOnce("queue errors", err);
+    }
+  };
+  const wrapped = async function queuePrompt(...args) {
+    let result;
+    try {
+      result = await original.apply(this, args);
+    } catch (err) {
+      place(err?.response);
+      throw err;
+    }
+    place(result);
+    return result;
+  };
+  wrapped.__attentionDispatch = true;
+  api.queuePrompt = wrapped;
 }
 
 function loadBackends() {
@@ -567,6 +788,7 @@ const extension = {
     addStyle();
     api.addEventListener(EVENT, guard("report", (e) => onReport(e.detail)));
     api.addEventListener("executed", guard("executed", (e) => onExecuted(e.detail)));
+    placeQueueErrors();
     loadBackends();
   }),
 

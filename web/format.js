@@ -127,6 +127,17 @@ export function groupedEntry(index, value, shared) {
   return { ...entry, note: own.join("; ") };
 }
 
+/**
+ * One line per value for a dropdown that shows only a label per entry (the Nodes 2.0 select, which has no group
+ * headings, notes or hover text): the mark, the name and, for what cannot run here, why ("✗ flash — flash-attn is
+ * not installed"). The value stays the real name.
+ */
+export function optionLabel(index, value) {
+  const entry = menuEntry(index, value);
+  if (!statusOf(index, value)) return entry.label;
+  return entry.unavailable && entry.note ? `${entry.label} \u2014 ${entry.note}` : entry.label;
+}
+
 /** The combo's displayed label on the node (the widget's value stays the real name). */
 export function displayLabel(index, value) {
   return isUnavailable(index, value) ? `${MARK_UNAVAILABLE} ${value}` : value;

@@ -1,17 +1,21 @@
-"""The web extension in a real headless Chromium against a real ComfyUI serving its real frontend.
+"""The web extension in a real headless Chromium against a real ComfyUI serving its real frontend, once per
+frontend and node mode (conftest.py: ComfyUI's own frontend, those in ATTN_DISPATCH_FRONTENDS, the classic canvas
+and "Modern Node Design (Nodes 2.0)"; ids such as fe1.58.1-nodes2).
 
 Needs COMFYUI_PATH (as tests/integration), Debian's `chromium` (CHROMIUM overrides the path) and the
 `playwright` Python package (its own browsers are never downloaded: executable_path is Debian's).
 Without COMFYUI_PATH they skip (helpers/comfyui.py); with it, a missing browser or package fails them.
 The screenshot of the nodes with their badges lands in the test's tmp dir and is copied to
 $ATTN_DISPATCH_SCREENSHOT, by default tests/web/artifacts/web-report.png (git-ignored; CI prints its path).
-Two more land in tests/web/artifacts/: dropdown-order.png (the dropdown's groups, in order) and
-panel-no-overlap.png (a node's panel, and the node below it moved down rather than drawn over); the tests
-assert what they show (the order of the entries, the bounding boxes of the nodes).
+More land in tests/web/artifacts/, named after the frontend and mode: dropdown-*.png (the open dropdown),
+dropdown-order.png (the groups, in order), panel-no-overlap-*.png (a node's panel, the node below moved down with
+its badge row clear of it), refused-*.png (a refused prompt: the widgets at fault, the panel's sentences) and
+badges-*.png (badges and panels after a run); the tests assert what they show.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -21,6 +25,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers import comfyui
+
+from .conftest import frontend_params
+
 pytestmark = pytest.mark.integration
 
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -29,6 +37,12 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
 SETTINGS = {"policy": "AttentionDispatch.DefaultPolicy", "show": "AttentionDispatch.ShowUnavailableBackends",
             "toast": "AttentionDispatch.FallbackToast"}
 APP = "window.comfyAPI.app.app"
+VUE_OPTIONS = "[data-testid=widget-select-default-overlay] [role=option]"
+VUE_VIEWPORT = "[data-testid=widget-select-default-viewport]"
+# The page is ready once the extension has loaded the backend list (app.extensions throws until Pinia is up).
+READY = """() => { try { const app = window.comfyAPI?.app?.app;
+    const ext = app?.extensions?.find((e) => e.name === 'attention_dispatch');
+    return !!app?.graph && !!app?.canvas && ext?.attentionDispatch?.state?.version > 0; } catch { return false; } }"""
 API = "window.comfyAPI.api.api"
 
 
@@ -115,7 +129,10 @@ class Page:
             return [r.left + p[0], r.top + p[1]]; }}""", name)
 
     def open_dropdown(self, name="backend"):
-        """A real mouse click on the combo widget: the frontend opens its LiteGraph context menu."""
+        """A real mouse click on the combo widget: the frontend opens its LiteGraph context menu, or in Nodes 2.0 its
+        select (entries: value, the label it shows)."""
+        if self.mode == "nodes2":
+            return self.open_vue_dropdown(name)
         self.close_menus()
         x, y = self.widget_center(name)
         self.page.mouse.click(x, y)
@@ -128,7 +145,48 @@ class Page:
             value: typeof e.value === 'string' ? e.value : e.dataset.value, text: e.textContent, title: e.title,
             mark: e.dataset.attentionDispatch || null }))""")
 
+    def open_vue_dropdown(self, name):
+        """Nodes 2.0's select renders only the entries in view (a virtual list): scroll it through, gather each
+        label once, and pair them with the values by the widget's own getOptionLabel."""
+        self.page.keyboard.press("Escape")
+        node_id = self.js("() => window.__adNode.id")
+        trigger = self.page.locator(f"[data-node-id='{node_id}'] [data-testid=widget-select-default-trigger]"
+                                    f"[aria-label='{name}']")
+        trigger.click()
+        self.page.wait_for_selector(VUE_OPTIONS, timeout=10000)
+        labels = self.js(f"""async () => {{ const vp = document.querySelector(VUE_VIEWPORT), seen = [];
+            const frame = () => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)));
+            vp.scrollTop = 0;
+            for (let i = 0; i < 200; i++) {{
+                await frame();
+                for (const e of document.querySelectorAll('{VUE_OPTIONS}')) {{
+                    const t = e.textContent.trim(); if (!seen.includes(t)) seen.push(t); }}
+                if (vp.scrollTop + vp.clientHeight >= vp.scrollHeight - 1) break;
+                vp.scrollTop += Math.max(16, vp.clientHeight / 2);
+            }}
+            vp.scrollTop = 0; await frame(); return seen; }}""".replace("VUE_VIEWPORT", repr(VUE_VIEWPORT)))
+        pairs = self.js(f"""() => {{ const w = window.__adNode.widgets.find((w) => w.name === '{name}');
+            return w.options.values.map((v) => [v, w.options.getOptionLabel ? w.options.getOptionLabel(v) : v]); }}""")
+        return [{"value": v, "text": label, "title": "", "mark": None} for v, label in pairs if label in labels]
+
+    def pick_vue_option(self, text):
+        """Scroll Nodes 2.0's open select until the entry whose label starts with `text` is rendered; click it."""
+        self.js(f"""async (text) => {{ const vp = document.querySelector({VUE_VIEWPORT!r});
+            const frame = () => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)));
+            vp.scrollTop = 0;
+            for (let i = 0; i < 200; i++) {{
+                await frame();
+                const hit = [...document.querySelectorAll('{VUE_OPTIONS}')]
+                    .find((e) => e.textContent.trim().startsWith(text));
+                if (hit) {{ hit.scrollIntoView({{block: 'nearest'}}); await frame(); return; }}
+                vp.scrollTop += Math.max(16, vp.clientHeight / 2);
+            }} }}""", text)
+        self.page.locator(VUE_OPTIONS, has_text=text).first.click()
+
     def close_menus(self):
+        if self.mode == "nodes2":
+            self.page.keyboard.press("Escape")
+            return
         if self.js("() => document.querySelectorAll('.litecontextmenu').length"):
             self.page.keyboard.press("Escape")
             if self.js("() => document.querySelectorAll('.litecontextmenu').length"):
@@ -147,20 +205,29 @@ class Page:
         self.js(f"async ([id, v]) => {{ await {APP}.extensionManager.setting.set(id, v); }}", [SETTINGS[key], value])
 
 
-@pytest.fixture(scope="module")
-def ui(request, tmp_path_factory):
+def _post_setting(comfy, key, value):
+    req = urllib.request.Request(f"{comfy.url}/settings/{key}", data=json.dumps(value).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+
+
+@pytest.fixture(scope="module", params=frontend_params())
+def ui(request, tmp_path_factory, frontend_servers):
+    frontend, mode = request.param
     try:
         from playwright import sync_api
     except ImportError:
         _missing("the playwright Python package is not installed (pip install playwright; never its browsers)")
     if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
         _missing(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set CHROMIUM)")
-    comfy = request.getfixturevalue("comfy")  # after the checks: no ComfyUI start when the browser is missing
-    # A fresh user dir opens the "Get Started with a Template" dialog over the canvas: mark it seen.
-    req = urllib.request.Request(comfy.url + "/settings/Comfy.TutorialCompleted", data=b"true", method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        assert r.status == 200
+    if frontend is None:
+        pytest.skip(comfyui.SKIP_REASON)
+    comfy = frontend_servers(frontend)  # after the checks: no ComfyUI start when the browser is missing
+    # A fresh user dir opens the "Get Started with a Template" dialog over the canvas: mark it seen. The node mode is
+    # a user setting, read when the page loads.
+    _post_setting(comfy, "Comfy.TutorialCompleted", True)
+    _post_setting(comfy, "Comfy.VueNodes.Enabled", mode == "nodes2")
     profile = tempfile.mkdtemp(prefix="attn-dispatch-chromium-")
     try:
         with sync_api.sync_playwright() as pw:
@@ -170,13 +237,13 @@ def ui(request, tmp_path_factory):
             try:
                 context.set_default_timeout(60000)
                 page = Page(context.pages[0] if context.pages else context.new_page())
-                page.comfy = comfy
+                page.comfy, page.mode, page.frontend = comfy, mode, frontend
+                page.tag = f"fe{frontend.version}-{mode}"
                 started = time.time()
                 page.page.goto(comfy.url)
-                page.page.wait_for_function(f"""() => {{ const app = window.comfyAPI?.app?.app;
-                    const ext = app?.extensions?.find((e) => e.name === 'attention_dispatch');
-                    return !!app?.graph && !!app?.canvas && ext?.attentionDispatch?.state?.version > 0; }}""",
-                                            timeout=90000)
+                page.page.wait_for_function(READY, timeout=90000)
+                vue = page.js("() => window.LiteGraph?.vueNodesMode === true")
+                assert vue == (mode == "nodes2"), (mode, vue)
                 page.load_seconds = time.time() - started
                 page.shots = tmp_path_factory.mktemp("web-screenshots")
                 yield page
@@ -208,24 +275,34 @@ def test_dropdown_marks_what_cannot_run_here(ui):
     assert route["flash"]["available"] is False and route["native"]["available"] is True  # a CPU machine
     ui.add_node()
     entries = {e["value"]: e for e in ui.open_dropdown()}
-    ui.page.screenshot(path=str(ui.shots / "dropdown.png"))
+    _artifact(ui, f"dropdown-{ui.tag}.png")
     options = comfy.get("/object_info/SetAttentionBackend")["SetAttentionBackend"]["input"]["required"]["backend"]
     assert set(entries) == set(options[1]["options"])  # every value listed, under its real name
     for name, row in route.items():
         if name not in entries:
             continue
-        assert entries[name]["mark"] == ("available" if row["available"] else "unavailable"), entries[name]
+        if ui.mode == "classic":
+            assert entries[name]["mark"] == ("available" if row["available"] else "unavailable"), entries[name]
         assert entries[name]["text"].startswith("\u2713 " if row["available"] else "\u2717 "), entries[name]
     flash = entries["flash"]
     assert "flash-attn is not installed" in flash["text"]  # the reason beside the name
-    assert "Install: pip install 'flash-attn" in flash["title"]  # the install command on hover
-    assert all(entries[v]["mark"] == "available" for v in ("auto_exact", "auto_fast", "comfy default"))
-
-    ui.page.locator(".litecontextmenu .litemenu-entry[data-value='flash']").click()
-    ui.page.wait_for_timeout(200)
+    if ui.mode == "classic":
+        assert "Install: pip install 'flash-attn" in flash["title"]  # the install command on hover
+        assert all(entries[v]["mark"] == "available" for v in ("auto_exact", "auto_fast", "comfy default"))
+        ui.page.locator(".litecontextmenu .litemenu-entry[data-value='flash']").click()
+    else:  # Nodes 2.0's select: one label per entry, no hover text (docs/nodes.md)
+        assert flash["text"].startswith("\u2717 flash \u2014 flash-attn is not installed"), flash
+        assert all(entries[v]["text"] == v for v in ("auto_exact", "auto_fast", "comfy default")), entries
+        ui.pick_vue_option("\u2717 flash \u2014")
+    ui.page.wait_for_timeout(300)
     st = ui.node_state()
     assert st["value"] == "flash"  # the value sent with the prompt is the real backend name
-    assert st["display"] == "\u2717 flash"
+    if ui.mode == "classic":
+        assert st["display"] == "\u2717 flash"
+    else:
+        shown = ui.page.locator(f"[data-node-id='{ui.js('() => window.__adNode.id')}'] "
+                                "[data-testid=widget-select-default-trigger][aria-label='backend']").inner_text()
+        assert shown.startswith("\u2717 flash \u2014"), shown
     assert st["warning"]["text"].startswith("\u26a0 flash cannot run here: flash-attn is not installed")
     assert "Install: pip install 'flash-attn" in st["warning"]["text"]
     assert "Policy fallback" in st["warning"]["text"]
@@ -234,6 +311,11 @@ def test_dropdown_marks_what_cannot_run_here(ui):
     ui.page.wait_for_timeout(300)
     st = ui.node_state()
     assert st["panel"] and st["panel"][0].startswith("\u26a0 flash cannot run here")  # drawn on the node
+    if ui.mode == "nodes2":  # the panel is the node's own widget there, drawn on a canvas inside the Vue node
+        height = ui.js(f"""() => document.querySelector(`[data-node-id='${{window.__adNode.id}}']`)
+            .querySelector('canvas')?.getBoundingClientRect().height ?? 0""")
+        assert height >= 60, height
+    _artifact(ui, f"warning-{ui.tag}.png")
     prompt = ui.js(f"async () => (await {APP}.graphToPrompt()).output")
     (node_prompt,) = [v for v in prompt.values() if v["class_type"] == "SetAttentionBackend"]
     assert node_prompt["inputs"]["backend"] == "flash"
@@ -256,12 +338,14 @@ def _artifact(ui, name):
 def test_dropdown_leads_with_the_autos_and_groups_the_rest(ui):
     """The dropdown in the server's order (autos and ComfyUI's attention, what runs here, the rest by family), each
     group headed (a family with the reason its members share), no private `_` name, and inside the window."""
+    if ui.mode == "nodes2":
+        pytest.skip("Nodes 2.0's select lists labels only, without group headings (docs/nodes.md)")
     comfy = ui.comfy
     route = {b["name"]: b for b in comfy.get("/attention_dispatch/backends")["backends"]}
     options = comfy.get("/object_info/SetAttentionBackend")["SetAttentionBackend"]["input"]["required"]["backend"]
     ui.add_node(pos=(220, 60))
     entries = ui.open_dropdown()
-    shot = _artifact(ui, "dropdown-order.png")
+    shot = _artifact(ui, f"dropdown-order-{ui.tag}.png")
     values = [e["value"] for e in entries]
     assert values == options[1]["options"], values  # the server's order, every value under its real name
     assert values[:3] == ["auto_exact", "auto_fast", "comfy default"]
@@ -297,10 +381,15 @@ def _report(node_id, backend="flash", served="_native_flash", calls=8):
 
 def test_panel_never_covers_the_node_below(ui):
     """A Set Attention Backend with a node right under it: the warning and the "Last run" panel make it taller,
-    and the node below moves down instead of being drawn over; the panel fits in its node (not cut off)."""
+    and the node below moves down instead of being drawn over, its badge row too (drawn above its title: issue #41);
+    the panel fits in its node (not cut off)."""
+    if ui.mode == "nodes2":
+        pytest.skip("Nodes 2.0 lays the nodes out in the page, not on the canvas: the panel test there is "
+                    "test_dropdown_marks_what_cannot_run_here's and test_report_badge_after_a_prompt's")
     ui.add_node(pos=(220, 60))
     below = ui.js(f"""() => {{ const app = {APP}; const a = window.__adNode;
-        const b = LiteGraph.createNode('KSampler'); app.graph.add(b);
+        const b = LiteGraph.createNode('SetAttentionBackend'); app.graph.add(b);
+        b.widgets.find((w) => w.name === 'backend').value = 'flash';  // a node with a badge: "⚠ flash unavailable"
         b.pos = [a.pos[0] + 40, a.pos[1] + a.size[1] + LiteGraph.NODE_TITLE_HEIGHT + 10];
         window.__adBelow = b; app.canvas.setDirty(true, true); return b.id; }}""")
     ui.frames()
@@ -310,13 +399,18 @@ def test_panel_never_covers_the_node_below(ui):
         new CustomEvent('attention_dispatch.report', {{ detail: r }})); }}""", _report(ui.js("() => window.__adNode.id")))
     ui.frames(8)
     boxes = ui.js(f"""() => {{ const t = LiteGraph.NODE_TITLE_HEIGHT;
-        const box = (n) => ({{x: n.pos[0], y: n.pos[1] - t, w: n.size[0], h: n.size[1] + t}});
-        const a = window.__adNode, st = a.attention_dispatch;
-        const bottom = Math.max(...a.widgets.map((w) => (w.y ?? 0) + (w.computedHeight ?? 24)));
-        return {{a: box(a), b: box(window.__adBelow), panelTop: a.pos[1] + bottom, need: st.need,
+        const box = (n, above = 0) => ({{x: n.pos[0], y: n.pos[1] - t - above, w: n.size[0], h: n.size[1] + t + above}});
+        const a = window.__adNode, st = a.attention_dispatch, b = window.__adBelow;
+        const ctx = {APP}.canvas.ctx;  // the badge row above b's title: its tallest badge and the 2 px gaps
+        const row = Math.max(0, ...b.badges.map((f) => (typeof f === 'function' ? f() : f))
+            .filter((x) => x?.text).map((x) => (x.height ?? 20) + 4));
+        const bottom = Math.max(...a.widgets.filter((w) => w.name !== 'attention_dispatch_panel')
+            .map((w) => (w.y ?? 0) + (w.computedHeight ?? 24)));
+        return {{a: box(a), b: box(b, row), row, panelTop: a.pos[1] + bottom, need: st.need,
                  blocks: (st.layout || []).map((b) => b.lines.join('\\n')), canvas: [...{APP}.canvas.ds.offset]}}; }}""")
-    shot = _artifact(ui, "panel-no-overlap.png")
+    shot = _artifact(ui, f"panel-no-overlap-{ui.tag}.png")
     a, b = boxes["a"], boxes["b"]
+    assert boxes["row"] >= 20, boxes  # the node below has its badge row
     assert any(block.startswith("Last run:") for block in boxes["blocks"]), boxes["blocks"]
     assert any("Install: pip install 'flash-attn" in block for block in boxes["blocks"]), boxes["blocks"]
     overlap_x = min(a["x"] + a["w"], b["x"] + b["w"]) - max(a["x"], b["x"])
@@ -327,7 +421,8 @@ def test_panel_never_covers_the_node_below(ui):
     assert boxes["panelTop"] + boxes["need"] <= a["y"] + a["h"] + 1, (boxes, shot)  # the whole panel inside its node
     # the frontend's own resize to computeSize() (on a widget change, a reload) keeps room for the panel
     fits = ui.js("""() => { const a = window.__adNode; const before = a.size[1]; a.setSize(a.computeSize());
-        const bottom = Math.max(...a.widgets.map((w) => (w.y ?? 0) + (w.computedHeight ?? 24)));
+        const bottom = Math.max(...a.widgets.filter((w) => w.name !== 'attention_dispatch_panel')
+            .map((w) => (w.y ?? 0) + (w.computedHeight ?? 24)));
         return [bottom + a.attention_dispatch.need, a.size[1], before]; }""")
     assert fits[0] <= fits[1] + 1, fits
     ui.js(f"() => {{ {APP}.graph.clear(); }}")
@@ -362,9 +457,12 @@ def test_settings_hide_unavailable_and_default_policy(ui):
     ui.add_node("SetClipAttentionBackend")  # the CLIP node's dropdown is marked the same way
     ui.js("() => { window.__adNode.widgets.find((w) => w.name === 'backend').value = 'flash'; }")
     st = ui.node_state()
-    assert st["display"] == "\u2717 flash" and st["warning"]["text"].startswith("\u26a0 flash cannot run here")
+    assert st["warning"]["text"].startswith("\u26a0 flash cannot run here")
     entries = {e["value"]: e for e in ui.open_dropdown()}
-    assert entries["flash"]["mark"] == "unavailable" and entries["native"]["mark"] == "available"
+    assert entries["flash"]["text"].startswith("\u2717 flash") and entries["native"]["text"] == "\u2713 native"
+    if ui.mode == "classic":
+        assert st["display"] == "\u2717 flash"
+        assert entries["flash"]["mark"] == "unavailable" and entries["native"]["mark"] == "available"
     ui.close_menus()
 
 
@@ -402,19 +500,68 @@ def test_report_badge_after_a_prompt(ui):
     assert clip["badge"].startswith("\u2713 native: patched 2"), clip
 
     # Lay the graph out with the grown nodes, then take the screenshot for the closing note.
-    ui.js(f"""() => {{ const app = {APP}; app.graph.arrange(80);
-        app.canvas.ds.scale = 0.85; app.canvas.ds.offset = [40, 40]; app.canvas.setDirty(true, true); }}""")
+    # (Nodes 2.0: the page lays the nodes out and LiteGraph's node.size lags it, so arrange() would overlap them.)
+    ui.js(f"""(arrange) => {{ const app = {APP}; if (arrange) app.graph.arrange(80);
+        app.canvas.ds.scale = 0.85; app.canvas.ds.offset = [40, 40]; app.canvas.setDirty(true, true); }}""",
+          ui.mode == "classic")
     ui.page.wait_for_timeout(600)
     fell = ui.node_state(f"{APP}.graph.getNodeById(100)")
     assert any("Fell back: flash" in block for block in fell["panel"]), fell["panel"]  # drawn on the node
+    if ui.mode == "nodes2":  # the badge the page shows is the latest run's, not the one chosen before it
+        shown = {i: ui.js(f"() => document.querySelector(`[data-node-id='{i}']`)?.innerText ?? ''")
+                 for i in (100, 110)}
+        assert fell["badge"] in shown[100] and "flash unavailable" not in shown[100], shown
+        assert ok["badge"] in shown[110], shown
+        # the flash node's grown panel moved the node below it instead of sliding under it (the page's boxes)
+        boxes = ui.js("""() => [100, 110].map((i) => {
+            const r = document.querySelector(`[data-node-id='${i}']`).getBoundingClientRect();
+            return [r.left, r.top, r.right, r.bottom]; })""")
+        (l1, t1, r1, b1), (l2, t2, r2, b2) = boxes
+        assert min(r1, r2) <= max(l1, l2) or b1 <= t2, boxes
     shot = ui.shots / "report.png"
     ui.page.screenshot(path=str(shot))
+    _artifact(ui, f"badges-{ui.tag}.png")
     target = _screenshot_target()
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(shot, target)
     print(f"\nscreenshot of the nodes with their badges: {target}")
     assert run_seconds < 100, run_seconds
     assert ui.backend_fetches == 1  # one fetch per page load, nothing polled since
+
+
+def test_refused_prompt_names_the_widget_at_fault(ui):
+    """A prompt the pack refuses at queue time (policy strict with a backend that cannot run here, and a step window
+    that starts after it ends): each error is on the widget at fault, not on the `model` link ComfyUI names
+    (web/node_errors.js), and the node's panel says the pack's sentences (the toast may only say "couldn't
+    validate")."""
+    prompt = wan_prompt(["flash"])
+    prompt["100"]["inputs"].update(policy="strict", start_percent=0.8, end_percent=0.2)
+    ui.close_menus()
+    ui.js(f"""async (p) => {{ const app = {APP}; await app.loadApiJson(p, 'attention_dispatch_refused');
+        try {{ await app.queuePrompt(0, 1); }} catch {{ /* the frontend shows it */ }} }}""", prompt)
+    ui.page.wait_for_function(f"() => !!{APP}.graph.getNodeById(100)?.attention_dispatch?.refused", timeout=60000)
+    errors = ui.js(f"() => ({APP}.lastNodeErrors?.['100']?.errors ?? []).map((e) => [e.extra_info?.input_name, "
+                   "e.details])")
+    placed = {name: details for name, details in errors}
+    assert set(placed) == {"backend", "start_percent", "end_percent"}, errors
+    assert placed["backend"].startswith("attention backend 'flash' cannot run on this machine (policy strict)")
+    assert placed["start_percent"].startswith("start_percent 0.8 is after end_percent 0.2"), placed
+    ui.js(f"""() => {{ const app = {APP}, n = app.graph.getNodeById(100);
+        app.canvas.ds.scale = 1; app.canvas.ds.offset = [-n.pos[0] + 360, -n.pos[1] + 160];
+        app.canvas.setDirty(true, true); }}""")
+    ui.page.wait_for_timeout(800)
+    panel = ui.node_state(f"{APP}.graph.getNodeById(100)")["panel"]
+    assert panel and panel[0].startswith("\u2717 Refused at queue time:"), panel
+    assert "start_percent, end_percent: start_percent 0.8 is after end_percent 0.2" in panel[0].replace("\n", " ")
+    assert "backend: attention backend 'flash' cannot run" in panel[0].replace("\n", " "), panel
+    _artifact(ui, f"refused-{ui.tag}.png")
+    # Queued again with the window fixed and the policy back to fallback: the refusal leaves the panel.
+    ui.js(f"""async () => {{ const app = {APP}, n = app.graph.getNodeById(100);
+        for (const [name, value] of [['policy', 'fallback'], ['start_percent', 0], ['end_percent', 1]]) {{
+            n.widgets.find((w) => w.name === name).value = value; }}
+        await app.queuePrompt(0, 1); }}""")
+    ui.page.wait_for_function(f"() => {APP}.graph.getNodeById(100)?.attention_dispatch?.summary", timeout=120000)
+    assert not ui.js(f"() => {APP}.graph.getNodeById(100).attention_dispatch.refused")
 
 
 def test_no_errors_from_the_extension(ui):
