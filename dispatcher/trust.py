@@ -50,13 +50,16 @@ def decide(repo_id: str) -> TrustDecision:
                 and publisher not in _scoped_publishers.get():
             reason += f", and since '{publisher}' is not a trusted kernel publisher, also " + _untrusted_hint(repo_id, publisher)
         return TrustDecision(False, reason)
-    opted = env.flag(env.TRUST_REMOTE_KERNELS) or publisher in _scoped_publishers.get()
-    if publisher in TRUSTED_PUBLISHERS:
-        return TrustDecision(True, f"'{publisher}' is a trusted kernel publisher", opt_in=opted)
     if env.flag(env.TRUST_REMOTE_KERNELS):
-        return TrustDecision(True, f"{env.TRUST_REMOTE_KERNELS}=true trusts '{publisher}'", opt_in=True)
-    if publisher in _scoped_publishers.get():
-        return TrustDecision(True, f"a Trust Remote Kernels scope allows '{publisher}'", opt_in=True)
+        opted_by = f"{env.TRUST_REMOTE_KERNELS}=true trusts '{publisher}'"
+    elif publisher in _scoped_publishers.get():
+        opted_by = f"a Trust Remote Kernels scope allows '{publisher}'"
+    else:
+        opted_by = None
+    if publisher in TRUSTED_PUBLISHERS:
+        return TrustDecision(True, f"'{publisher}' is a trusted kernel publisher", opt_in=opted_by is not None)
+    if opted_by is not None:
+        return TrustDecision(True, opted_by, opt_in=True)
     return TrustDecision(False, f"'{repo_id}' is not published by a trusted kernel publisher, so loading it downloads and "
                                 "runs remote code; " + _untrusted_hint(repo_id, publisher))
 
