@@ -68,15 +68,17 @@ def kernels_refusal(repo_id: str, kind: str, detail: str) -> str:
     """The refusal of kernels' own publisher check (`kernels_api.trust_refusal`'s kind), in the pack's words and with
     the pack's fix; never kernels' advice to pass `trust_remote_code`, which is no setting of the pack."""
     publisher = repo_id.split("/", 1)[0]
+    # "; set ..." and ": run ..." begin the fix where the web extension looks for it (web/format.js splitReason)
     if kind == "untrusted":
         return (f"the Hugging Face Hub does not list '{publisher}' as a trusted kernel publisher, so the kernels "
-                f"library refuses to run '{repo_id}'; if you trust it, " + _untrusted_hint(repo_id, publisher))
+                f"library refuses to run '{repo_id}'; " + _untrusted_hint(repo_id, publisher) + " anyway, if you "
+                "trust it")
     if kind == "auth":
         return (f"the Hugging Face Hub rejected your token while the kernels library checked the publisher of "
                 f"'{repo_id}': run `hf auth login`, or update or unset HF_TOKEN")
     return (f"the kernels library could not confirm with the Hugging Face Hub that '{publisher}' is a trusted kernel "
-            f"publisher ({detail}), so it refuses to run '{repo_id}'; try again later, or, if you trust it, "
-            + _untrusted_hint(repo_id, publisher))
+            f"publisher ({detail}), so it refuses to run '{repo_id}'; " + _untrusted_hint(repo_id, publisher)
+            + " anyway if you trust it, or try again later")
 
 
 def scope_key() -> tuple:
