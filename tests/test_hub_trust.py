@@ -4,7 +4,9 @@ Kernel repositories are built on disk (tests/helpers/kernel_repos.py) and loaded
 LOCAL_KERNELS (read by `kernels` on each call: in process) or the offline HF cache (HF_HUB_CACHE /
 KERNELS_CACHE + HF_HUB_OFFLINE=1, read when huggingface_hub/kernels are imported: in a subprocess).
 No network is needed; `kernels` itself never checks trust on these paths (LOCAL_KERNELS is never
-checked, offline mode skips the check), so every refusal below is the dispatcher's own rule.
+checked, offline mode skips the check), so those refusals are the dispatcher's own rule. kernels' own publisher
+check (it asks the Hub) is met where HF_ENDPOINT points at a dead port (a machine without network: issue 37) or at a
+local fake Hub whose answer about each publisher a case sets (tests/helpers/fake_hub.py).
 """
 
 from __future__ import annotations
