@@ -6,6 +6,10 @@ A lock file written by `install.py` (or named by ATTN_DISPATCH_KERNEL_LOCK) pins
 the revision that was fetched, so an offline ComfyUI loads exactly what was installed: the build
 directory it records is loaded straight from the cache (`fetched_build`), with no network and no
 HF_HUB_OFFLINE needed, while the kernels library would still pick that build for this machine.
+
+The kernels library checks a publisher itself before it reads anything, the cache included (`kernels_api`): where
+the Hub cannot be reached to ask, a kernel the pack trusts is read from the cache alone, with kernels told to trust
+that repo; a kernel that is not there fails with HubUnreachableError ("no network here"), not a trust refusal.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ _SNAPSHOT = re.compile(r"[\\/]snapshots[\\/]([0-9a-f]{40})[\\/]build[\\/]")
 
 class KernelLoadError(RuntimeError):
     """A Hub kernel could not be loaded: refused by trust rules, missing, or broken."""
+
+
+class HubUnreachableError(KernelLoadError):
+    """The kernel is not in the local cache, and the Hub cannot be reached to download it (no network, or
+    HF_HUB_OFFLINE=1): nothing is wrong with the kernel or the trust settings; it needs fetching once with network."""
 
 
 @dataclass(frozen=True)
@@ -145,23 +154,24 @@ def load(hub: HubKernel) -> tuple[Callable, LoadedKernel]:
         except Exception as exc:
             raise KernelLoadError(f"the kernels library fails to import ({type(exc).__name__}: {exc}); "
                                   f"reinstall it: pip install --upgrade 'kernels>={hub.min_kernels}'") from exc
-        kwargs = {"revision": revision} if revision else {"version": hub.version}
-        if decision.opt_in and at_least(kernels_version, "0.14"):
-            kwargs["trust_remote_code"] = True
+        request = {"revision": revision} if revision else {"version": hub.version}
+        # an opt-in reaches kernels' own check; a trusted publisher alone does not: kernels asks the Hub about it too
+        opt_in = kernels_api.trust_argument(kernels_version, hub.repo_id) if decision.opt_in else {}
         if locked:
             where = f"revision {revision} pinned by {lock_path()}"
         else:
             where = f"revision {revision}" if revision else f"version {hub.version}"
-        module = _load_fetched(kernels, hub.repo_id, locked, kwargs) if locked else None
+        module = _load_fetched(kernels, hub.repo_id, locked, {**request, **opt_in}) if locked else None
         fetched = module is not None
+        trusted_because = decision.reason
         if module is None:
-            try:
-                module = kernels.get_kernel(hub.repo_id, **kwargs)
-            except Exception as exc:
-                hint = (f"; the pinned revision is not available: rerun `python install.py`, or delete {lock_path()}"
-                        if locked else "")
-                raise KernelLoadError(f"could not load '{hub.repo_id}' ({where}): {type(exc).__name__}: "
-                                      f"{str(exc).strip()}{hint}") from exc
+            hint = (f"; the pinned revision is not available: rerun `python install.py`, or delete {lock_path()}"
+                    if locked else "")
+            module, fetched = _get_kernel(kernels, hub.repo_id, request, opt_in, kernels_version,
+                                          f"could not load '{hub.repo_id}' ({where}): ", hint, decision.reason)
+            if fetched:
+                trusted_because += ("; the Hugging Face Hub could not be reached to confirm it, so the build in the "
+                                    "local cache was loaded")
         fn = _resolve(module, hub.function)
         if not callable(fn):
             raise KernelLoadError(f"'{hub.function}' of kernel '{hub.repo_id}' is not callable "
@@ -173,10 +183,65 @@ def load(hub: HubKernel) -> tuple[Callable, LoadedKernel]:
                            path, where)
         record = LoadedKernel(repo_id=hub.repo_id, version=hub.version,
                               revision=resolved or (revision if source != "local" else None),
-                              path=path, function=hub.function, trust=decision.reason,
+                              path=path, function=hub.function, trust=trusted_because,
                               from_lock=bool(locked), source=source)
         _loaded[key] = (fn, record)
         return fn, record
+
+
+def _get_kernel(kernels, repo_id: str, request: dict, opt_in: dict, kernels_version: str, failed: str, hint: str,
+                trusted_because: str):
+    """(module, read from the cache without the Hub) through `kernels.get_kernel`; where the Hub cannot be reached,
+    the build already in the local cache. `failed` begins every error message. Raises KernelLoadError, with the
+    pack's words for kernels' trust refusals, and HubUnreachableError where only the network is missing."""
+    try:
+        return kernels.get_kernel(repo_id, **request, **opt_in), False
+    except Exception as exc:  # noqa: BLE001  (kernels raises ValueError, OSError, ImportError, httpx errors, ...)
+        failure = exc
+    if _hub_offline():  # get_kernel has read the cache alone already
+        if kernels_api.not_cached(failure):
+            raise HubUnreachableError(
+                failed + "HF_HUB_OFFLINE=1 and it is not in the local kernel cache: run `python install.py` once "
+                "with network and without HF_HUB_OFFLINE (it fetches and pins the kernel, which then loads "
+                "offline)" + hint) from failure
+        raise KernelLoadError(failed + _said(failure) + hint) from failure
+    unreachable = kernels_api.hub_unreachable(failure)
+    if unreachable is None:
+        refusal = kernels_api.trust_refusal(failure)
+        if refusal is not None:
+            kind, cause = refusal
+            raise KernelLoadError(failed + trust.kernels_refusal(repo_id, kind, _said(cause, 200))) from failure
+        raise KernelLoadError(failed + _said(failure) + hint) from failure
+    # The pack trusts this repo (it decided before any call) and the Hub cannot be asked: tell kernels so, and let it
+    # read the cache alone, as HF_HUB_OFFLINE=1 would; nothing is downloaded.
+    no_network = f"no network here? the Hugging Face Hub cannot be reached ({_said(unreachable, 200)})"
+    if not at_least(kernels_version, "0.17"):
+        raise HubUnreachableError(failed + no_network + f"; kernels {kernels_version} reads its cache only with "
+                                  "HF_HUB_OFFLINE=1: set it, or pip install --upgrade 'kernels>=0.17.1'") from failure
+    try:
+        module = kernels_api.load_cached(kernels, repo_id, request,
+                                         kernels_api.trust_argument(kernels_version, repo_id))
+    except Exception as exc:  # noqa: BLE001
+        if kernels_api.not_cached(exc):
+            raise HubUnreachableError(
+                failed + no_network + ", and it is not in the local kernel cache: run `python install.py` once on "
+                "this machine with network (it fetches and pins the kernel, which then loads without network)"
+                + hint) from exc
+        raise KernelLoadError(failed + no_network + f", and loading it from the local cache failed: {_said(exc)}"
+                              + hint) from exc
+    logger.warning("cannot reach the Hugging Face Hub to confirm the publisher of '%s' (%s); loading it from the local "
+                   "cache, since %s", repo_id, _said(unreachable, 200), trusted_because)
+    return module, True
+
+
+def _said(exc: BaseException, limit: int | None = None) -> str:
+    """An error as one line of a message: its type and its words (the first `limit` characters), and the fix where the
+    cause is a known version clash."""
+    text = f"{type(exc).__name__}: {str(exc).strip()}"
+    if limit is not None:
+        text = " ".join(text.split())
+        text = text if len(text) <= limit else text[:limit] + "..."
+    return text + kernels_api.known_cause(exc)
 
 
 def local_override(repo_id: str) -> str | None:

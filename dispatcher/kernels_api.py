@@ -5,13 +5,22 @@ kernels 0.19 moved its modules under `kernels._internals` (`variants`, `validate
 replaced `verify.verify_variant` (0.16-0.18: one call checking the signature and the digest) with
 `verify.verify_signature` and `digest.verify_digest`. Everything else here imports from this module, so a
 kernels release that moves them again is fixed in one place (and CI runs the newest and the oldest allowed).
+
+It also owns what the pack tells kernels about trust and what kernels' own trust refusals mean. kernels 0.14+
+checks a publisher itself before it reads anything, even a kernel already in the cache: unless HF_HUB_OFFLINE=1
+(then it skips the check, with a warning) or `trust_remote_code` names the repo, it asks the Hub whether the
+publisher is a trusted kernel publisher, and refuses when the Hub says no or cannot be asked (no network).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import re
 from pathlib import Path
 from types import ModuleType
+
+from .versions import at_least
 
 
 def module(name: str) -> ModuleType:
@@ -87,3 +96,79 @@ def _detail(result) -> str:
     if violations:
         return "; ".join(str(v) for v in violations[:3])
     return " ".join(str(getattr(result, "reason", "") or "").split())[:300]
+
+
+# ---- trust: what kernels is told, and what its refusals mean --------------------------------------------------
+
+def trust_argument(kernels_version: str | None, repo_id: str) -> dict:
+    """The `get_kernel`/`install_kernel` keyword that makes kernels accept `repo_id` without asking the Hub, for a
+    repo the pack has decided to trust: its allowlist `[repo_id]` (0.17+), which leaves the repo's kernel
+    dependencies to kernels' own check; True on 0.14-0.16 (they read a list as signing identities and ignore it);
+    nothing before 0.14, which has no check of its own."""
+    if kernels_version is None or not at_least(kernels_version, "0.14"):
+        return {}
+    return {"trust_remote_code": [repo_id] if at_least(kernels_version, "0.17") else True}
+
+
+def trust_refusal(exc: BaseException) -> tuple[str, BaseException] | None:
+    """(kind, what the Hub said) when `exc` is one of kernels' own publisher refusals, by its words (the same in
+    0.14-0.19), else None. kind: "untrusted" (the Hub says the publisher is not a trusted kernel publisher), "auth"
+    (the Hub refused the token: 0.19+), "unverified" (the Hub could not be asked: `hub_unreachable` says whether
+    for want of a network)."""
+    text = str(exc)
+    for words, kind in (("is not from a trusted publisher", "untrusted"),
+                        ("authentication failed while checking the publisher", "auth"),
+                        ("could not verify publisher trust status", "unverified")):
+        if words in text:
+            return kind, exc.__cause__ or exc.__context__ or exc
+    return None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and its causes: kernels 0.19 raises its refusal `from` the Hub's error, 0.17 inside its handler."""
+    chain, cursor = [], exc
+    while cursor is not None and len(chain) < 20 and all(cursor is not seen for seen in chain):
+        chain.append(cursor)
+        cursor = cursor.__cause__ or cursor.__context__
+    return chain
+
+
+# httpx (huggingface_hub 1.x+), requests (0.x) and socket names for "no connection to the Hub at all"
+_NETWORK_ERRORS = frozenset({"ConnectError", "ConnectTimeout", "TimeoutException", "NetworkError", "ConnectionError",
+                             "ConnectTimeoutError", "ProxyError", "gaierror", "OfflineModeIsEnabled"})
+
+
+def hub_unreachable(exc: BaseException) -> BaseException | None:
+    """The error that says the Hub could not be reached at all (no network, DNS, a proxy, a timeout), if that is
+    what `exc` comes from; None for an answer from the Hub (404, 401, ...) or any other failure."""
+    for cursor in _chain(exc):
+        if _NETWORK_ERRORS & {cls.__name__ for cls in type(cursor).__mro__}:
+            return cursor
+    return None
+
+
+def known_cause(exc: BaseException) -> str:
+    """The fix for a failure whose cause is known to be a version clash rather than the Hub or the kernel, or ""."""
+    if os.environ.get("HF_HUB_DISABLE_TELEMETRY") and any("Illegal header value" in str(c) for c in _chain(exc)):
+        return (" (with HF_HUB_DISABLE_TELEMETRY set, kernels 0.17 and huggingface_hub 2.x send an invalid "
+                "User-Agent header: unset HF_HUB_DISABLE_TELEMETRY)")
+    return ""
+
+
+_NOT_CACHED = re.compile(r"not available in the local cache|Cannot find a local snapshot|is not in the local cache|"
+                         r"^Version \d+ not found, available versions")
+
+
+def not_cached(exc: BaseException) -> bool:
+    """Whether kernels' cache-only resolution failed because the kernel (that version or revision) is not in the
+    local cache, rather than because what is there is broken."""
+    return any(type(c).__name__ == "LocalEntryNotFoundError" or _NOT_CACHED.search(str(c)) for c in _chain(exc))
+
+
+def load_cached(kernels: ModuleType, repo_id: str, request: dict, trust: dict) -> ModuleType:
+    """The kernel from the local cache alone, never the network: kernels' own offline resolution (the version's ref or
+    the commit, the build variant it picks for this machine), as HF_HUB_OFFLINE=1 would do, then its local loader.
+    `request`: {"version": N} or {"revision": R}; `trust`: `trust_argument`'s. kernels 0.17+ (install_kernel takes a
+    version since 0.17); raises whatever kernels raises (see `not_cached`)."""
+    variant = Path(kernels.install_kernel(repo_id, **request, local_files_only=True, **trust))
+    return kernels.get_local_kernel(variant, **trust)

@@ -6,6 +6,11 @@ kernels<0.14, which executes whatever it downloads):
 - publishers in `TRUSTED_PUBLISHERS` load without opt-in;
 - any other publisher loads only with `DIFFUSERS_TRUST_REMOTE_KERNELS=true`, or inside a
   `trusted_publishers(...)` scope (the Trust Remote Kernels node scopes one to its models).
+
+kernels 0.14+ then applies its own rule (docs/python.md#who-may-run-remote-kernel-code): online, it asks the Hub
+whether the publisher is a trusted kernel publisher, unless told the repo is trusted. It is told so only for an
+opt-in (`TrustDecision.opt_in`), or where the Hub cannot be reached and the kernel is read from the cache alone
+(`hub.load`). So a kernel runs only where both rules allow it, or where the user opted in.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ _scoped_publishers: contextvars.ContextVar[frozenset[str]] = contextvars.Context
 class TrustDecision:
     allowed: bool
     reason: str
-    opt_in: bool = False  # True when the publisher is untrusted and a user opted in: pass trust_remote_code
+    # A user opted in to this publisher (env or scope), trusted publisher or not: kernels is told to trust the repo too
+    opt_in: bool = False
 
 
 def _untrusted_hint(repo_id: str, publisher: str) -> str:
@@ -44,14 +50,35 @@ def decide(repo_id: str) -> TrustDecision:
                 and publisher not in _scoped_publishers.get():
             reason += f", and since '{publisher}' is not a trusted kernel publisher, also " + _untrusted_hint(repo_id, publisher)
         return TrustDecision(False, reason)
-    if publisher in TRUSTED_PUBLISHERS:
-        return TrustDecision(True, f"'{publisher}' is a trusted kernel publisher")
     if env.flag(env.TRUST_REMOTE_KERNELS):
-        return TrustDecision(True, f"{env.TRUST_REMOTE_KERNELS}=true trusts '{publisher}'", opt_in=True)
-    if publisher in _scoped_publishers.get():
-        return TrustDecision(True, f"a Trust Remote Kernels scope allows '{publisher}'", opt_in=True)
+        opted_by = f"{env.TRUST_REMOTE_KERNELS}=true trusts '{publisher}'"
+    elif publisher in _scoped_publishers.get():
+        opted_by = f"a Trust Remote Kernels scope allows '{publisher}'"
+    else:
+        opted_by = None
+    if publisher in TRUSTED_PUBLISHERS:
+        return TrustDecision(True, f"'{publisher}' is a trusted kernel publisher", opt_in=opted_by is not None)
+    if opted_by is not None:
+        return TrustDecision(True, opted_by, opt_in=True)
     return TrustDecision(False, f"'{repo_id}' is not published by a trusted kernel publisher, so loading it downloads and "
                                 "runs remote code; " + _untrusted_hint(repo_id, publisher))
+
+
+def kernels_refusal(repo_id: str, kind: str, detail: str) -> str:
+    """The refusal of kernels' own publisher check (`kernels_api.trust_refusal`'s kind), in the pack's words and with
+    the pack's fix; never kernels' advice to pass `trust_remote_code`, which is no setting of the pack."""
+    publisher = repo_id.split("/", 1)[0]
+    # "; set ..." and ": run ..." begin the fix where the web extension looks for it (web/format.js splitReason)
+    if kind == "untrusted":
+        return (f"the Hugging Face Hub does not list '{publisher}' as a trusted kernel publisher, so the kernels "
+                f"library refuses to run '{repo_id}'; " + _untrusted_hint(repo_id, publisher) + " anyway, if you "
+                "trust it")
+    if kind == "auth":
+        return (f"the Hugging Face Hub rejected your token while the kernels library checked the publisher of "
+                f"'{repo_id}': run `hf auth login`, or update or unset HF_TOKEN")
+    return (f"the kernels library could not confirm with the Hugging Face Hub that '{publisher}' is a trusted kernel "
+            f"publisher ({detail}), so it refuses to run '{repo_id}'; " + _untrusted_hint(repo_id, publisher)
+            + " anyway if you trust it, or try again later")
 
 
 def scope_key() -> tuple:

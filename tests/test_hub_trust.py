@@ -4,7 +4,9 @@ Kernel repositories are built on disk (tests/helpers/kernel_repos.py) and loaded
 LOCAL_KERNELS (read by `kernels` on each call: in process) or the offline HF cache (HF_HUB_CACHE /
 KERNELS_CACHE + HF_HUB_OFFLINE=1, read when huggingface_hub/kernels are imported: in a subprocess).
 No network is needed; `kernels` itself never checks trust on these paths (LOCAL_KERNELS is never
-checked, offline mode skips the check), so every refusal below is the dispatcher's own rule.
+checked, offline mode skips the check), so those refusals are the dispatcher's own rule. kernels' own publisher
+check (it asks the Hub) is met where HF_ENDPOINT points at a dead port (a machine without network: issue 37) or at a
+local fake Hub whose answer about each publisher a case sets (tests/helpers/fake_hub.py).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ import dispatcher
 from dispatcher import caches, env, hub, registry, trust
 from dispatcher.machine import Machine, current_machine, use_machine
 from dispatcher.spec import HubKernel
+from dispatcher.versions import at_least
 from helpers import kernel_repos as kr
 from helpers import tensors
+from helpers.fake_hub import dead_endpoint
 
 kernels = pytest.importorskip("kernels")
 
@@ -181,9 +185,11 @@ def test_trust_matrix_local_kernels(case, monkeypatch, tmp_path, qkv, spy):
         assert record.path == str(repo.variant_dir / "attn_matrix")
         assert record.repo_id == repo_id and record.version == 1 and record.function == "flash_attn_func"
         assert [k.as_dict() for k in dispatcher.loaded_kernels()] == [record.as_dict()]
-        # kernels>=0.14 is told to trust exactly when a user opted in to an untrusted publisher
+        # kernels>=0.17 is told to trust exactly this repo (its allowlist) when a user opted in to the publisher, and
+        # nothing for a trusted publisher alone: online, kernels then asks the Hub about it too
         assert len(spy) == 1
-        assert spy[0] == (repo_id, {"version": 1, **({"trust_remote_code": True} if not trusted else {})})
+        opted = trust_env or (scoped and not trusted)  # the scope names the untrusted publisher only
+        assert spy[0] == (repo_id, {"version": 1, **({"trust_remote_code": [repo_id]} if opted else {})})
     else:
         assert len(reasons) == 1
         check_refusal_message(reasons[0], repo_id, disable, trusted, trust_env or scoped)
@@ -201,9 +207,10 @@ def _run_subprocess(config: dict, tmp: Path, extra_env: dict) -> tuple[dict, str
     config_path = tmp / f"config-{len(list(tmp.glob('config-*')))}.json"
     config_path.write_text(json.dumps(config))
     child_env = {k: v for k, v in os.environ.items()
-                 if k not in HUB_VARS + ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_HOME", "KERNELS_CACHE",
-                                         "DIFFUSERS_ATTN_BACKEND", "DIFFUSERS_ATTN_CHECKS")}
-    child_env.update({"HF_HUB_DISABLE_TELEMETRY": "1", env.KERNEL_LOCK: str(tmp / "no-such-lock.json"), **extra_env})
+                 if k not in HUB_VARS + ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_HOME", "KERNELS_CACHE", "HF_ENDPOINT",
+                                         "HF_HUB_DISABLE_TELEMETRY", "DIFFUSERS_ATTN_BACKEND", "DIFFUSERS_ATTN_CHECKS")}
+    # HF_HUB_DISABLE_TELEMETRY stays unset: with it, kernels 0.17 sends huggingface_hub 2.x an invalid User-Agent
+    child_env.update({env.KERNEL_LOCK: str(tmp / "no-such-lock.json"), **extra_env})
     proc = subprocess.run([sys.executable, str(Path(kr.__file__)), str(config_path)], cwd=ROOT, env=child_env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -296,8 +303,8 @@ def test_trust_matrix_offline_cache(case, offline_run):
         assert result["tag"] == repo.tag
         assert result["reasons"] == [] and result["served"] == spec["backend"] and result["imported"]
         # kernels' own check: skipped (with a warning) for the trusted publisher, which we load without
-        # trust_remote_code; bypassed for an opted-in untrusted one, which we load with trust_remote_code=True
-        assert (skip_warning in offline_run["stderr"]) == trusted
+        # trust_remote_code; bypassed for an opted-in publisher, whose repo we name in its allowlist
+        assert (skip_warning in offline_run["stderr"]) == (trusted and not trust_env)  # the scope: someorg only
     else:
         assert not result["loaded"]
         check_refusal_message(result["error"], repo_id, disable, trusted, trust_env or scoped)
@@ -340,11 +347,11 @@ def test_offline_revision_ref_records_commit(offline_run):
 def test_offline_lock_missing_revision(offline_run):
     result, strict = offline_run["results"]["locked-missing"], offline_run["results"]["locked-missing-strict"]
     missing = offline_run["missing_rev"]
-    assert not result["loaded"] and result["error_type"] == "KernelLoadError"
+    assert not result["loaded"] and result["error_type"] == "HubUnreachableError"  # offline, and not in the cache
     message = result["error"]
     assert offline_run["old"].repo_id in message and missing in message
     assert str(offline_run["bad_lock"]) in message and "install.py" in message
-    assert "Cannot find a local snapshot" in message  # the library's own explanation is kept
+    assert "HF_HUB_OFFLINE=1 and it is not in the local kernel cache" in message
     assert result["served"] == "native" and any(missing in r for r in result["fallback_reasons"])
     assert strict["served"] is None and strict["dispatch_error"].startswith("BackendNotSupportedError")
     assert missing in strict["dispatch_error"]
@@ -357,9 +364,11 @@ def test_offline_lock_does_not_bypass_trust(offline_run):
 
 def test_offline_missing_and_broken(offline_run):
     missing, broken = offline_run["results"]["missing"], offline_run["results"]["broken"]
-    assert not missing["loaded"] and missing["error_type"] == "KernelLoadError"
+    assert not missing["loaded"] and missing["error_type"] == "HubUnreachableError"  # offline by choice: no failure
     assert f"could not load '{TRUSTED_ORG}/attn-not-downloaded' (version 1)" in missing["error"]
-    assert "not available in the local cache" in missing["error"]
+    assert "HF_HUB_OFFLINE=1 and it is not in the local kernel cache" in missing["error"]
+    assert "python install.py" in missing["error"] and "revision=<commit>" not in missing["error"]  # not kernels' words
+    assert broken["error_type"] == "KernelLoadError"
     assert missing["served"] == "native"
     assert not broken["loaded"] and "this kernel download is corrupted" in broken["error"]
     assert broken["served"] == "native" and any("corrupted" in r for r in broken["fallback_reasons"])
@@ -376,6 +385,245 @@ def test_kernels_cache_env(tmp_path):
     result = data["results"][0]
     assert result["loaded"], result["error"]
     assert result["record"]["revision"] == repo.commit and result["served"] == "kc_hub"
+
+
+# ------------------------------------------------ kernels' own publisher check: no network, and what the Hub says
+
+# kernels >= 0.14 asks the Hub whether a repo's publisher is a trusted kernel publisher before it reads anything, the
+# cache included, unless HF_HUB_OFFLINE=1 or trust_remote_code names the repo. Without network that question
+# fails, and kernels refused every Hub kernel (issue 37, on the H200). The pack passes it its allowlist for the repos
+# the pack trusts only where kernels cannot ask, and then reads the cache alone.
+KERNELS_CANNOT_VERIFY = "could not verify publisher trust status"
+KERNELS_SKIPS = "Skipping publisher trust check"
+
+
+def _nonet_cases(cache: Path) -> tuple[list, list, dict]:
+    """Cases for an interpreter whose Hub cannot be reached, HF_HUB_OFFLINE unset, kernels in `cache`."""
+    repos = {}
+    for key, repo_id, extra in [("trusted", f"{TRUSTED_ORG}/attn-nonet", {}),
+                                ("opt-in", f"{UNTRUSTED_ORG}/attn-nonet-env", {}),
+                                ("scope", f"{UNTRUSTED_ORG}/attn-nonet-scope", {}),
+                                ("untrusted", f"{UNTRUSTED_ORG}/attn-nonet-refused", {}),
+                                ("disabled", f"{TRUSTED_ORG}/attn-nonet-disabled", {}),
+                                ("broken", f"{TRUSTED_ORG}/attn-nonet-broken", {"broken": "import"}),
+                                ("pinned", f"{TRUSTED_ORG}/attn-nonet-pinned", {"version": None})]:
+        repos[key] = kr.make_cache_repo(cache, repo_id, **extra)
+    missing = f"{TRUSTED_ORG}/attn-nonet-not-downloaded"
+    backends = [{"name": f"nonet_{k.replace('-', '_')}", "repo_id": r.repo_id, "version": 1} for k, r in repos.items()
+                if k != "pinned"]
+    backends += [{"name": "nonet_pinned", "repo_id": repos["pinned"].repo_id, "version": None,
+                  "revision": repos["pinned"].commit},
+                 {"name": "nonet_missing", "repo_id": missing, "version": 1}]
+    env_of = {"opt-in": {TRUST: "true"}, "disabled": {DISABLE: "true", TRUST: "true"}}
+    cases = [{"id": k, "backend": f"nonet_{k.replace('-', '_')}", "repo_id": r.repo_id, "kernel_id": r.kernel_id,
+              "env": env_of.get(k, {}), "scope": [UNTRUSTED_ORG] if k == "scope" else None, "dispatch": True}
+             for k, r in repos.items()]
+    cases += [{"id": "missing", "backend": "nonet_missing", "repo_id": missing, "dispatch": True},
+              {"id": "missing-strict", "backend": "nonet_missing", "repo_id": missing, "dispatch": True,
+               "policy": "strict"}]
+    return backends, cases, repos
+
+
+@pytest.fixture(scope="module")
+def nonet_run(tmp_path_factory):
+    """One interpreter whose Hub endpoint refuses every connection (a machine without network), HF_HUB_OFFLINE
+    unset, with kernels already in its HF cache: what the H200 of issue 37 had, plus a cache."""
+    tmp = tmp_path_factory.mktemp("nonet")
+    backends, cases, repos = _nonet_cases(tmp / "hub-cache")
+    data, stderr = _run_subprocess({"backends": backends, "cases": cases}, tmp,
+                                   {"HF_HUB_CACHE": str(tmp / "hub-cache"), "HF_ENDPOINT": dead_endpoint()})
+    return {"data": data, "stderr": stderr, "results": {r["id"]: r for r in data["results"]}, "repos": repos}
+
+
+def test_no_network_subprocess_is_online_mode(nonet_run):
+    assert nonet_run["data"]["offline"] is False and nonet_run["data"]["kernels"] == kernels.__version__
+
+
+@pytest.mark.parametrize("key", ["trusted", "opt-in", "scope", "pinned"])
+def test_no_network_loads_a_cached_kernel_the_pack_trusts(key, nonet_run):
+    """Before: kernels' `could not verify publisher trust status` for every one (it asks the Hub first). Now the
+    cache's build loads, recorded as read from the cache, and the trust record says the Hub could not confirm it."""
+    result, repo = nonet_run["results"][key], nonet_run["repos"][key]
+    assert result["loaded"], result["error"]
+    record = result["record"]
+    assert record["source"] == "cache" and record["revision"] == repo.commit
+    assert record["path"] == str(repo.variant_dir / python_name(repo.repo_id))
+    assert "the Hugging Face Hub could not be reached" in record["trust"]
+    assert record["trust"].startswith({"trusted": f"'{TRUSTED_ORG}' is a trusted kernel publisher",
+                                       "opt-in": f"{TRUST}=true trusts '{UNTRUSTED_ORG}'",
+                                       "scope": f"a Trust Remote Kernels scope allows '{UNTRUSTED_ORG}'",
+                                       "pinned": f"'{TRUSTED_ORG}' is a trusted kernel publisher"}[key])
+    assert result["tag"] == repo.tag
+    assert result["served"] == f"nonet_{key.replace('-', '_')}" and result["max_error"] < 1e-5
+    stderr = nonet_run["stderr"]
+    assert f"cannot reach the Hugging Face Hub to confirm the publisher of '{repo.repo_id}'" in stderr
+    # the pack named the repo to kernels (its allowlist): kernels neither refused nor skipped its check
+    assert KERNELS_CANNOT_VERIFY not in stderr and f"{KERNELS_SKIPS} for '{repo.repo_id}'" not in stderr
+
+
+@pytest.mark.parametrize("key", ["untrusted", "disabled"])
+def test_no_network_never_reads_the_cache_for_a_kernel_the_pack_refuses(key, nonet_run):
+    result, repo = nonet_run["results"][key], nonet_run["repos"][key]
+    assert not result["loaded"] and not result["imported"], "a refused kernel's code must never run"
+    assert (f"{DISABLE}=true forbids remote kernel code" if key == "disabled"
+            else f"'{repo.repo_id}' is not published by a trusted kernel publisher") in result["error"]
+    assert result["served"] == "native"
+
+
+def test_no_network_and_not_cached_says_no_network(nonet_run):
+    """Not in the cache and no Hub: HubUnreachableError (the GPU tests skip on it), in the pack's words, never
+    kernels' advice to pass trust_remote_code (which is no setting of the pack)."""
+    result, strict = nonet_run["results"]["missing"], nonet_run["results"]["missing-strict"]
+    message = result["error"]
+    assert result["error_type"] == "HubUnreachableError", message
+    assert message.startswith(f"could not load '{TRUSTED_ORG}/attn-nonet-not-downloaded' (version 1): ")
+    assert "no network here? the Hugging Face Hub cannot be reached" in message
+    assert "ConnectError" in message and "not in the local kernel cache" in message and "python install.py" in message
+    assert "trust_remote_code" not in message and "untrusted" not in message
+    assert result["served"] == "native" and any("cannot be reached" in r for r in result["fallback_reasons"])
+    assert strict["dispatch_error"].startswith("BackendNotSupportedError") and "cannot be reached" in \
+        strict["dispatch_error"]
+
+
+def test_no_network_broken_cached_kernel_is_a_failure_not_the_network(nonet_run):
+    result = nonet_run["results"]["broken"]
+    assert not result["loaded"] and result["error_type"] == "KernelLoadError"
+    assert "this kernel download is corrupted" in result["error"] and "from the local cache" in result["error"]
+
+
+@pytest.fixture(scope="module")
+def hub_says_run(tmp_path_factory):
+    """One interpreter against a fake Hub that answers kernels' publisher question as each case sets it."""
+    from helpers.fake_hub import FakeHub
+    tmp = tmp_path_factory.mktemp("hub-says")
+    fake = FakeHub().start()
+    repos, commits = {}, {}
+    for key, repo_id in [("listed", f"{TRUSTED_ORG}/attn-says-listed"), ("revoked", f"{TRUSTED_ORG}/attn-says-revoked"),
+                         ("revoked-opt-in", f"{TRUSTED_ORG}/attn-says-opted"),
+                         ("unknown", f"{TRUSTED_ORG}/attn-says-unknown"), ("token", f"{TRUSTED_ORG}/attn-says-token"),
+                         ("opt-in", f"{UNTRUSTED_ORG}/attn-says-opt-in")]:
+        repos[key] = kr.make_local_repo(tmp / "repos", repo_id)
+        commits[key] = fake.add_version(repo_id, 1, repos[key].path)
+    orgs = {"listed": {TRUSTED_ORG: "trusted"}, "revoked": {TRUSTED_ORG: "untrusted"},
+            "revoked-opt-in": {TRUSTED_ORG: "untrusted"}, "unknown": {TRUSTED_ORG: "unknown"},
+            "token": {TRUSTED_ORG: "401"}, "opt-in": {UNTRUSTED_ORG: "untrusted"}}
+    backends = [{"name": f"says_{k.replace('-', '_')}", "repo_id": r.repo_id, "version": 1} for k, r in repos.items()]
+    cases = [{"id": k, "backend": f"says_{k.replace('-', '_')}", "repo_id": r.repo_id, "kernel_id": r.kernel_id,
+              "orgs": orgs[k], "env": {TRUST: "true"} if k == "revoked-opt-in" else {},
+              "scope": [UNTRUSTED_ORG] if k == "opt-in" else None, "dispatch": True} for k, r in repos.items()]
+    try:
+        data, stderr = _run_subprocess({"backends": backends, "cases": cases, "fake_hub": True}, tmp,
+                                       {"HF_HUB_CACHE": str(tmp / "hub-cache"), "HF_ENDPOINT": fake.url})
+        requests = fake.requests_by_step()
+    finally:
+        fake.stop()
+    return {"results": {r["id"]: r for r in data["results"]}, "stderr": stderr, "requests": requests,
+            "repos": repos, "commits": commits}
+
+
+def _asked_publisher(run, key, org) -> bool:
+    return any(path == f"/api/organizations/{org}/overview" for _, path in run["requests"][key])
+
+
+def test_online_both_checks_hold_for_a_trusted_publisher(hub_says_run):
+    """Online, the pack's trusted publisher is still asked of the Hub by kernels (no allowlist is passed): the
+    kernel loads from the Hub only when both say yes."""
+    result = hub_says_run["results"]["listed"]
+    assert result["loaded"], result["error"]
+    assert result["record"]["source"] == "hub" and result["record"]["revision"] == hub_says_run["commits"]["listed"]
+    assert result["record"]["trust"] == f"'{TRUSTED_ORG}' is a trusted kernel publisher"
+    assert _asked_publisher(hub_says_run, "listed", TRUSTED_ORG)
+
+
+def test_online_the_hub_not_listing_the_publisher_refuses_in_the_packs_words(hub_says_run):
+    """The Hub says the publisher is not a trusted kernel publisher: refused before any download, and the reason is
+    the pack's sentence with its fix (the opt-in), not kernels' advice to pass trust_remote_code."""
+    result, repo = hub_says_run["results"]["revoked"], hub_says_run["repos"]["revoked"]
+    assert not result["loaded"] and not result["imported"]
+    message = result["error"]
+    assert result["error_type"] == "KernelLoadError"
+    assert f"the Hugging Face Hub does not list '{TRUSTED_ORG}' as a trusted kernel publisher" in message
+    assert f"{TRUST}=true" in message and f"allow '{TRUSTED_ORG}' in a Trust Remote Kernels node" in message
+    assert "trust_remote_code" not in message and "cannot be reached" not in message
+    assert not any("/resolve/" in path for _, path in hub_says_run["requests"]["revoked"]), "nothing downloaded"
+    assert result["served"] == "native" and any("does not list" in r for r in result["fallback_reasons"])
+
+
+def test_online_an_explicit_opt_in_reaches_kernels_as_its_allowlist(hub_says_run):
+    """An opt-in (env or Trust Remote Kernels scope) is passed on: kernels loads the repo without asking the Hub,
+    whatever the Hub says of its publisher."""
+    for key, org in (("revoked-opt-in", TRUSTED_ORG), ("opt-in", UNTRUSTED_ORG)):
+        result = hub_says_run["results"][key]
+        assert result["loaded"], result["error"]
+        assert result["record"]["source"] == "hub" and result["served"] == f"says_{key.replace('-', '_')}"
+        assert not _asked_publisher(hub_says_run, key, org)
+
+
+def test_online_an_unanswered_publisher_question_is_not_called_untrusted(hub_says_run):
+    """The Hub answers, but not whether the publisher is trusted (404; 401 for a bad token): the pack says the Hub
+    could not confirm it (or that the token was refused), never that the publisher is untrusted or the network gone."""
+    unknown, token = hub_says_run["results"]["unknown"], hub_says_run["results"]["token"]
+    assert not unknown["loaded"] and not unknown["imported"]
+    assert (f"could not confirm with the Hugging Face Hub that '{TRUSTED_ORG}' is a trusted kernel publisher"
+            in unknown["error"])
+    assert "404" in unknown["error"] and "cannot be reached" not in unknown["error"]
+    assert "does not list" not in unknown["error"] and unknown["error_type"] == "KernelLoadError"
+    assert not token["loaded"] and not token["imported"]
+    if at_least(kernels.__version__, "0.19"):  # kernels 0.19+ re-raises a 401 as such
+        assert "rejected your token" in token["error"] and "hf auth login" in token["error"]
+        assert "HF_TOKEN" in token["error"] and "could not confirm" not in token["error"]
+    else:  # kernels 0.17/0.18: any failure of the question is "could not verify"
+        assert "could not confirm" in token["error"] and "401" in token["error"]
+
+
+def test_install_py_says_kernels_refusal_in_the_packs_words(tmp_path):
+    """install.py (dispatcher.tools.fetch) against a Hub that does not list the publisher: refused in the pack's
+    words, and fetched once the user opts in (the opt-in reaches kernels as its allowlist)."""
+    from helpers.fake_hub import FakeHub
+    fake = FakeHub().start()
+    fake.add_org(TRUSTED_ORG, trusted=False)
+    repo = kr.make_local_repo(tmp_path / "repos", f"{TRUSTED_ORG}/attn-fetch-unlisted")
+    commit = fake.add_version(repo.repo_id, 1, repo.path)
+    only = ["--json", "--only", "unlisted_hub"]
+    config = {"backends": [{"name": "unlisted_hub", "repo_id": repo.repo_id, "version": 1}],
+              "steps": [{"id": "plain", "argv": only}, {"id": "opt-in", "argv": only, "env": {TRUST: "true"}}]}
+    (tmp_path / "install.json").write_text(json.dumps(config))
+    child_env = {k: v for k, v in os.environ.items()
+                 if k not in HUB_VARS + ("HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_DISABLE_TELEMETRY")}
+    child_env.update({"HF_ENDPOINT": fake.url, "HF_HUB_CACHE": str(tmp_path / "cache"),
+                      env.KERNEL_LOCK: str(tmp_path / "kernels.lock.json")})
+    try:
+        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "install_runner.py"),
+                               str(tmp_path / "install.json")], cwd=ROOT, env=child_env, capture_output=True,
+                              text=True, timeout=300)
+    finally:
+        fake.stop()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = {s["id"]: s for s in json.loads(proc.stdout.split("RESULTS ", 1)[1])}
+    (plain,) = json.loads(steps["plain"]["stdout"])["fetch"]
+    assert plain["status"] == "refused", plain
+    assert f"the Hugging Face Hub does not list '{TRUSTED_ORG}' as a trusted kernel publisher" in plain["message"]
+    assert f"{TRUST}=true" in plain["message"] and "trust_remote_code" not in plain["message"]
+    (opted,) = json.loads(steps["opt-in"]["stdout"])["fetch"]
+    assert opted["status"] == "fetched" and opted["revision"] == commit, opted
+
+
+def test_gpu_tests_skip_for_want_of_network_and_fail_for_anything_else(monkeypatch, tmp_path):
+    """tests/gpu loads each Hub backend's kernel through `load_or_skip_without_network` first: a kernel that is not in
+    the cache where the Hub cannot be reached (HF_HUB_OFFLINE here: no network in CI is not guaranteed) skips with
+    "no network here"; a broken kernel raises, and so fails its GPU test."""
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # kernels and the pack read it per call
+    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path / "empty-cache"))  # kernels 0.19 reads it per call
+    register("absent_gpu_hub", f"{TRUSTED_ORG}/attn-not-fetched-anywhere")
+    with pytest.raises(pytest.skip.Exception, match=r"^no network here: could not load .*not in the local kernel"):
+        kr.load_or_skip_without_network(registry.get("absent_gpu_hub"))
+    broken = kr.make_local_repo(tmp_path, f"{TRUSTED_ORG}/attn-gpu-broken", broken="import")
+    use_local(monkeypatch, broken)
+    register("broken_gpu_hub", broken.repo_id)
+    with pytest.raises(dispatcher.KernelLoadError, match="this kernel download is corrupted"):
+        kr.load_or_skip_without_network(registry.get("broken_gpu_hub"))
+    kr.load_or_skip_without_network(registry.get("native"))  # no Hub kernel: nothing to load
 
 
 # ------------------------------------------------------------------------------------- trust details in process
@@ -489,7 +737,7 @@ def test_decide_property(publisher, disable, trust_value, scope):
         trusted = publisher == TRUSTED_ORG  # exact match: look-alike orgs are not trusted
         opted = env.flag(TRUST) or publisher in scope
         assert decision.allowed == (not disabled and (trusted or opted))
-        assert decision.opt_in == (decision.allowed and not trusted)
+        assert decision.opt_in == (decision.allowed and opted)  # what kernels is told: the user's opt-in only
         if not decision.allowed:
             assert (DISABLE if disabled else TRUST) in decision.reason
             if not trusted and not opted:
@@ -838,7 +1086,7 @@ def test_builtin_hub_trust_on_simulated_gpu(name, monkeypatch):
         monkeypatch.setenv(TRUST, "true")
         assert dispatcher.availability_reasons(name, machine) == []
         decision = trust.decide(spec.hub.repo_id)
-        assert decision.allowed and decision.opt_in == (name in UNTRUSTED_BUILTINS)
+        assert decision.allowed and decision.opt_in  # the env opts in to every publisher, trusted ones too
         monkeypatch.setenv(DISABLE, "true")
         reasons = dispatcher.availability_reasons(name, machine)
         assert len(reasons) == 1 and DISABLE in reasons[0]

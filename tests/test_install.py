@@ -14,7 +14,6 @@ import importlib.metadata
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import replace
@@ -30,7 +29,7 @@ from dispatcher.machine import current_machine, detect, use_machine
 from dispatcher.requirements import EnvOptIn, Package, Probe, TorchVersion
 from dispatcher.spec import HubKernel
 from helpers import kernel_repos as kr
-from helpers.fake_hub import FakeHub
+from helpers.fake_hub import FakeHub, dead_endpoint
 
 kernels = pytest.importorskip("kernels")
 
@@ -57,14 +56,6 @@ def register(name: str, repo_id: str, **extra):
     return dispatcher.register_backend(name, FLASH_HUB_FN, devices=("cpu",), causal=True, lse=True, gqa=True,
                                        dropout=True, hub_kernel=HubKernel(repo_id, "flash_attn_func", version=1),
                                        **extra)
-
-
-def dead_endpoint() -> str:
-    """A localhost URL nothing listens on: connecting fails at once, like a machine without network."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 # =========================================================================================== detection

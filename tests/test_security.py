@@ -152,6 +152,11 @@ def test_no_remote_code_without_opt_in_through_the_nodes(nodes, repos, spy, monk
         if expect:
             assert row["served"] == backend if mode == "explicit" else row["served"].endswith("_hub"), case
             assert asked and after == calls + 1, case
+            # kernels is told to trust exactly this repo when the user opted in to its publisher: never True (the
+            # kernel's own dependencies still meet kernels' check), and nothing for kernels-community alone
+            opted = ENV_VALUES[trust_env] or org in names
+            assert [kwargs.get("trust_remote_code") for _, _, kwargs in asked] == \
+                [[repos[org].repo_id] if opted else None], case
         else:
             assert not row["served"].endswith("_hub"), case
             assert not asked and after == calls, f"{case}: kernel code was requested: {spy}"

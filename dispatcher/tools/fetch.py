@@ -107,10 +107,7 @@ def _why(exc: BaseException) -> str:
         # huggingface_hub wraps HTTP errors in generic "check your connection" ones: name the real cause
         root_text = " ".join((str(root).strip().splitlines() or [""])[0].split())[:300]
         message += f" (caused by {type(root).__name__}: {root_text})"
-    if any("Illegal header value" in str(e) for e in chain) and os.environ.get("HF_HUB_DISABLE_TELEMETRY"):
-        message += (" (with HF_HUB_DISABLE_TELEMETRY set, kernels 0.17 and huggingface_hub 2.x send an invalid "
-                    "User-Agent header: unset HF_HUB_DISABLE_TELEMETRY for `python install.py`)")
-    return message
+    return message + kernels_api.known_cause(exc)
 
 
 # ---------------------------------------------------------------------------------------------- lock file
@@ -277,7 +274,8 @@ def _fetch_one(ctx: _Context, target: FetchTarget, machine_kernels: str | None, 
     if dry_run:
         return done(WOULD_FETCH, f"would fetch {target.label} for {', '.join(target.backends)} ({decision.reason})")
 
-    trust_kwargs = {"trust_remote_code": True} if decision.opt_in and at_least(machine_kernels, "0.14") else {}
+    # an opt-in reaches kernels' own publisher check as its allowlist; a trusted publisher alone is asked of the Hub
+    trust_kwargs = kernels_api.trust_argument(machine_kernels, target.repo_id) if decision.opt_in else {}
     request = {"revision": target.revision} if target.revision is not None else {"version": target.version}
     if ctx.offline_mode:
         request["local_files_only"] = True
@@ -292,9 +290,13 @@ def _fetch_one(ctx: _Context, target: FetchTarget, machine_kernels: str | None, 
     try:
         path = Path(ctx.kernels.install_kernel(target.repo_id, **request, **trust_kwargs))
     except Exception as exc:  # noqa: BLE001  (Hub errors, no build for this system, trust, network)
-        status = OFFLINE if ctx.offline_mode or _is_network_error(exc) else FAILED
+        offline = ctx.offline_mode or kernels_api.hub_unreachable(exc)
+        refusal = None if offline else kernels_api.trust_refusal(exc)
+        if refusal is not None:  # kernels' own publisher check said no: the pack's words and fix
+            return done(REFUSED, f"{target.label}: " + trust.kernels_refusal(target.repo_id, refusal[0],
+                                                                               _why(refusal[1])))
         hint = "; it is not in the local cache" if ctx.offline_mode else ""
-        return done(status, f"could not fetch {target.label}: {_why(exc)}{hint}")
+        return done(OFFLINE if offline else FAILED, f"could not fetch {target.label}: {_why(exc)}{hint}")
     seconds = round(time.monotonic() - started, 2)
     commit = _commit_of(path)
     _say(ctx.out, f"  got {path.name} @ {(commit or '?')[:12]} in {seconds:.1f}s; checking it")
@@ -320,15 +322,6 @@ def _fetch_one(ctx: _Context, target: FetchTarget, machine_kernels: str | None, 
     ctx.written.append(target.repo_id)
     return done(FETCHED, f"fetched {target.label} @ {commit[:12]} ({path.name}, signature {signature})",
                 revision=commit, variant=path.name, path=str(path), signature=signature, seconds=seconds)
-
-
-def _is_network_error(exc: BaseException) -> bool:
-    names = set()
-    cursor: BaseException | None = exc
-    while cursor is not None and len(names) < 20:
-        names.update(c.__name__ for c in type(cursor).__mro__)
-        cursor = cursor.__cause__ or cursor.__context__
-    return bool(names & {"ConnectError", "ConnectTimeout", "TimeoutException", "NetworkError", "OfflineModeIsEnabled"})
 
 
 def fetch(plan: Plan, *, dry_run: bool = False, only: set[str] | None = None,

@@ -2,7 +2,7 @@
 
 Point `HF_ENDPOINT` at `FakeHub.url` (before huggingface_hub is imported: use a subprocess) and
 `kernels.install_kernel` / `get_kernel` run their real online path against it: the publisher
-trust check (`/api/organizations/<org>/overview`), version branches (`/api/kernels/<repo>/refs`),
+trust check (`/api/organizations/<org>/overview`, switchable per org: `set_org`), version branches (`/api/kernels/<repo>/refs`),
 variant listing (`/api/kernels/<repo>/tree/<rev>/build`), `snapshot_download` (revision info,
 recursive tree, then `HEAD`/`GET /kernels/<repo>/resolve/<rev>/<file>`).
 
@@ -15,11 +15,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
+
+
+def dead_endpoint() -> str:
+    """A localhost URL nothing listens on: connecting fails at once, like a machine without network."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
 
 
 def git_blob_id(data: bytes) -> str:
@@ -43,6 +52,7 @@ class FakeHub:
     def __init__(self):
         self.repos: dict[str, Repo] = {}
         self.trusted_orgs: dict[str, bool] = {}
+        self.org_errors: dict[str, int] = {}  # org -> HTTP status its overview answers instead (401, 404, ...)
         self.requests: list[tuple[str, str]] = []
         # path in repo -> HTTP status answered instead of the file (a Hub error mid-download; 5xx are
         # retried by huggingface_hub for ~25 s, so tests use 4xx)
@@ -54,6 +64,18 @@ class FakeHub:
 
     def add_org(self, org: str, *, trusted: bool) -> None:
         self.trusted_orgs[org] = trusted
+
+    def set_org(self, org: str, state: str) -> str:
+        """What the publisher overview of `org` answers from now on: "trusted", "untrusted", "unknown" (404) or
+        an HTTP status ("401"). A subprocess switches it between its cases through GET /_org/<org>/<state>."""
+        self.org_errors.pop(org, None)
+        if state in ("trusted", "untrusted"):
+            self.trusted_orgs[org] = state == "trusted"
+        elif state == "unknown":
+            self.trusted_orgs.pop(org, None)
+        else:
+            self.org_errors[org] = int(state)
+        return state
 
     def add_version(self, repo_id: str, version: int, checkout: Path, *, label: str | None = None) -> str:
         """Publish the files under `checkout` as branch v<version>; returns the commit."""
@@ -130,8 +152,12 @@ class FakeHub:
         try:
             if parts[0] == "_mark":  # a test runner's step marker (see requests_by_step)
                 return self._json(handler, {"mark": parts[1:]})
+            if parts[0] == "_org" and len(parts) == 3:  # a test runner's switch: /_org/<org>/<state>
+                return self._json(handler, {"org": self.set_org(parts[1], parts[2])})
             if parts[:2] == ["api", "organizations"] and len(parts) == 4 and parts[3] == "overview":
                 org = parts[2]
+                if org in self.org_errors:
+                    return self._json(handler, {"error": "fake hub: refused"}, self.org_errors[org])
                 if org not in self.trusted_orgs:
                     return self._json(handler, {"error": "not found"}, 404)
                 return self._json(handler, {"name": org, "fullname": org,

@@ -165,6 +165,22 @@ def write_lock(path: Path, entries: list[dict]) -> Path:
     return Path(path)
 
 
+def load_or_skip_without_network(spec) -> None:
+    """Load the Hub kernel of backend `spec` (if it has one) before a test runs it. Where the Hub cannot be reached
+    and the kernel is not in the local cache (the lent GPU machine has no network), the test is skipped with
+    "no network here: <the pack's reason>"; any other failure to load (refused, broken, no build for this GPU)
+    raises KernelLoadError, and so fails the test as it should."""
+    if spec.hub is None:
+        return
+    import pytest
+
+    from dispatcher import hub
+    try:
+        hub.load(spec.hub)
+    except hub.HubUnreachableError as exc:
+        pytest.skip(f"no network here: {exc}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Subprocess runner: cases whose environment must exist before huggingface_hub / kernels are imported.
 # ---------------------------------------------------------------------------------------------------------------
@@ -173,11 +189,20 @@ def write_lock(path: Path, entries: list[dict]) -> Path:
 CASE_VARS = ("DIFFUSERS_DISABLE_REMOTE_CODE", "DIFFUSERS_TRUST_REMOTE_KERNELS", "ATTN_DISPATCH_KERNEL_LOCK")
 
 
+def _tell_fake_hub(path: str) -> None:
+    """GET `path` on the fake Hub HF_ENDPOINT names (tests/helpers/fake_hub.py): a step mark or an org switch."""
+    import urllib.request
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    opener.open(os.environ["HF_ENDPOINT"].rstrip("/") + path, timeout=10).read()
+
+
 def run_cases(config: dict) -> list[dict]:
     """Run each case of `config["cases"]` through dispatcher.hub.load and dispatch; one result each.
 
     A case: {"id", "backend", "repo_id", "env": {var: value}, "scope": [publishers] | None,
-    "dispatch": bool}. config["backends"]: [{"name", "repo_id", "version", "revision"}].
+    "dispatch": bool, "policy", "orgs": {org: state}}. With a fake Hub at HF_ENDPOINT, each case first marks its
+    step (`FakeHub.requests_by_step()[id]`) and sets what the Hub says of the `orgs` it names (`FakeHub.set_org`).
+    config["backends"]: [{"name", "repo_id", "version", "revision"}].
     """
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
@@ -198,7 +223,12 @@ def run_cases(config: dict) -> list[dict]:
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
     base_env = {var: os.environ[var] for var in CASE_VARS if var in os.environ}
     results = []
+    fake_hub = config.get("fake_hub", False)
     for case in config["cases"]:
+        if fake_hub:
+            _tell_fake_hub(f"/_mark/{case['id']}")
+            for org, state in case.get("orgs", {}).items():
+                _tell_fake_hub(f"/_org/{org}/{state}")
         for var in CASE_VARS:
             os.environ.pop(var, None)
         os.environ.update(base_env)
