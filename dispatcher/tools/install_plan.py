@@ -19,7 +19,7 @@ from packaging.utils import canonicalize_name
 
 from .. import env, hub, registry, support, trust
 from ..machine import Machine, current_machine, use_machine
-from ..requirements import CudaCapability, EnvOptIn, OneOf, OnDevice, Package, Probe, RocmArch, TorchVersion
+from ..requirements import EnvOptIn, OneOf, Package, Probe
 from ..versions import at_least
 
 # Statuses, most usable first.
@@ -32,10 +32,9 @@ DISABLED = "disabled"  # a Hub kernel while DIFFUSERS_DISABLE_REMOTE_CODE=true
 UNSUPPORTED = "unsupported"  # not for this machine (device, architecture, torch version)
 STATUSES = (READY, FETCH, OPT_IN, PIP, BROKEN, DISABLED, UNSUPPORTED)
 
-# Never installed or changed by install.py (ComfyUI-Manager's pip blacklist, plus device stacks that
-# must match torch exactly and only make sense on their own hardware).
+# Never installed or changed by install.py (ComfyUI-Manager's pip blacklist; device stacks, which must match torch
+# exactly and only make sense on their own hardware, are declared as such: Package.device).
 PROTECTED = frozenset({"torch", "torchvision", "torchaudio", "torchsde"})
-DEVICE_STACKS = {"torch-npu": "an Ascend NPU", "torch-xla": "an XLA device (TPU)"}
 
 
 def _m(name: str, device_type: str, *, torch_version: str = "2.10.0+cu128", cuda: str | None = "12.8",
@@ -213,15 +212,12 @@ class FetchTarget:
 
 # ------------------------------------------------------------------------------------------------ planning
 
-_MACHINE_REQUIREMENTS = (OnDevice, CudaCapability, RocmArch, TorchVersion)
-
 
 def _package_step(req: Package, machine: Machine) -> tuple[str, Step | None, str | None]:
     """(status, step, deciding reason) for an unmet Package requirement."""
     version = machine.package_version(req.dist)
-    if req.dist in DEVICE_STACKS:  # the device exists only through its stack: missing means not this machine
-        return UNSUPPORTED, None, f"needs {DEVICE_STACKS[req.dist]} ({req.dist} is not installed; install.py never " \
-                                  "installs device stacks, they must match torch)"
+    if req.device and version is None:  # the device exists only through its stack: missing means not this machine
+        return UNSUPPORTED, None, req.reason(machine)
     if req.dist in PROTECTED:
         return UNSUPPORTED, None, f"needs {req.describe()}; install.py never installs or changes {req.dist}"
     if req.torch and not at_least(machine.torch_version, req.torch):  # install.py never changes torch
@@ -300,7 +296,7 @@ def _classify(name: str, machine: Machine, why: support.WhyNot) -> tuple[str, li
         if not reason:
             continue
         explained += 1
-        if isinstance(req, _MACHINE_REQUIREMENTS):
+        if getattr(req, "machine_bound", False) and not isinstance(req, Package):
             found.setdefault(UNSUPPORTED, []).append(reason)
         elif isinstance(req, (Package, OneOf)):
             status, step, deciding = _requirement_step(req, machine)
