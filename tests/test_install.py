@@ -293,7 +293,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 def test_cli_simulate_prints_the_table(capsys):
     code, out, _ = run_cli(capsys, "--simulate", "h200")
     assert code == 0
-    assert "Machine: NVIDIA H200 (cuda, sm_90)" in out and "[simulated]" in out
+    assert "Machine: NVIDIA H200 (NVIDIA CUDA GPU, sm_90), torch 2.10.0+cu128, CUDA 12.8 [simulated]" in out
     line = next(ln for ln in out.splitlines() if ln.strip().startswith("_flash_3_hub "))
     assert "after fetch" in line and "kernels-community/flash-attn3 v1" in line
     assert "nothing is fetched or installed" in out
@@ -792,3 +792,23 @@ def test_a_device_stack_is_never_an_install_hint():
     assert npu.startswith("needs an Ascend NPU") and "pip install" not in npu
     assert xla.startswith("needs an XLA device") and "pip install" not in xla
     assert plan.get("_native_npu").why == [npu] and plan.get("_native_npu").status == ip.UNSUPPORTED
+
+
+def test_install_py_says_the_machine_in_words_and_leads_with_what_runs(capsys):
+    """`install.py` printed `Machine: cpu (cpu, cpu)` and scattered its 4 ready rows among 28 "not here": the machine
+    is now said once in words (the doctor's line), the ready rows come first, and what cannot run here is grouped by
+    the reason that decides, each reason once (as the doctor does)."""
+    code, out, _ = run_cli(capsys, "--simulate", "cpu")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "Machine: CPU only: no GPU visible to torch (a simulated CPU), torch 2.10.0+cpu [simulated]"
+    assert "(cpu, cpu)" not in out and sum(line.startswith("Machine:") for line in lines) == 1
+    table = lines[lines.index(next(l for l in lines if l.startswith("Plan ("))):]
+    rows = [l.split()[:2] for l in table[3:table.index("")]]
+    assert rows and all(status == "ready" for _, status in rows), rows  # only what runs, before anything else
+    assert [name for name, _ in rows] == ["native", "_native_flash", "flex", "_native_math"]
+    assert " not here " not in out
+    grouped = out[out.index("Not for this machine ("):]
+    assert grouped.count("needs an NVIDIA CUDA GPU; this machine has a CPU (") == 1
+    assert out.count("needs an NVIDIA CUDA GPU; this machine has a CPU") == 1
+    assert "flash," in grouped and "sage," in grouped and "pip install" not in out
