@@ -9,13 +9,13 @@ from typing import Any, Callable
 
 from . import caches, hub
 from .machine import Machine, current_machine, track
-from .requirements import Package
+from .requirements import Package, Unmet, unmet
 from .spec import FLOATS, BackendSpec, HeadDims, HubKernel, honoured_kwargs
 
 _specs: dict[str, BackendSpec] = {}
 _lock = threading.RLock()
-# (name, id(machine)) -> (machine, reasons): the machine is kept so its id cannot be reused by another one.
-_availability: dict[tuple[str, int], tuple[Machine, tuple[str, ...]]] = {}
+# (name, id(machine)) -> (machine, Unmet): the machine is kept so its id cannot be reused by another one.
+_availability: dict[tuple[str, int], tuple[Machine, Unmet]] = {}
 # The one priority list (dispatcher/backends/__init__.py sets it): listings and `auto` follow it; backends
 # it does not name come after, in registration order.
 _priority: dict[str, int] = {}
@@ -143,8 +143,13 @@ def unknown_message(name) -> str:
 
 
 def requirement_reasons(name: str, machine: Machine | None = None) -> list[str]:
-    """What this machine lacks of backend `name`'s requirements (empty when it has them all), cached per machine.
-    The machine part of `support.why_not`, which adds trust and the call's own limits: ask there."""
+    """What this machine lacks of backend `name`'s requirements (empty when it has them all): `requirement_check`'s
+    reasons. The machine part of `support.why_not`, which adds trust and the call's own limits: ask there."""
+    return list(requirement_check(name, machine).reasons)
+
+
+def requirement_check(name: str, machine: Machine | None = None) -> Unmet:
+    """`requirements.unmet` for backend `name` on `machine` (default: this one), cached per machine."""
     spec = get(name)
     machine = machine or current_machine()
     key = (name, id(machine))
@@ -152,16 +157,9 @@ def requirement_reasons(name: str, machine: Machine | None = None) -> list[str]:
         entry = _availability.get(key)
         cached = entry[1] if entry is not None and entry[0] is machine else None
         if cached is None:
-            found = []
-            for req in spec.requirements:
-                if found and type(req).__name__ == "Probe":
-                    continue  # a real call is only worth making once everything else is there
-                reason = req.reason(machine)
-                if reason:
-                    found.append(reason)
-            cached = tuple(found)
+            cached = unmet(spec.requirements, machine)
             _availability[key] = (machine, cached)
-    return list(cached)
+    return cached
 
 
 def forget_availability() -> None:

@@ -1,7 +1,9 @@
 """What a backend needs from the machine, as data, each able to say why it is not met.
 
 A requirement answers `reason(machine) -> str | None`; None means satisfied. Messages name the
-problem and the fix (the pip command, the env var, the GPU needed).
+problem and the fix (the pip command, the env var, the GPU needed). `unmet` is the one answer for a backend's
+requirements: what the machine itself lacks (`machine_bound`: device, GPU generation, torch) decides alone, so an
+install hint is given only where installing would make the backend run here.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import importlib
 import re
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from . import env
 from .machine import Machine
@@ -49,6 +51,12 @@ class Package:
     pip: str | None = None  # the install command when it differs from `pip install dist>=min`
     torch: str | None = None  # the oldest torch its compiled code loads on (a wheel built for torch's stable ABI)
     vetted: bool = True  # False: a build from a publisher we cannot vouch for; install.py prints it, never runs it
+    device: str | None = None  # a device stack ("an Ascend NPU"): the device exists only through it, so missing
+    #                            means not this machine; it must match torch and its drivers, never pip-installed here
+
+    @property
+    def machine_bound(self) -> bool:
+        return self.device is not None
 
     @property
     def install_hint(self) -> str:
@@ -68,6 +76,9 @@ class Package:
         if self.torch and not at_least(machine.torch_version, self.torch):
             return f"{self.dist} needs torch>={self.torch}; this torch is {machine.torch_version}"
         version = machine.package_version(self.dist)
+        if version is None and self.device:
+            return (f"needs {self.device} ({self.dist} is not installed; a device stack is installed with its "
+                    "drivers, matching torch, never by this pack)")
         if version is None:
             return f"{self.dist} is not installed: {self.install_hint}"
         if self.min_version and not at_least(version, self.min_version):
@@ -115,6 +126,7 @@ class OneOf:
 
 @dataclass(frozen=True)
 class TorchVersion:
+    machine_bound = True  # no install changes it (install.py never touches torch)
     min_version: str
 
     def describe(self) -> str:
@@ -132,6 +144,7 @@ _DEVICE_NAMES = {"cuda": "an NVIDIA CUDA GPU", "rocm": "an AMD ROCm GPU", "npu":
 
 @dataclass(frozen=True)
 class OnDevice:
+    machine_bound = True  # no install changes it (install.py never touches torch)
     kinds: frozenset[str]
 
     def describe(self) -> str:
@@ -147,6 +160,7 @@ class OnDevice:
 
 @dataclass(frozen=True)
 class CudaCapability:
+    machine_bound = True  # no install changes it (install.py never touches torch)
     minimum: tuple[int, int] | None = None
     maximum: tuple[int, int] | None = None  # inclusive
     exact: tuple[tuple[int, int], ...] | None = None  # kernels built for specific archs only (e.g. "9.0a")
@@ -178,6 +192,7 @@ class CudaCapability:
 
 @dataclass(frozen=True)
 class RocmArch:
+    machine_bound = True  # no install changes it (install.py never touches torch)
     archs: tuple[str, ...]
 
     def describe(self) -> str:
@@ -234,3 +249,28 @@ def _probe_result(probe: Probe) -> str | None:
                                               f"({type(exc).__name__}: {first_line[:300]}); reinstall it for this torch/GPU")
         return _probe_results[probe.name]
 
+
+
+class Unmet(NamedTuple):
+    """What a machine lacks of a backend's requirements: `reasons`, and whether the machine itself rules the
+    backend out (`machine_bound`), when no install, opt-in or trust setting would make it run."""
+    reasons: tuple[str, ...] = ()
+    machine_bound: bool = False
+
+
+def unmet(requirements, machine: Machine) -> Unmet:
+    """Every requirement `machine` does not meet, in order. What the machine itself lacks (a device, a GPU
+    generation, a torch) comes alone when it fails: a package's install command, an opt-in or a trust setting is
+    no fix without the GPU it needs. A Probe (a real call) runs only once everything else is met."""
+    bound = tuple(reason for req in requirements if getattr(req, "machine_bound", False)
+                  for reason in [req.reason(machine)] if reason)
+    if bound:
+        return Unmet(bound, True)
+    found: list[str] = []
+    for req in requirements:
+        if found and isinstance(req, Probe):
+            continue
+        reason = req.reason(machine)
+        if reason:
+            found.append(reason)
+    return Unmet(tuple(found), False)

@@ -48,13 +48,14 @@ def why_not(name: str, inputs: AttentionInputs | None = None, *, attention_kwarg
     A backend's own checks that raise become its reason: they refuse that backend, never the question."""
     spec = registry.get(name)
     try:
-        lacks = tuple(registry.requirement_reasons(name, machine))
+        check = registry.requirement_check(name, machine)
+        lacks, machine_bound = check.reasons, check.machine_bound
     except registry.UnknownBackendError:
         raise
     except Exception as exc:
-        lacks = (f"its requirement check failed ({type(exc).__name__}: {exc})",)
+        lacks, machine_bound = (f"its requirement check failed ({type(exc).__name__}: {exc})",), False
     untrusted = ()
-    if spec.hub is not None:
+    if spec.hub is not None and not machine_bound:  # trusting a publisher is no fix without the GPU it needs
         verdict = trust.decide(spec.hub.repo_id)
         untrusted = () if verdict.allowed else (verdict.reason,)
     limits = semantics = ()
@@ -72,6 +73,13 @@ def reasons(name: str, inputs: AttentionInputs | None = None, *, attention_kwarg
             machine: Machine | None = None) -> list[str]:
     """`why_not(...).reasons`: every reason, in order (empty when it can run)."""
     return why_not(name, inputs, attention_kwargs=attention_kwargs, machine=machine).reasons
+
+
+def installing_helps(name: str, machine: Machine | None = None) -> bool:
+    """Whether installing something (a package, a kernel, an opt-in) could make backend `name` run on `machine`:
+    False when the machine itself rules it out (its device, GPU generation or torch), whose reasons then carry
+    no install hint."""
+    return not registry.requirement_check(name, machine).machine_bound
 
 
 def availability_reasons(name: str, machine: Machine | None = None) -> list[str]:

@@ -10,6 +10,7 @@ from ..dispatcher import env as _env
 from ..dispatcher.auto import FAST_BOUND
 from ..dispatcher.backends import kitchen as _kitchen
 from ..dispatcher.guard import DEFAULT_EVERY
+from ..dispatcher.support import installing_helps
 from . import blocks as _blocks
 from . import comfy_names, overrides, raw_prompt, reports
 from . import validation as v
@@ -86,8 +87,9 @@ def unavailable_message(backend: str, policy: str) -> str | bool:
         reasons = availability_reasons(backend)
     if not reasons:
         return True
-    return (f"attention backend '{backend}' cannot run on this machine (policy strict): " + "; ".join(reasons)
-            + ". Install what is missing, pick another backend, or use policy 'fallback'.")
+    fix = ("Install what is missing, pick another backend, or use policy 'fallback'." if installing_helps(backend)
+           else "Pick another backend, or use policy 'fallback'.")
+    return f"attention backend '{backend}' cannot run on this machine (policy strict): " + "; ".join(reasons) + ". " + fix
 
 
 # ------------------------------------------------------------------------------------------------ inputs

@@ -215,6 +215,33 @@ def test_chart_has_one_panel_per_ratio_with_labelled_reference_lines(tmp_path, m
     plt.close("all")
 
 
+@pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed")
+@pytest.mark.parametrize("run", [2, 3, 5])
+def test_the_shipped_charts_never_clip_a_bar_and_use_the_current_names(run):
+    """The charts in bench/results clipped their bars at 1.5, called auto_exact "auto" and were linked nowhere:
+    drawn again from their JSON by `chart`, every bar fits its panel, the legends sit beside the panels (over no
+    bar), auto_exact has its current name, and docs/performance.md shows the PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    name = f"2026-12-02-h200-bench-run{run}"
+    data = json.loads((ROOT / "bench" / "results" / f"{name}.json").read_text())
+    fig = bench.chart(data)
+    fig.canvas.draw()
+    labels = []
+    for ax in fig.axes:
+        tallest = max((p.get_height() for p in ax.patches if hasattr(p, "get_height")), default=0)
+        assert ax.get_ylim()[1] >= tallest, (ax.get_title(), ax.get_ylim(), tallest)
+        legend = ax.get_legend()
+        labels += [t.get_text().strip() for t in legend.get_texts()]
+        legend_box = legend.get_window_extent().transformed(ax.transAxes.inverted())
+        assert legend_box.x0 >= 1.0, ax.get_title()  # beside the panel, never over its bars
+    assert "auto_exact" in labels and "auto" not in labels, labels
+    assert all("auto " not in ax.get_title() and not ax.get_title().startswith("auto ") for ax in fig.axes)
+    plt.close(fig)
+    assert f"../bench/results/{name}.png" in (ROOT / "docs" / "performance.md").read_text()
+
+
 def test_side_by_side_reports_errors_picks_and_what_cannot_run(tmp_path):
     """bench/side_by_side.py on a small CPU shape with local (video-like) inputs: each backend's time and error
     against float64, what each auto served, and the GPU kernels listed as skipped with their reasons."""

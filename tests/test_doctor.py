@@ -54,7 +54,7 @@ def test_the_doctor_command_shows_them(tmp_path):
     lines = run.stdout.splitlines()
     assert lines[0].startswith(f"Python: {sys.executable} (") and "the Python that ran this command" in lines[0]
     assert lines[1].startswith("Machine: CPU only: no GPU visible to torch")
-    assert any(l.startswith("Default backend: PROBLEM: DIFFUSERS_ATTN_BACKEND='flsh'") for l in lines)
+    assert any(l.startswith("As a library, without backend=: PROBLEM: DIFFUSERS_ATTN_BACKEND='flsh'") for l in lines)
     assert "Failed to initialize NumPy" not in run.stderr
     # the recommendation leads, usable backends come next (autos first), each reason is stated once
     text = run.stdout
@@ -69,7 +69,7 @@ def test_the_doctor_command_shows_them(tmp_path):
 def test_the_doctor_script_says_what_it_is_doing():
     script = (ROOT / "doctor").read_text()
     assert "numpy" in script and "torch==2.13.0" in script
-    for words in ("creating .venv", "installing torch", "inspecting this machine", "inspecting ComfyUI's Python"):
+    for words in ("creating .venv", "installing torch", "inspecting this machine", 'inspecting $python'):
         assert words in script
     assert "set -euo pipefail" in script
     # the sizes it states are the installed ones: the CPU build without a GPU, the CUDA build with one
@@ -117,9 +117,11 @@ def _python_link(venv: Path) -> Path:
 
 
 def _run_doctor(pack: Path, **env_extra) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("COMFYUI_PYTHON", "ATTN_DISPATCH_DOCTOR_PYTHON")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("COMFYUI_PYTHON", "ATTN_DISPATCH_DOCTOR_PYTHON", "VIRTUAL_ENV", "DOCTOR_SETUP")}
     env.update(CUDA_VISIBLE_DEVICES="", **env_extra)
-    return subprocess.run(["bash", str(pack / "doctor")], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(["bash", str(pack / "doctor")], capture_output=True, text=True, timeout=300, env=env,
+                          stdin=subprocess.DEVNULL)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the doctor script is bash")
@@ -131,7 +133,7 @@ def test_the_doctor_script_inspects_comfyuis_venv(tmp_path):
     first = run.stdout.splitlines()[0]
     assert first.startswith(f"Python: {python} (")
     assert "ComfyUI's Python (venv/bin/python in the ComfyUI folder)" in first
-    assert f"inspecting ComfyUI's Python {python}" in run.stderr
+    assert f"inspecting {python}, ComfyUI's Python (venv/bin/python in the ComfyUI folder)" in run.stderr
     assert not (pack / ".venv").exists()  # nothing built, nothing installed
 
 
@@ -165,5 +167,75 @@ def test_comfyui_python_from_the_environment_and_a_broken_one(tmp_path):
     broken.write_text("#!/bin/sh\nexit 1\n")
     broken.chmod(0o755)
     run = _run_doctor(pack, COMFYUI_PYTHON=str(broken))
-    assert run.returncode == 1 and "cannot import torch" in run.stderr and "nothing was changed" in run.stderr
+    assert run.returncode == 1 and "is not a Python interpreter" in run.stderr and "nothing was changed" in run.stderr
     assert not (pack / ".venv").exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the doctor script is bash")
+@pytest.mark.parametrize("kind", ["true", "missing", "directory", "no torch"])
+def test_a_comfyui_python_that_is_not_one_fails_with_what_is_wrong(tmp_path, kind):
+    """`COMFYUI_PYTHON=$(which true)` gave rc 0 and no report; a missing file was reported as "cannot import
+    torch". Each now fails (rc 1) saying what is wrong, and nothing is built."""
+    pack = _comfyui_layout(tmp_path)
+    python, expected = {
+        "true": (shutil.which("true"), "is not a Python interpreter"),
+        "missing": (str(tmp_path / "no-such-python"), "does not exist"),
+        "directory": (str(tmp_path), "is not an executable file"),
+        "no torch": (shutil.which("python3") if not _has_torch(shutil.which("python3")) else None,
+                     "cannot import torch"),
+    }[kind]
+    if python is None:
+        pytest.skip("no Python without torch on this machine")
+    run = _run_doctor(pack, COMFYUI_PYTHON=python)
+    assert run.returncode == 1, (run.returncode, run.stdout[-500:], run.stderr[-1500:])
+    assert expected in run.stderr and "nothing was changed" in run.stderr and not run.stdout, run.stderr
+    assert not (pack / ".venv").exists()
+
+
+def _has_torch(python: str | None) -> bool:
+    return python is not None and subprocess.run([python, "-c", "import torch"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the doctor script is bash")
+def test_an_active_venv_outside_the_comfyui_folder_is_inspected_and_named(tmp_path):
+    """ComfyUI run from an activated venv kept elsewhere: the doctor used to ignore it and build its own .venv."""
+    pack = _comfyui_layout(tmp_path)
+    venv = tmp_path / "envs" / "comfy"
+    python = _python_link(venv)
+    run = _run_doctor(pack, VIRTUAL_ENV=str(venv))
+    assert run.returncode == 0, run.stderr[-3000:]
+    first = run.stdout.splitlines()[0]
+    assert first.startswith(f"Python: {python} (") and f"the active virtual environment (VIRTUAL_ENV={venv})" in first
+    assert f"inspecting {python}, the active virtual environment" in run.stderr
+    assert not (pack / ".venv").exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the doctor script is bash")
+def test_no_python_found_builds_nothing_without_being_asked(tmp_path):
+    """A clone outside ComfyUI, no COMFYUI_PYTHON, no active venv, not in a terminal: the doctor used to build a
+    1 GB .venv silently. It says what it would do and how to ask for it (--setup or DOCTOR_SETUP=1), and exits 2."""
+    pack = tmp_path / "clone"
+    pack.mkdir()
+    shutil.copy2(ROOT / "doctor", pack / "doctor")
+    run = _run_doctor(pack)
+    assert run.returncode == 2, (run.returncode, run.stderr[-2000:])
+    assert "no ComfyUI Python found" in run.stderr and "./doctor --setup" in run.stderr
+    assert "DOCTOR_SETUP=1" in run.stderr and "1 GB installed" in run.stderr and "Nothing was changed" in run.stderr
+    assert not (pack / ".venv").exists()
+
+
+def test_one_default_per_place_and_the_lock_file_only_when_it_exists(tmp_path, monkeypatch):
+    """The doctor said "native ... (DIFFUSERS_ATTN_BACKEND is not set)" as the default backend and then
+    "auto_exact (the default)", and named a kernels.lock.json that did not exist. Each default now says where it
+    holds (the library without backend=, Set Attention Backend), and the lock file is named only once it exists."""
+    monkeypatch.delenv("DIFFUSERS_ATTN_BACKEND", raising=False)
+    lock = tmp_path / "kernels.lock.json"
+    monkeypatch.setenv("ATTN_DISPATCH_KERNEL_LOCK", str(lock))
+    text = doctor.render(doctor.report())
+    assert "As a library, without backend=: native (DIFFUSERS_ATTN_BACKEND is not set)" in text
+    assert "auto_exact (Set Attention Backend's default)" in text
+    assert "(the default)" not in text and "Default backend" not in text and "from default" not in text
+    assert str(lock) not in text
+    assert "no lock file yet: `python install.py` writes kernels.lock.json when it fetches one" in text
+    lock.write_text("{}")
+    assert f"Hub kernels (lock file {lock}):" in doctor.render(doctor.report())

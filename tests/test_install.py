@@ -284,7 +284,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 def test_cli_simulate_prints_the_table(capsys):
     code, out, _ = run_cli(capsys, "--simulate", "h200")
     assert code == 0
-    assert "Machine: NVIDIA H200 (cuda, sm_90)" in out and "[simulated]" in out
+    assert "Machine: NVIDIA H200 (NVIDIA CUDA GPU, sm_90), torch 2.10.0+cu128, CUDA 12.8 [simulated]" in out
     line = next(ln for ln in out.splitlines() if ln.strip().startswith("_flash_3_hub "))
     assert "after fetch" in line and "kernels-community/flash-attn3 v1" in line
     assert "nothing is fetched or installed" in out
@@ -727,3 +727,79 @@ def test_install_py_as_comfyui_manager_runs_it(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "install.py"), "--simulate", "rtx5090", "--json"],
                           cwd=tmp_path, env=child, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and json.loads(proc.stdout)["plan"]["machine"]["arch"] == "sm_120"
+
+
+# ---------------------------------------------------------------------------------- one truth about installing
+
+def _install_hints(texts) -> list[str]:
+    return [t for t in texts if "pip install" in t or "install.py --build" in t or "from source" in t]
+
+
+@pytest.mark.parametrize("machine_name", ["cpu", "mac", "arc"])
+def test_no_install_hint_where_installing_would_not_make_the_backend_run(machine_name):
+    """A CPU user was told `pip install 'flash-attn>=2.6.3'` right after "needs an NVIDIA CUDA GPU" (node, toast,
+    strict error), while the doctor said "nothing to install": every surface now gives the machine's reason alone."""
+    from dispatcher import support
+    machine = ip.SIMULATED[machine_name]
+    with use_machine(machine):
+        plan = ip.build(machine, lock={})
+        for name in registry.names():
+            reasons = support.reasons(name, machine=machine)
+            assert not _install_hints(reasons), (name, reasons)
+            planned = plan.get(name)
+            if planned.status == ip.UNSUPPORTED:  # the same words in the plan (and so the doctor)
+                assert planned.why == reasons, name
+        (flash,) = support.reasons("flash", machine=machine)
+        assert flash.startswith("needs an NVIDIA CUDA GPU; this machine has ")
+        assert not plan.pip_commands() and not plan.build_commands()
+        recommendation = doctor.recommendation(machine, [s.as_dict() for s in support.list_backends(machine)], plan)
+    if machine_name == "cpu":
+        assert recommendation["install"][0].startswith("nothing to install")
+
+
+def test_the_install_hint_where_installing_makes_the_backend_run_is_the_same_everywhere():
+    """On an H200 without flash-attn the package is the fix: the node's reason, install.py's step and the doctor's
+    row give the same command."""
+    from dispatcher import support
+    machine = ip.SIMULATED["h200"]
+    with use_machine(machine):
+        (reason,) = support.reasons("flash", machine=machine)
+        plan = ip.build(machine, lock={})
+        (step,) = [s for s in plan.get("flash").steps if s.kind == "pip"]
+        groups = doctor.groups([s.as_dict() for s in support.list_backends(machine)], plan)
+    assert reason == f"flash-attn is not installed: {step.command}"
+    (row,) = [r for r in groups["step_away"] if r["name"] == "flash"]
+    assert step.command in row["why"] and row["status"] == ip.PIP
+
+
+def test_a_device_stack_is_never_an_install_hint():
+    """torch-npu exists only with its NPU: on a CPU the reason is the device, never `pip install torch-npu`."""
+    from dispatcher import support
+    machine = ip.SIMULATED["cpu"]
+    with use_machine(machine):
+        (npu,) = support.reasons("_native_npu", machine=machine)
+        (xla,) = support.reasons("_native_xla", machine=machine)
+        plan = ip.build(machine, lock={})
+    assert npu.startswith("needs an Ascend NPU") and "pip install" not in npu
+    assert xla.startswith("needs an XLA device") and "pip install" not in xla
+    assert plan.get("_native_npu").why == [npu] and plan.get("_native_npu").status == ip.UNSUPPORTED
+
+
+def test_install_py_says_the_machine_in_words_and_leads_with_what_runs(capsys):
+    """`install.py` printed `Machine: cpu (cpu, cpu)` and scattered its 4 ready rows among 28 "not here": the machine
+    is now said once in words (the doctor's line), the ready rows come first, and what cannot run here is grouped by
+    the reason that decides, each reason once (as the doctor does)."""
+    code, out, _ = run_cli(capsys, "--simulate", "cpu")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "Machine: CPU only: no GPU visible to torch (a simulated CPU), torch 2.10.0+cpu [simulated]"
+    assert "(cpu, cpu)" not in out and sum(line.startswith("Machine:") for line in lines) == 1
+    table = lines[lines.index(next(l for l in lines if l.startswith("Plan ("))):]
+    rows = [l.split()[:2] for l in table[3:table.index("")]]
+    assert rows and all(status == "ready" for _, status in rows), rows  # only what runs, before anything else
+    assert [name for name, _ in rows] == ["native", "_native_flash", "flex", "_native_math"]
+    assert " not here " not in out
+    grouped = out[out.index("Not for this machine ("):]
+    assert grouped.count("needs an NVIDIA CUDA GPU; this machine has a CPU (") == 1
+    assert out.count("needs an NVIDIA CUDA GPU; this machine has a CPU") == 1
+    assert "flash," in grouped and "sage," in grouped and "pip install" not in out

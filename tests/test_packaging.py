@@ -99,8 +99,9 @@ def test_the_pack_archive_leaves_out_tests_and_bench_data():
     for dropped in ("tests/test_install.py", "bench/results/2026-12-02-h200-bench-run5.json", ".ci/run"):
         assert spec.match_file(dropped)
     for kept in ("__init__.py", "nodes/model_nodes.py", "web/attention_dispatch.js", "dispatcher/dispatch.py",
-                 "install.py", "requirements.txt", "example_workflows/set_attention_backend.json", "README.md",
-                 "docs/2026-12-02-web-extension.png", "pyproject.toml", "LICENSE"):
+                 "install.py", "requirements.txt", "example_workflows/Set Attention Backend.json",
+                 "example_workflows/Set Attention Backend.jpg", "README.md",
+                 "docs/2026-12-05-web-extension.png", "pyproject.toml", "LICENSE"):
         assert not spec.match_file(kept), kept
 
 

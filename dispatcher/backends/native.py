@@ -386,9 +386,9 @@ add(BackendSpec(
     name="_native_npu", family="npu", description="Ascend NPU fused attention (torch_npu.npu_fusion_attention)",
     fn=npu_attention, layout="BSHD", devices=frozenset({"npu"}), dtypes=HALF, head_dims=HeadDims(1, 512),
     masks=frozenset({"bool", "key_padding"}), mask_format="bool", dropout=True, backward=False,
-    requires=(Package("torch-npu", module="torch_npu", pip="pip install torch-npu"),)))
+    requires=(Package("torch-npu", module="torch_npu", device="an Ascend NPU"),)))
 add(BackendSpec(
     name="_native_xla", family="xla", description="XLA flash attention (torch_xla Pallas kernel)",
     fn=xla_attention, layout="BHSD", devices=frozenset({"xla"}), dtypes=FLOATS - {torch.float64},
     head_dims=HeadDims(), backward=False,
-    requires=(Package("torch-xla", "2.2", module="torch_xla.experimental.custom_kernel"),)))
+    requires=(Package("torch-xla", "2.2", module="torch_xla.experimental.custom_kernel", device="an XLA device (TPU)"),)))

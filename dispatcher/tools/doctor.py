@@ -12,30 +12,13 @@ from pathlib import Path
 
 from .. import env, hub, registry
 from . import command
+from .install_plan import machine_facts, machine_text  # noqa: F401  (the one machine line, shared with install.py)
 from ..machine import cpu_model as machine_cpu_model
 from ..machine import current_machine
 from ..support import list_backends
 
-DEVICE_NAMES = {"cuda": "NVIDIA CUDA GPU", "rocm": "AMD ROCm GPU", "mps": "Apple GPU (MPS)", "xpu": "Intel GPU (XPU)",
-                "npu": "Ascend NPU", "xla": "XLA device", "cpu": "CPU only"}
-
-
 def cpu_model() -> str:
     return machine_cpu_model() or "unknown CPU"
-
-
-def machine_text(m: dict) -> str:
-    """One readable line: 'NVIDIA H200 (NVIDIA CUDA GPU, sm_90), torch 2.11.0+cu130, CUDA 13.0' or
-    'CPU only: no GPU visible to torch (Intel Xeon ..., 16 cores), torch 2.13.0+cpu'."""
-    versions = f"torch {m['torch']}" + (f", CUDA {m['cuda']}" if m.get("cuda") else "") + \
-        (f", HIP {m['hip']}" if m.get("hip") else "")
-    if m["device"] == "cpu":
-        cores = os.cpu_count()
-        return (f"CPU only: no GPU visible to torch ({m.get('cpu') or cpu_model()}"
-                + (f", {cores} cores" if cores else "") + f"), {versions}")
-    kind = DEVICE_NAMES.get(m["device"], m["device"])
-    arch = f", {m['arch']}" if m.get("arch") and m["arch"] != m["device"] else ""
-    return f"{m['name']} ({kind}{arch}), {versions}"
 
 
 def default_backend_info(backends: list[dict] | None = None) -> dict:
@@ -43,10 +26,10 @@ def default_backend_info(backends: list[dict] | None = None) -> dict:
     setting anything: {"backend", "source", "problem", "available", "reasons"}."""
     raw = os.environ.get(env.ATTN_BACKEND)
     wanted = env.value(env.ATTN_BACKEND)
-    info = {"backend": "native", "source": f"default ({env.ATTN_BACKEND} is not set)", "problem": None,
+    info = {"backend": "native", "source": f"{env.ATTN_BACKEND} is not set", "problem": None,
             "available": None, "reasons": []}
     if raw is not None and wanted is None:
-        info["source"] = f"default ({env.ATTN_BACKEND} is set but empty)"
+        info["source"] = f"{env.ATTN_BACKEND} is set but empty"
     elif wanted is not None:
         if wanted == "auto" or wanted in registry.names():
             info.update(backend=wanted, source=f"{env.ATTN_BACKEND}={wanted}")
@@ -57,7 +40,7 @@ def default_backend_info(backends: list[dict] | None = None) -> dict:
                                + (f" (did you mean {close[0]!r}?)" if close else "")
                                + "; the dispatcher ignores it and uses 'native'. Valid: auto or a name in the "
                                  "backend column below")
-            info["source"] = f"default ({env.ATTN_BACKEND}={wanted!r} is ignored)"
+            info["source"] = f"{env.ATTN_BACKEND}={wanted!r} is ignored"
     by_name = {b["name"]: b for b in backends or []}
     if info["backend"] in by_name:
         info["available"] = by_name[info["backend"]]["available"]
@@ -68,6 +51,7 @@ def default_backend_info(backends: list[dict] | None = None) -> dict:
 
 
 HUB_NOT_HERE = "not fetched (no backend using it can run here)"
+LIBRARY_DEFAULT = "As a library, without backend="
 
 
 def source_builds(lock: dict) -> list[dict]:
@@ -107,9 +91,7 @@ def report() -> dict:
         "python": python_info(),
         "recommendation": recommendation(machine, backends, plan),
         "groups": groups(backends, plan),
-        "machine": {"device": machine.device_type, "name": machine.device_name, "arch": machine.arch,
-                    "torch": machine.torch_version, "cuda": machine.cuda_version, "hip": machine.hip_version,
-                    "cpu": cpu_model() if machine.device_type == "cpu" else None, "packages": machine.packages},
+        "machine": {**machine_facts(machine), "packages": machine.packages},
         "default_backend": default_backend_info(backends),
         "source_builds": source_builds(lock),
         "backends": backends,
@@ -161,7 +143,7 @@ def hub_kernels(lock: dict, backends: list[dict] | None = None) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------ recommendation
 
-AUTOS = {"auto_exact": "the default: the fastest exact kernel, timed on your model's own calls",
+AUTOS = {"auto_exact": "Set Attention Backend's default: the fastest exact kernel, timed on your model's own calls",
          "auto_fast": "also quantised kernels (SageAttention int8/fp8), each admitted only if it keeps your model's "
                       "own attention within 5% of exact",
          "comfy default": "ComfyUI's own attention, untouched (Set Attention Backend only)"}
@@ -228,7 +210,7 @@ def recommendation(machine, backends: list[dict], plan) -> dict:
     where = "this CPU" if machine.device_type == "cpu" else machine.device_name
     lines = []
     if exact:
-        lines.append(f"auto_exact (the default) chooses among {', '.join(exact)} on {where}: it times them on your "
+        lines.append(f"auto_exact (Set Attention Backend's default) chooses among {', '.join(exact)} on {where}: it times them on your "
                      f"model's first calls of each shape and keeps the fastest; {exact[0]} is preferred on a tie.")
     else:
         lines.append("auto_exact finds no exact kernel for a typical call here; it falls back to native.")
@@ -293,13 +275,13 @@ def render(data: dict, width: int = 110) -> str:
               "Attention packages: " + (", ".join(f"{k} {v}" for k, v in sorted(m["packages"].items())
                                                   if k != "torch") or "none")]
     d = data.get("default_backend")
-    if d:
+    if d:  # the library's process default; in ComfyUI a model without Set Attention Backend keeps ComfyUI's own
         if d["problem"]:
-            lines.append(f"Default backend: PROBLEM: {d['problem']}")
+            lines.append(f"{LIBRARY_DEFAULT}: PROBLEM: {d['problem']}")
         else:
             state = ("" if d["available"] in (None, True) else
                      f" (cannot run here: {'; '.join(d['reasons'])[:160]}; calls fall back)")
-            lines.append(f"Default backend: {d['backend']}, from {d['source']}{state}")
+            lines.append(f"{LIBRARY_DEFAULT}: {d['backend']} ({d['source']}){state}")
     for build in data.get("source_builds", []):
         lines.append(f"Built here: {build.get('package')} {build.get('package_version')} for {build.get('variant')} "
                      f"from {build.get('source')} @ {str(build.get('revision'))[:12]} in {build.get('build_seconds')} s "
@@ -354,7 +336,9 @@ def render(data: dict, width: int = 110) -> str:
     lines.append("")
     if isinstance(fetched, dict) and "error" in fetched:
         lines.append(f"Lock file: {fetched['error']}")
-    lines.append(f"Hub kernels (lock file {hub.lock_path()}):")
+    lock = hub.lock_path()
+    lines.append(f"Hub kernels (lock file {lock}):" if lock.exists() else
+                 f"Hub kernels (no lock file yet: `python install.py` writes {lock.name} when it fetches one):")
     idle = [row["repo_id"] for row in data.get("hub_kernels", []) if not row["fetched"]
             and row["status"] == HUB_NOT_HERE]
     if idle:

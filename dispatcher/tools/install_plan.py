@@ -19,7 +19,7 @@ from packaging.utils import canonicalize_name
 
 from .. import env, hub, registry, support, trust
 from ..machine import Machine, current_machine, use_machine
-from ..requirements import CudaCapability, EnvOptIn, OneOf, OnDevice, Package, Probe, RocmArch, TorchVersion
+from ..requirements import EnvOptIn, OneOf, Package, Probe
 from ..versions import at_least
 
 # Statuses, most usable first.
@@ -32,10 +32,9 @@ DISABLED = "disabled"  # a Hub kernel while DIFFUSERS_DISABLE_REMOTE_CODE=true
 UNSUPPORTED = "unsupported"  # not for this machine (device, architecture, torch version)
 STATUSES = (READY, FETCH, OPT_IN, PIP, BROKEN, DISABLED, UNSUPPORTED)
 
-# Never installed or changed by install.py (ComfyUI-Manager's pip blacklist, plus device stacks that
-# must match torch exactly and only make sense on their own hardware).
+# Never installed or changed by install.py (ComfyUI-Manager's pip blacklist; device stacks, which must match torch
+# exactly and only make sense on their own hardware, are declared as such: Package.device).
 PROTECTED = frozenset({"torch", "torchvision", "torchaudio", "torchsde"})
-DEVICE_STACKS = {"torch-npu": "an Ascend NPU", "torch-xla": "an XLA device (TPU)"}
 
 
 def _m(name: str, device_type: str, *, torch_version: str = "2.10.0+cu128", cuda: str | None = "12.8",
@@ -213,15 +212,12 @@ class FetchTarget:
 
 # ------------------------------------------------------------------------------------------------ planning
 
-_MACHINE_REQUIREMENTS = (OnDevice, CudaCapability, RocmArch, TorchVersion)
-
 
 def _package_step(req: Package, machine: Machine) -> tuple[str, Step | None, str | None]:
     """(status, step, deciding reason) for an unmet Package requirement."""
     version = machine.package_version(req.dist)
-    if req.dist in DEVICE_STACKS:  # the device exists only through its stack: missing means not this machine
-        return UNSUPPORTED, None, f"needs {DEVICE_STACKS[req.dist]} ({req.dist} is not installed; install.py never " \
-                                  "installs device stacks, they must match torch)"
+    if req.device and version is None:  # the device exists only through its stack: missing means not this machine
+        return UNSUPPORTED, None, req.reason(machine)
     if req.dist in PROTECTED:
         return UNSUPPORTED, None, f"needs {req.describe()}; install.py never installs or changes {req.dist}"
     if req.torch and not at_least(machine.torch_version, req.torch):  # install.py never changes torch
@@ -300,7 +296,7 @@ def _classify(name: str, machine: Machine, why: support.WhyNot) -> tuple[str, li
         if not reason:
             continue
         explained += 1
-        if isinstance(req, _MACHINE_REQUIREMENTS):
+        if getattr(req, "machine_bound", False) and not isinstance(req, Package):
             found.setdefault(UNSUPPORTED, []).append(reason)
         elif isinstance(req, (Package, OneOf)):
             status, step, deciding = _requirement_step(req, machine)
@@ -412,13 +408,49 @@ def _detail(b: BackendPlan) -> str:
     return "; ".join(todo)
 
 
+DEVICE_NAMES = {"cuda": "NVIDIA CUDA GPU", "rocm": "AMD ROCm GPU", "mps": "Apple GPU (MPS)", "xpu": "Intel GPU (XPU)",
+                "npu": "Ascend NPU", "xla": "XLA device", "cpu": "CPU only"}
+
+
+def machine_facts(machine: Machine) -> dict:
+    """What `machine_text` says of `machine`: {"device", "name", "arch", "torch", "cuda", "hip", "cpu"}."""
+    from ..machine import cpu_model
+    cpu = None
+    if machine.device_type == "cpu":
+        cpu = "a simulated CPU" if machine.simulated else (cpu_model() or "unknown CPU")
+    return {"device": machine.device_type, "name": machine.device_name, "arch": machine.arch,
+            "torch": machine.torch_version, "cuda": machine.cuda_version, "hip": machine.hip_version, "cpu": cpu}
+
+
+def machine_text(m: dict) -> str:
+    """One readable line: 'NVIDIA H200 (NVIDIA CUDA GPU, sm_90), torch 2.11.0+cu130, CUDA 13.0' or
+    'CPU only: no GPU visible to torch (Intel Xeon ..., 16 cores), torch 2.13.0+cpu'."""
+    import os
+    versions = f"torch {m['torch']}" + (f", CUDA {m['cuda']}" if m.get("cuda") else "") + \
+        (f", HIP {m['hip']}" if m.get("hip") else "")
+    if m["device"] == "cpu":
+        cores = os.cpu_count() if m.get("cpu") != "a simulated CPU" else None
+        return (f"CPU only: no GPU visible to torch ({m.get('cpu') or 'unknown CPU'}"
+                + (f", {cores} cores" if cores else "") + f"), {versions}")
+    kind = DEVICE_NAMES.get(m["device"], m["device"])
+    arch = f", {m['arch']}" if m.get("arch") and m["arch"] != m["device"] else ""
+    return f"{m['name']} ({kind}{arch}), {versions}"
+
+
 def machine_line(machine: Machine) -> str:
-    extra = (f", CUDA {machine.cuda_version}" if machine.cuda_version else "") + \
-            (f", HIP {machine.hip_version}" if machine.hip_version else "")
     tag = " [simulated]" if machine.simulated else ""
     packages = ", ".join(f"{k} {v}" for k, v in sorted(machine.packages.items()) if k != "torch") or "none"
-    return (f"Machine: {machine.device_name} ({machine.device_type}, {machine.arch}), torch {machine.torch_version}"
-            f"{extra}{tag}\nAttention packages: {packages}")
+    return f"Machine: {machine_text(machine_facts(machine))}{tag}\nAttention packages: {packages}"
+
+
+def not_here(plan: Plan) -> list[tuple[str, list[str]]]:
+    """The backends this machine cannot run whatever is installed (not here, or disabled), grouped by the reasons
+    that decide, each group once, in the order first met: [(reason, [backend, ...])]."""
+    groups: dict[str, list[str]] = {}
+    for b in plan.backends:
+        if b.status in (UNSUPPORTED, DISABLED):
+            groups.setdefault("; ".join(b.why) or "cannot run here", []).append(b.name)
+    return list(groups.items())
 
 
 def render(plan: Plan, width: int = 120) -> str:
@@ -427,10 +459,19 @@ def render(plan: Plan, width: int = 120) -> str:
     lines.append(f"Plan ({counts}):")
     header = f"  {'backend':30} {'status':14} what to do / why not"
     lines += [header, "  " + "-" * (len(header) - 2)]
-    for b in plan.backends:
-        wrapped = textwrap.wrap(_detail(b), max(40, width - 48)) or [""]
-        lines.append(f"  {b.name:30} {_STATUS_TEXT[b.status]:14} {wrapped[0]}")
-        lines.extend(f"  {'':30} {'':14} {more}" for more in wrapped[1:])
+    for status in STATUSES:  # ready first, then what one step would enable; what cannot run here is grouped below
+        if status in (UNSUPPORTED, DISABLED):
+            continue
+        for b in plan.by_status(status):
+            wrapped = textwrap.wrap(_detail(b), max(40, width - 48)) or [""]
+            lines.append(f"  {b.name:30} {_STATUS_TEXT[b.status]:14} {wrapped[0]}")
+            lines.extend(f"  {'':30} {'':14} {more}" for more in wrapped[1:])
+    groups = not_here(plan)
+    if groups:
+        lines += ["", f"Not for this machine ({sum(len(names) for _, names in groups)}):"]
+        for reason, names in groups:
+            lines += textwrap.wrap(f"{reason} ({len(names)}): {', '.join(names)}", width,
+                                   initial_indent="  ", subsequent_indent="    ")
     targets = plan.fetch_targets()
     lines.append("")
     lines.append("Hub kernels for this machine: " + (", ".join(
@@ -454,5 +495,5 @@ def pip_argv(step: Step) -> list[str] | None:
     return _pip_words(step.command) if step.kind == "pip" else None
 
 
-__all__ = ["SIMULATED", "STATUSES", "BackendPlan", "FetchTarget", "Plan", "Step", "build", "machine_line", "pip_argv",
-           "render", "safe_detect", "simulated"]
+__all__ = ["SIMULATED", "STATUSES", "BackendPlan", "FetchTarget", "Plan", "Step", "build", "machine_facts", "machine_line",
+           "machine_text", "not_here", "pip_argv", "render", "safe_detect", "simulated"]

@@ -1,0 +1,316 @@
+"""The example workflows as a new user meets them: loaded in the real frontend, laid out without overlaps, run as
+shipped in a real ComfyUI that has the model they name (a tiny random-weight SD1.5 checkpoint under that name).
+
+Each example is loaded the way the Templates browser loads it (app.loadGraphData of the shipped JSON), turned into
+a prompt by the frontend itself (app.graphToPrompt, as Queue does) and queued; the prompt must succeed. The
+screenshots land in tests/web/artifacts/examples/ (git-ignored).
+
+ATTN_DISPATCH_WRITE_EXAMPLES=1 lays the shipped examples out again from the nodes' real sizes (every node at least
+its computeSize(), columns by the graph's depth) and writes them, with a thumbnail per example (the frontend's
+convention for a custom node pack's templates: example_workflows/<name>.jpg), back into example_workflows/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from helpers import comfyui
+from helpers.tiny_checkpoint import SOURCE as MAKE_CHECKPOINT
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "example_workflows"
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts" / "examples"
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+APP = "window.comfyAPI.app.app"
+VIEW = (1600, 1000)
+GAP_X, GAP_Y = 60, 50  # between columns; between nodes of a column (under the title bar)
+THUMBNAIL_WIDTH = 480
+
+
+def examples() -> list[Path]:
+    return sorted(EXAMPLES.glob("*.json"))
+
+
+def models_named() -> dict[str, set[str]]:
+    """{folder: {file names}} every example names in its loaders' `properties.models` (the templates' convention)."""
+    found: dict[str, set[str]] = {}
+    for path in examples():
+        for node in json.loads(path.read_text())["nodes"]:
+            for model in node.get("properties", {}).get("models", []):
+                found.setdefault(model["directory"], set()).add(model["name"])
+    return found
+
+
+def _missing(message: str):
+    pytest.fail(f"COMFYUI_PATH is set, so the browser tests must run, but {message}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def page(request):
+    try:
+        from playwright import sync_api
+    except ImportError:
+        _missing("the playwright Python package is not installed (pip install playwright; never its browsers)")
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        _missing(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set CHROMIUM)")
+    comfy = request.getfixturevalue("comfy")
+    # The models the examples name, tiny, where ComfyUI looks for them (before the page reads the model lists).
+    paths = [str(comfy.base / "models" / folder / name) for folder, names in models_named().items()
+             for name in sorted(names)]
+    assert paths, "no example names a model in properties.models"
+    made = subprocess.run([comfyui.COMFYUI_PYTHON, "-c", MAKE_CHECKPOINT, *paths], cwd=comfyui.COMFYUI_PATH,
+                          capture_output=True, text=True, timeout=900)
+    assert made.returncode == 0, f"making the tiny checkpoint failed:\n{made.stdout[-2000:]}\n{made.stderr[-4000:]}"
+    comfy_post(comfy, "/settings/Comfy.TutorialCompleted", True)  # no "Get Started" dialog over the canvas
+    profile = tempfile.mkdtemp(prefix="attn-dispatch-examples-")
+    try:
+        with sync_api.sync_playwright() as pw:
+            context = pw.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True,
+                                                            args=ARGS, viewport={"width": VIEW[0], "height": VIEW[1]})
+            try:
+                context.set_default_timeout(60000)
+                p = context.pages[0] if context.pages else context.new_page()
+                p.errors = []
+                p.on("pageerror", lambda e: p.errors.append(f"{e}\n{getattr(e, 'stack', '')}"[:2000]))
+                p.goto(comfy.url)
+                # the node types registered too: a graph loaded before them has every node "missing"
+                p.wait_for_function(f"() => !!{APP}?.graph && !!{APP}?.canvas && "
+                                    f"{APP}.extensions?.some((e) => e.name === 'attention_dispatch') && "
+                                    "!!window.LiteGraph?.registered_node_types?.SetAttentionBackend && "
+                                    "!!window.LiteGraph?.registered_node_types?.KSampler", timeout=90000)
+                p.wait_for_timeout(1000)
+                # the frontend's own start-up error (1.27.10: CORE_SETTINGS.forEach in GraphView) is not the examples'
+                p.errors = [e for e in p.errors if "GraphView" not in e]
+                p.comfy = comfy
+                ARTIFACTS.mkdir(parents=True, exist_ok=True)
+                yield p
+            finally:
+                context.close()
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def load(page, workflow: dict) -> list[str]:
+    """Load `workflow` as the Templates browser does; returns the text of every dialog or alert it opened (a new
+    user's "Some Nodes Are Missing", "Missing Models" or an invalid-workflow alert), then closes them."""
+    page.evaluate(f"async (wf) => {{ await {APP}.loadGraphData(wf, true, true, null); }}", workflow)
+    page.evaluate("async () => { for (let i = 0; i < 4; i++) await new Promise((r) => requestAnimationFrame(r)); }")
+    page.wait_for_timeout(300)
+    opened = page.evaluate("""() => [...document.querySelectorAll('.p-dialog, .p-toast-message')]
+        .map((e) => e.innerText.trim()).filter(Boolean)""")
+    for _ in range(3):
+        page.evaluate("""() => document.querySelectorAll('.p-toast-message .p-toast-close-button, .p-dialog-close-button')
+            .forEach((b) => b.click())""")
+        page.wait_for_timeout(150)
+    return opened
+
+
+def boxes(page) -> list[dict]:
+    """Every node as the canvas draws it: its box with the title bar, and the smallest size that shows its widgets."""
+    return page.evaluate(f"""() => {APP}.graph._nodes.map((n) => {{ const t = LiteGraph.NODE_TITLE_HEIGHT;
+        const min = n.computeSize();
+        return {{id: n.id, type: n.type, x: n.pos[0], y: n.pos[1] - t, w: n.size[0], h: n.size[1] + t,
+                 minW: min[0], minH: min[1]}}; }})""")
+
+
+def overlaps(nodes: list[dict]) -> list[tuple[str, str]]:
+    found = []
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1:]:
+            if min(a["x"] + a["w"], b["x"] + b["w"]) > max(a["x"], b["x"]) and \
+                    min(a["y"] + a["h"], b["y"] + b["h"]) > max(a["y"], b["y"]):
+                found.append((a["type"], b["type"]))
+    return found
+
+
+def fit_view(page) -> None:
+    """The whole graph in the window, the way extra.ds is shipped (so a screenshot shows what a user sees)."""
+    page.evaluate(f"""() => {{ const app = {APP}; const t = LiteGraph.NODE_TITLE_HEIGHT;
+        const ns = app.graph._nodes; const pad = 40;
+        const x0 = Math.min(...ns.map((n) => n.pos[0])), y0 = Math.min(...ns.map((n) => n.pos[1] - t));
+        const x1 = Math.max(...ns.map((n) => n.pos[0] + n.size[0])), y1 = Math.max(...ns.map((n) => n.pos[1] + n.size[1]));
+        const c = app.canvas.canvas.getBoundingClientRect();
+        const scale = Math.min(1, (c.width - 2 * pad) / (x1 - x0), (c.height - 2 * pad) / (y1 - y0));
+        app.canvas.ds.scale = scale; app.canvas.ds.offset = [pad / scale - x0, pad / scale - y0];
+        app.canvas.setDirty(true, true); }}""")
+    page.wait_for_timeout(400)
+
+
+def lay_out(page) -> dict:
+    """Lay the loaded graph out from its nodes' real sizes: each node at least its computeSize() (320 wide at
+    least), in columns by depth (a source sits just before its first consumer), stacked top down in the order the
+    author gave; returns the serialized workflow."""
+    return page.evaluate(f"""([gx, gy]) => {{ const app = {APP}; const g = app.graph; const t = LiteGraph.NODE_TITLE_HEIGHT;
+        const ns = [...g._nodes];
+        for (const n of ns) {{ const m = n.computeSize(); n.setSize([Math.max(320, m[0], n.type === 'Note' ? 320 : 0),
+                                                                   Math.max(m[1], n.type === 'Note' ? 150 : 0)]); }}
+        const inputs = (n) => (n.inputs || []).filter((i) => i.link != null).map((i) => g.links[i.link].origin_id);
+        const consumers = (n) => ns.filter((c) => inputs(c).includes(n.id));
+        const depth = new Map();
+        const d = (n) => {{ if (!depth.has(n.id)) depth.set(n.id, Math.max(0, ...inputs(n).map((o) => d(g.getNodeById(o)) + 1))); return depth.get(n.id); }};
+        ns.forEach(d);
+        for (const n of ns) {{ const cs = consumers(n);
+            if (!inputs(n).length && cs.length) depth.set(n.id, Math.max(0, Math.min(...cs.map((c) => depth.get(c.id))) - 1)); }}
+        for (const n of ns) if (n.type === 'Note') depth.set(n.id, 0);
+        const cols = [...new Set([...depth.values()])].sort((a, b) => a - b);
+        let x = 0;
+        for (const c of cols) {{
+            const col = ns.filter((n) => depth.get(n.id) === c)
+                          .sort((a, b) => (a.type === 'Note') - (b.type === 'Note') || a.pos[1] - b.pos[1] || a.id - b.id);
+            let y = t;
+            for (const n of col) {{ n.pos = [x, y]; y += n.size[1] + t + gy; }}
+            x += Math.max(...col.map((n) => n.size[0])) + gx;
+        }}
+        app.canvas.setDirty(true, true);
+        return JSON.parse(JSON.stringify(g.serialize())); }}""", [GAP_X, GAP_Y])  # no undefined -> null
+
+
+def test_examples_lay_out_cleanly_in_the_frontend(page):
+    """No node drawn over another (the title bar included), none smaller than its widgets need, the view fitted;
+    a screenshot of each, and its thumbnail where the frontend's Templates browser looks for it."""
+    write = os.environ.get("ATTN_DISPATCH_WRITE_EXAMPLES") == "1"
+    assert len(examples()) == 6
+    for path in examples():
+        workflow = json.loads(path.read_text())
+        opened = load(page, workflow)
+        if write:
+            laid = lay_out(page)
+            fit_view(page)
+            laid["extra"] = {**laid.get("extra", {}), "ds": page.evaluate(
+                f"() => ({{scale: {APP}.canvas.ds.scale, offset: [...{APP}.canvas.ds.offset]}})")}
+            path.write_text(json.dumps(laid, indent=2) + "\n")
+            opened = load(page, json.loads(path.read_text()))
+        assert not opened, (path.name, opened)
+        found = boxes(page)
+        assert not overlaps(found), (path.name, overlaps(found))
+        small = [(n["type"], n["w"], n["h"] - 30, n["minW"], n["minH"]) for n in found
+                 if n["w"] + 0.5 < n["minW"] or n["h"] - 30 + 0.5 < n["minH"]]
+        assert not small, (path.name, small)
+        fit_view(page)
+        shot = ARTIFACTS / f"{path.stem}.png"
+        page.screenshot(path=str(shot))
+        if write:
+            _thumbnail(shot, path.with_suffix(".jpg"))
+        assert path.with_suffix(".jpg").is_file(), f"no thumbnail for {path.name}"
+    assert not page.errors, page.errors
+
+
+def _thumbnail(shot: Path, target: Path) -> None:
+    from PIL import Image
+    with Image.open(shot) as image:
+        image = image.convert("RGB")
+        height = round(image.height * THUMBNAIL_WIDTH / image.width)
+        image.resize((THUMBNAIL_WIDTH, height), Image.LANCZOS).save(target, "JPEG", quality=82, optimize=True)
+
+
+def test_the_templates_browser_lists_them_with_thumbnails(page):
+    """ComfyUI's /workflow_templates names this pack's examples; each one and its thumbnail are served."""
+    comfy = page.comfy
+    listed = comfy.get("/workflow_templates")
+    (module,) = [m for m, names in listed.items() if "Set Attention Backend" in names]
+    assert sorted(listed[module]) == sorted(p.stem for p in examples())
+    for name in listed[module]:
+        for suffix in (".json", ".jpg"):
+            url = f"{comfy.url}/api/workflow_templates/{module}/{urllib.request.quote(name + suffix)}"
+            with urllib.request.urlopen(url, timeout=30) as r:
+                assert r.status == 200 and len(r.read()) > 500, url
+
+
+def _queue(page, prompt: dict) -> tuple[int, dict]:
+    """Queue `prompt` from the page, as the Queue button does (the page's client id, so the pack's reports reach
+    the nodes); (HTTP status, body)."""
+    return page.evaluate(f"""async (p) => {{ const r = await window.comfyAPI.api.api.fetchApi('/prompt', {{
+        method: 'POST', headers: {{'Content-Type': 'application/json'}},
+        body: JSON.stringify({{prompt: p, client_id: window.comfyAPI.api.api.clientId}}) }});
+        return [r.status, await r.json()]; }}""", prompt)
+
+
+def test_examples_are_accepted_and_run(page):
+    """Each example, turned into a prompt by the frontend as the Queue button does, is accepted by the real ComfyUI
+    exactly as shipped (every input validated at queue time: the model it names is there, no mode that needs
+    torchrun), then runs to a saved image. The run itself is shortened (1 step at 64x64; the shipped 20 steps at
+    512x512 take minutes per example on a CPU) unless ATTN_DISPATCH_EXAMPLES_FULL=1: backend, policy, mode and
+    every other input as shipped. The Set Attention Backend example's screenshot after its run is the README's."""
+    comfy = page.comfy
+    full = os.environ.get("ATTN_DISPATCH_EXAMPLES_FULL") == "1"
+    for path in examples():
+        load(page, json.loads(path.read_text()))
+        shipped = page.evaluate(f"async () => (await {APP}.graphToPrompt()).output")
+        status, body = _queue(page, shipped)
+        assert status == 200 and not body.get("node_errors"), (path.name, body)
+        if full:
+            prompt_id = body["prompt_id"]
+        else:  # accepted as shipped; stop it and run the shortened copy
+            comfy_post(comfy, "/queue", {"delete": [body["prompt_id"]]})
+            comfy_post(comfy, "/interrupt", {})
+            comfy.wait(body["prompt_id"], timeout=600) if _queued_or_running(comfy, body["prompt_id"]) else None
+            # shortened on the canvas too, so the screenshots after the run show what ran
+            short = page.evaluate(f"""async () => {{ const app = {APP};
+                const set = (type, name, value) => app.graph._nodes.filter((n) => n.type === type).forEach((n) => {{
+                    n.widgets.find((w) => w.name === name).value = value; }});
+                set('KSampler', 'steps', 1); set('EmptyLatentImage', 'width', 64); set('EmptyLatentImage', 'height', 64);
+                return (await app.graphToPrompt()).output; }}""")
+            status, body = _queue(page, short)
+            assert status == 200, (path.name, body)
+            prompt_id = body["prompt_id"]
+        started = time.time()
+        entry = comfy.wait(prompt_id, timeout=3000 if full else 600)
+        assert entry["status"].get("status_str") == "success", (path.name, entry["status"], comfy.tail())
+        images = [i for out in entry["outputs"].values() for i in out.get("images", [])]
+        assert images, (path.name, entry["outputs"])
+        print(f"\n{path.name}: ran in {time.time() - started:.1f} s ({'as shipped' if full else 'shortened'})")
+        page.wait_for_timeout(800)  # the pack's report reaches the nodes
+        fit_view(page)
+        page.screenshot(path=str(ARTIFACTS / f"{path.stem} - after a run.png"))
+        if path.stem == "Set Attention Backend":
+            _readme_picture(page)
+
+
+README_PICTURE = ROOT / "docs" / "2026-12-05-web-extension.png"
+
+
+def _readme_picture(page) -> None:
+    """The README's picture: this example after its run, at full scale, from the loader to the sampler (the node's
+    badge and its "Last run" panel); written into docs/ with ATTN_DISPATCH_WRITE_EXAMPLES=1."""
+    clip = page.evaluate(f"""() => {{ const app = {APP}; const t = LiteGraph.NODE_TITLE_HEIGHT;
+        const ns = app.graph._nodes.filter((n) => ['CheckpointLoaderSimple', 'SetAttentionBackend', 'CLIPTextEncode',
+                                                   'EmptyLatentImage', 'KSampler', 'Note'].includes(n.type));
+        const x0 = Math.min(...ns.map((n) => n.pos[0])), y0 = Math.min(...ns.map((n) => n.pos[1] - t));
+        const x1 = Math.max(...ns.map((n) => n.pos[0] + n.size[0])), y1 = Math.max(...ns.map((n) => n.pos[1] + n.size[1]));
+        const c = app.canvas.canvas.getBoundingClientRect();
+        const scale = Math.min(1, (c.width - 40) / (x1 - x0), (c.height - 40) / (y1 - y0));
+        app.canvas.ds.scale = scale; app.canvas.ds.offset = [20 / scale - x0, 20 / scale - y0];
+        app.canvas.setDirty(true, true);
+        return {{x: c.left, y: c.top, width: Math.min(c.width, (x1 - x0) * scale + 40),
+                 height: Math.min(c.height, (y1 - y0) * scale + 40)}}; }}""")
+    page.wait_for_timeout(500)
+    shot = ARTIFACTS / "readme.png"
+    page.screenshot(path=str(shot), clip=clip)
+    if os.environ.get("ATTN_DISPATCH_WRITE_EXAMPLES") == "1":
+        shutil.copyfile(shot, README_PICTURE)
+
+
+def comfy_post(comfy, route: str, data) -> None:
+    req = urllib.request.Request(comfy.url + route, data=json.dumps(data).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+
+
+def _queued_or_running(comfy, prompt_id: str) -> bool:
+    queue = comfy.get("/queue")
+    return any(item[1] == prompt_id for item in queue["queue_running"] + queue["queue_pending"]) or \
+        prompt_id in comfy.get(f"/history/{prompt_id}")
