@@ -94,7 +94,8 @@ def compares(monkeypatch):
     """The call site of every comparison with exact attention the guard makes, in order."""
     seen = []
     real = guard.problem
-    monkeypatch.setattr(guard, "problem", lambda call, out, spec: seen.append(call.call_site) or real(call, out, spec))
+    monkeypatch.setattr(guard, "problem",
+                        lambda call, out, spec, rows: seen.append(call.call_site) or real(call, out, spec, rows))
     return seen
 
 
