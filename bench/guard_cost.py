@@ -2,7 +2,8 @@
 
     python bench/guard_cost.py [--backend native] [--guard all] [--every 0] [--rounds 40] [--json PATH]
     python bench/guard_cost.py --scenario one-bad-block [--backend auto_fast] [--blocks 30] [--steps 20]
-                               [--bad-block 7] [--bad-from-step 0] [--outlier 100] [--json PATH]
+                               [--bad-block 7] [--bad-from-step 0] [--outlier 100] [--shared-site] [--json PATH]
+    python bench/guard_cost.py --scenario check-time [--shapes wan1.3b,wan14b,flux,sdxl,sdxl-cross] [--json PATH]
 
 Cost (the default scenario, `sdxl-cost`): one "step" is the 140 attention calls of SDXL's UNet at 1024x1024 with
 cfg batch 2, in the model's order and with its call sites, each block named as the ComfyUI node names it
@@ -25,6 +26,16 @@ caller got is a spoiled call. Reports the spoiled calls (the goal: 0 from the st
 when the block turns bad mid-run), the guard's checks and failures with their blocks, and who served each block.
 `--kernel int8-sim` registers a quantised int8 kernel written here (per-tensor int8 q and k) that fails on the
 outlier block the same way, for a CPU run (`--device cpu --tokens 256 --heads 2 --head-dim 32`) or to compare.
+`--shared-site` runs it as a library user would: no call_site, so every block shares the default site "attention"
+(no block index: the guard counts and demotes per site; only a check of every call covers a block that alone goes
+wrong, see docs/python.md).
+
+Check time (`check-time`): the guard's check (dispatcher/guard_check.py: the Triton kernel where triton imports,
+else the torch path) on the shapes of WAN 1.3B and Wan 14B self-attention, Flux and SDXL, timed with CUDA events
+per call (its verdict read, as the guard reads it) against the call it checks (`--backend`, default SDPA through
+the dispatcher with the guard off), beside what the cost model says (guard.check_seconds, guard.call_seconds) and
+the interval it sizes; and a check's extra peak memory (torch.cuda.max_memory_allocated around one check). The
+figures re-fit the cost model's provisional constants (dispatcher/guard.py).
 """
 
 from __future__ import annotations
@@ -69,7 +80,7 @@ def sdxl_step_calls(device, dtype):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", default="sdxl-cost", choices=("sdxl-cost", "one-bad-block"))
+    parser.add_argument("--scenario", default="sdxl-cost", choices=("sdxl-cost", "one-bad-block", "check-time"))
     parser.add_argument("--backend", default=None, help="default: native (sdxl-cost), auto_fast (one-bad-block)")
     parser.add_argument("--guard", default=None, choices=("all", "quantised"),
                         help="default: all (sdxl-cost, to guard an exact kernel), quantised (one-bad-block)")
@@ -89,11 +100,17 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--kernel", choices=("int8-sim",), default=None,
                         help="register the simulated int8 kernel (and use it as --backend unless one is given)")
+    parser.add_argument("--shared-site", action="store_true",
+                        help="one-bad-block: no call_site (every block shares the default site, no block index)")
+    parser.add_argument("--shapes", default=",".join(CHECK_SHAPES), help="check-time: which of " +
+                        ", ".join(CHECK_SHAPES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if args.scenario == "one-bad-block":
         return one_bad_block(args)
+    if args.scenario == "check-time":
+        return check_time(args)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -145,6 +162,58 @@ def _intervals(calls, every) -> dict:
     return out
 
 
+# (batch, tokens, heads, head dim, keys) of the calls the guard watches most (bf16, BSHD)
+CHECK_SHAPES = {"wan1.3b": (1, 32760, 12, 128, 32760), "wan14b": (1, 32760, 40, 128, 32760),
+                "flux": (1, 4608, 24, 128, 4608), "sdxl": (2, 4096, 10, 64, 4096), "sdxl-1024": (2, 1024, 20, 64, 1024),
+                "sdxl-cross": (2, 1024, 20, 64, 77)}
+
+
+def check_time(args) -> int:
+    """The check's time and extra memory per call against the call it checks (see the module's docstring)."""
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from dispatcher import guard, guard_check
+    from dispatcher.inputs import describe_call
+    backend = args.backend or "native"
+    rows = {}
+    for name in [n for n in args.shapes.split(",") if n]:
+        b, lq, h, d, lk = CHECK_SHAPES[name]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(b, lq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(b, lk, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        out = dispatcher.dispatch_attention_fn(q, k, v, backend=backend, guard="off")
+        offset, stride = guard_check.rotating_rows(lq, guard.ROWS, "self #0", 0)
+
+        def check():
+            return guard_check.check_terms(q, k, v, out, offset=offset, stride=stride).tolist()
+
+        def call():
+            return dispatcher.dispatch_attention_fn(q, k, v, backend=backend, guard="off")
+
+        check()  # compiles the kernel
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        check()
+        extra_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+        med = interleaved_ms({"check": check, "call": call}, args.rounds)
+        inputs = describe_call(q, k, v, None, 0.0, False, None, False, False, "BSHD")
+        rows[name] = {"shape_bshd": [b, lq, h, d], "len_kv": lk, "check_ms": round(med["check"], 4),
+                      "call_ms": round(med["call"], 4), "check_share_of_call": round(med["check"] / med["call"], 4),
+                      "model_check_ms": round(guard.check_seconds(inputs) * 1e3, 4),
+                      "model_call_ms": round(guard.call_seconds(inputs) * 1e3, 4),
+                      "interval": guard.interval(inputs), "check_extra_peak_mib": round(extra_mib, 2),
+                      "path": "triton" if guard_check.uses_kernel(q, k, v, None) else "torch"}
+        print(name, rows[name])
+        del q, k, v, out
+        torch.cuda.empty_cache()
+    emit({"scenario": "check-time", "backend": backend, "rounds": args.rounds, "shapes": rows,
+          "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+          "triton": getattr(guard_check.triton, "__version__", None)}, args.json)
+    return 0
+
+
 def int8_sim(q, k, v, *, attn_mask=None, scale=None, **_):
     """A quantised kernel for the bench (BSHD): q and k rounded to int8 with one scale per tensor, as a naive int8
     attention does (SageAttention smooths k and scales per block, and still fails on the outlier block)."""
@@ -189,9 +258,9 @@ def one_bad_block(args) -> int:
         for step in range(steps):
             for block in range(args.blocks):
                 bad = block == args.bad_block and step >= args.bad_from_step
-                out = dispatcher.dispatch_attention_fn(q, k_bad if bad else k, v, backend=backend,
-                                                       call_site=f"self #{block}", guard=guard_mode,
-                                                       guard_every=args.every)
+                site = {} if args.shared_site else {"call_site": f"self #{block}"}
+                out = dispatcher.dispatch_attention_fn(q, k_bad if bad else k, v, backend=backend, guard=guard_mode,
+                                                       guard_every=args.every, **site)
                 error = float((out.float() - exact).norm() / exact_norm)
                 if not error <= args.spoiled_at:
                     spoiled.append({"step": step, "block": block, "rel_error": error})
@@ -208,6 +277,7 @@ def one_bad_block(args) -> int:
               "guard_checks": sum(g["checks"] for g in snapshot["guard"]),
               "guard_failures": [{"site": g["site"], "backend": g["backend"], **f}
                                  for g in snapshot["guard"] for f in g["failures"]],
+              "shared_site": args.shared_site,
               "served": {f"{r['site']}": r["served"] for r in snapshot["rows"]
                          if r["site"] == f"self #{args.bad_block}" or r["served"] != backend},
               "served_calls": {name: sum(r["calls"] for r in snapshot["rows"] if r["served"] == name)
