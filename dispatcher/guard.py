@@ -1,21 +1,24 @@
 """The quality guard: watches the picture while sampling, every block of the model.
 
-A guarded kernel's calls are compared, on a sample of query rows, with exact attention computed in float64 from
-the same live tensors: the first call of every block (its call site: "self #5"; nodes/adapter.py names the block),
-then one call in `every` of that block's calls, the blocks' checks staggered so each forward checks a few of them
-and every block is checked again within `every` of its own calls (the rotation bound). A NaN/Inf anywhere in the
-output, or a relative error past the kernel's guard bound, means the kernel went wrong on this block's activations:
-that call is recomputed with the fastest exact backend the decision knows (the caller gets a right result), the
-kernel is demoted for that block of this model for the rest of the process (other blocks keep it), one warning is
-logged, and the call's recorder gets the event (the ComfyUI node shows it on its badge and report route).
-`Watch` (one per decision) counts, checks, demotes and names the replacement; the eager path calls it once per
-served call of a guarded kernel.
+A guarded kernel's calls are compared, on a sample of query rows, with exact attention computed from the same
+live tensors by the check (guard_check.py: one pass over K and V in their own dtype with float32 accumulation, a
+Triton kernel on CUDA, the torch path elsewhere; its own error ~1e-6 against float64): the first call of every block
+(its call site: "self #5"; nodes/adapter.py names the block), then one call in `every` of that block's calls, the
+blocks' checks staggered so each forward checks a few of them and every block is checked again within `every` of
+its own calls (the rotation bound). Each check of a block samples other rows (rotating: ceil(L / ROWS) checks cover
+every query row). A NaN/Inf anywhere in the output, or a relative error past the kernel's guard bound, means the
+kernel went wrong on this block's activations: that call is recomputed with the fastest exact backend the decision
+knows (the caller gets a right result), the kernel is demoted for that block of this model for the rest of the
+process (other blocks keep it), one warning is logged, and the call's recorder gets the event (the ComfyUI node
+shows it on its badge and report route). `Watch` (one per decision) counts, checks, demotes and names the
+replacement; the eager path calls it once per served call of a guarded kernel. A site several blocks share (a
+library caller that passes no call_site) is one block to the guard: checked every call it is covered whole.
 
-`every` = 0 (the default) sizes the interval by the call's cost (`interval`): a check costs about `CHECK_HOST_S`
-of host ops and a device sync plus its float64 work, a call what its flops take; one call in `every` is checked
-so that checks cost at most `BUDGET` of the attention time, and so of a step. Checking without the sync (the
-exact result computed beside the kernel's, chosen on the device, the verdict read later) was built and measured
-twice on the H200: the extra exact call cost more than the wait, so checks wait. Figures: docs/auto.md and
+`every` = 0 (the default) sizes the interval by the call's cost (`interval`, the cost model below): one call in
+`every` is checked so that checks cost at most `BUDGET` of the attention time, and so of a step. A check waits for
+its verdict (one sync, three floats read): a failed check must recompute the call before the caller gets it.
+Checking without the wait (the exact result computed beside the kernel's, chosen on the device) was built and
+measured twice on the H200: the extra exact call cost more than the wait. Figures: docs/auto.md and
 bench/results/README.md.
 
 Modes: 'quantised' (the default: every kernel that is not exact, i.e. whose spec says `quantised`, e.g.
