@@ -63,7 +63,7 @@ def uses_kernel(query, key, value, attn_mask) -> bool:
     """Whether the Triton kernel takes this call (else the torch path does)."""
     return (triton is not None and query.is_cuda and attn_mask is None and query.dtype in (torch.bfloat16,
             torch.float16) and key.dtype == value.dtype == query.dtype and query.shape[-1] <= 256
-            and value.shape[-1] <= 256)
+            and value.shape[-1] <= 256 and query.numel() > 0 and key.numel() > 0)
 
 
 def check_terms(query, key, value, out, *, offset: int, stride: int, attn_mask=None, is_causal=False, scale=None,
@@ -171,13 +171,19 @@ def kernel_terms(query, key, value, out, *, offset: int, stride: int, is_causal=
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     _partial[(b * h, splits)](
         q, k, v, o, m, total, acc, bad,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        *q.stride(), *_batch_strides(k, b), *_batch_strides(v, b), *o.stride(),
         h, h // hk, lq, lk, d, dv, offset, stride, n, per_split, out_rows, scale,
         IS_CAUSAL=bool(is_causal), UPCAST_QK=upcast, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv)
     _combine[(b * h,)](
         o, m, total, acc, bad, terms, *o.stride(), h, dv, offset, stride, n, splits,
         BLOCK_R=block_r, BLOCK_DV=block_dv)
     return terms.sum(0, dtype=torch.float64)
+
+
+def _batch_strides(t: torch.Tensor, batch: int) -> tuple:
+    """A key/value batch of 1 broadcasts over the query's batch (as SDPA's does): stride 0 there."""
+    strides = t.stride()
+    return (0, *strides[1:]) if t.shape[0] == 1 and batch > 1 else strides
 
 
 if triton is not None:
@@ -236,15 +242,15 @@ if triton is not None:
         tl.store(l_ptr + at * BLOCK_R + r, total)
         tl.store(acc_ptr + (at * BLOCK_R + r[:, None]) * BLOCK_DV + dv[None, :], acc)
         # The NaN/Inf test: this program's share of the head's output rows, read once.
-        bad = tl.zeros((BLOCK_N, BLOCK_DV), tl.float32)
+        bad = tl.zeros((BLOCK_N,), tl.float32)
         o0 = split * OUT_ROWS
         o1 = tl.minimum(o0 + OUT_ROWS, LQ)
         for l0 in range(o0, o1, BLOCK_N):
             rows = l0 + nn
             x = tl.load(o_ptr + b * sob + h * soh + rows[:, None] * sol + dv[None, :] * sod,
                         mask=(rows[:, None] < o1) & (dv[None, :] < DV), other=0.0).to(tl.float32)
-            bad += tl.where((x == x) & (tl.abs(x) < float("inf")), 0.0, 1.0)
-        tl.store(bad_ptr + at, tl.sum(tl.sum(bad, 1), 0))
+            bad += tl.sum(tl.where((x == x) & (tl.abs(x) < float("inf")), 0.0, 1.0), 1)
+        tl.store(bad_ptr + at, tl.sum(bad, 0))
 
     @triton.jit
     def _combine(o_ptr, m_ptr, l_ptr, acc_ptr, bad_ptr, terms_ptr, sob, soh, sol, sod, H, DV, OFFSET, STRIDE,

@@ -130,12 +130,16 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 from dispatcher import guard_check as gc
 cases = [(torch.bfloat16, 1, 2, 2, 100, 130, 64, 64, False, "BSHD"), (torch.float16, 2, 4, 2, 40, 300, 32, 48, True, "BHSD"),
-         (torch.bfloat16, 1, 2, 1, 10, 70, 8, 8, False, "BSHD"), (torch.float16, 1, 1, 1, 300, 200, 128, 128, False, "BSHD")]
+         (torch.bfloat16, 1, 2, 1, 10, 70, 8, 8, False, "BSHD"), (torch.float16, 1, 1, 1, 300, 200, 128, 128, False, "BSHD"),
+         (torch.bfloat16, 3, 2, 2, 50, 90, 32, 32, False, "BSHD")]  # the last: K and V of batch 1, broadcast
 worst = 0.0
 for dt, b, h, hk, lq, lk, d, dv, causal, layout in cases:
     g = torch.Generator().manual_seed(lq)
     shape = (lambda L, H, D: (b, L, H, D)) if layout == "BSHD" else (lambda L, H, D: (b, H, L, D))
-    q, k, v = (torch.randn(shape(*s), generator=g).to(dt) for s in ((lq, h, d), (lk, hk, d), (lk, hk, dv)))
+    q = torch.randn(shape(lq, h, d), generator=g).to(dt)
+    k, v = (torch.randn(shape(*s), generator=g).to(dt) for s in ((lk, hk, d), (lk, hk, dv)))
+    if b == 3:
+        k, v = k[:1], v[:1]
     out = torch.randn(shape(lq, h, dv), generator=g).to(dt) * 0.01
     for check in range(3):
         off, st = gc.rotating_rows(lq, 16, "self #3", check)
