@@ -166,10 +166,10 @@ def problem(call, out: torch.Tensor, spec, rows: tuple[int, int] = (0, 1)) -> tu
 
 
 def finite_problem(call, out: torch.Tensor) -> str | None:
-    """The NaN/Inf check alone (one float64 sum, one sync): why the output is wrong, or None."""
+    """The NaN/Inf check alone (one reduction, one sync): why the output is wrong, or None."""
     with torch.no_grad():
-        total = float(out.sum(dtype=torch.float64))
-    return None if math.isfinite(total) else _non_finite_problem(call, out)
+        term = float(guard_check.non_finite_term(out))
+    return None if term == 0 else _non_finite_problem(call, out)
 
 
 def _non_finite_problem(call, out) -> str | None:

@@ -124,10 +124,14 @@ def torch_terms(query, key, value, out, *, offset: int, stride: int, attn_mask=N
     ref = exact_rows(query, key, value, offset=offset, stride=stride, attn_mask=attn_mask, is_causal=is_causal,
                      scale=scale, layout=layout)
     got = to_bhsd(out, layout)[:, :, offset::stride].to(ref.dtype)
-    # A float64 sum of the whole output (no copy; cannot overflow for finite bf16/fp16/fp32 values), times 0: 0 when
-    # every value is finite, NaN otherwise.
-    non_finite = out.sum(dtype=torch.float64) * 0
-    return torch.stack(((got - ref).square().sum().double(), ref.square().sum().double(), non_finite))
+    return torch.stack(((got - ref).square().sum().double(), ref.square().sum().double(), non_finite_term(out)))
+
+
+def non_finite_term(out: torch.Tensor) -> torch.Tensor:
+    """A float64 scalar on out's device: 0 when every value of `out` is finite, NaN otherwise. One reduction in out's
+    own dtype (its min and max: NaN propagates, an Inf is one of them), no copy: a sum with dtype=float64 would
+    first copy a bf16 output to float64 (4x its size: 1.3 GB on Wan 14B's shape)."""
+    return (torch.stack(torch.aminmax(out)).double() * 0).sum()
 
 
 # ------------------------------------------------------------------------------------------------ the Triton kernel
@@ -151,6 +155,9 @@ def kernel_terms(query, key, value, out, *, offset: int, stride: int, is_causal=
     b, h, lq, d = q.shape
     hk, lk, dv = k.shape[1], k.shape[2], v.shape[-1]
     n = sampled_count(lq, offset, stride)
+    if n > 4 * ROW_BLOCK:  # the rows are one register tile
+        raise ValueError(f"the check kernel samples at most {4 * ROW_BLOCK} query rows; got {n} "
+                         f"(offset {offset}, stride {stride}): use rotating_rows")
     block_r = max(ROW_BLOCK, triton.next_power_of_2(n))
     block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))  # tl.dot's least
     splits = _splits(q.device, b * h, lk, block_n)

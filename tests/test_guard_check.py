@@ -104,8 +104,9 @@ def test_a_non_finite_value_anywhere_in_the_output_is_seen(bad):
     spoiled[0, unsampled, 1, 7] = bad
     assert guard_check.torch_terms(q, k, v, spoiled, offset=offset, stride=stride)[2] != 0
     loud = out.clone()
-    loud[0, unsampled] = 3e38  # near bfloat16's largest: a float64 sum does not overflow
+    loud[0, unsampled] = 3e38  # near bfloat16's largest: finite
     assert guard_check.torch_terms(q, k, v, loud, offset=offset, stride=stride)[2] == 0
+    assert guard_check.non_finite_term(spoiled.transpose(1, 2)) != 0 and guard_check.non_finite_term(loud) == 0
 
 
 @pytest.mark.parametrize("len_q", [1, 15, 16, 17, 100, 1024, 4099, 32760])

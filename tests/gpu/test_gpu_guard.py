@@ -156,7 +156,8 @@ def test_the_check_kernel_agrees_with_the_torch_path_and_float64(name, dtype):
         assert abs((mine[0] / mine[1]) ** 0.5 - truth) <= 1e-5, (mine, truth)
     bad = out.clone()
     bad[-1, -1, -1, -1] = float("inf")
-    assert guard_check.kernel_terms(q, k, v, bad, offset=0, stride=7)[2] != 0
+    assert guard_check.kernel_terms(q, k, v, bad, offset=offset, stride=stride)[2] != 0
+    assert guard_check.torch_terms(q, k, v, bad, offset=offset, stride=stride)[2] != 0
 
 
 def test_the_checks_extra_peak_memory_on_wan_14b_is_a_few_mb():
