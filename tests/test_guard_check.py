@@ -165,3 +165,26 @@ def test_the_triton_kernel_agrees_with_the_torch_path_under_the_interpreter():
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.strip().splitlines()[-1]) < 1e-5, done.stdout
+
+
+@pytest.mark.parametrize("dtype, causal", [("bf16", False), ("fp16", True)])
+def test_the_triton_kernel_compiles_for_the_h100_and_h200(dtype, causal):
+    """Ahead of time, without a GPU: both launches compile for sm_90 (Hopper) at the head dims of video models (128),
+    as they would on the first checked call there (the interpreter runs the Python, not this compilation)."""
+    triton = pytest.importorskip("triton")
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def signature(fn, types, constants):
+        return {n: "constexpr" if n in constants else types.get(n, "i32") for n in inspect.signature(fn.fn).parameters}
+
+    floats = {n: "*fp32" for n in ("m_ptr", "l_ptr", "acc_ptr", "bad_ptr", "terms_ptr")}
+    tensors = {**floats, **{n: f"*{dtype}" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}, "scale": "fp32"}
+    partial = {"IS_CAUSAL": causal, "UPCAST_QK": False, "BLOCK_R": 16, "BLOCK_N": 64, "BLOCK_D": 128, "BLOCK_DV": 128}
+    combine = {"BLOCK_R": 16, "BLOCK_DV": 128}
+    for fn, constants in ((guard_check._partial, partial), (guard_check._combine, combine)):
+        source = ASTSource(fn=fn, signature=signature(fn, tensors, constants), constexprs=constants)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm.get("cubin"), fn
