@@ -144,7 +144,7 @@ def checkable(call) -> bool:
     return call.dropout_p == 0 and (mask is None or isinstance(mask, torch.Tensor))
 
 
-def problem(call, out: torch.Tensor, spec, rows: tuple[int, int] = (0, 1)) -> tuple[str | None, float | None]:
+def problem(call, out: torch.Tensor, spec, rows: tuple[int, int]) -> tuple[str | None, float | None]:
     """(why the output is wrong, or None; the relative error on the sampled rows). One device sync.
 
     rows: (offset, stride) of the sampled query rows (guard_check.rotating_rows). The check kernel leaves its three
