@@ -171,7 +171,7 @@ def kernel_terms(query, key, value, out, *, offset: int, stride: int, is_causal=
     acc = torch.empty((b * h, splits, block_r, block_dv), **f32)
     bad = torch.empty((b * h, splits), **f32)
     terms = torch.empty((b * h, 3), **f32)
-    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)  # an int scale would make an int argument
     # Triton's CPU interpreter (TRITON_INTERPRET=1, how the tests run this kernel without a GPU) computes bf16 dots
     # wrongly (triton 3.9: numpy has no bfloat16); there the q·k tiles go through float32, which gives the same
     # products and sums.
