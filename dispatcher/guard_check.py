@@ -194,7 +194,9 @@ def _batch_strides(t: torch.Tensor, batch: int) -> tuple:
 
 
 if triton is not None:
-    @triton.jit
+    # The row offset, stride and count change from check to check: specialising on them (Triton's default for ints
+    # equal to 1 or divisible by 16) would compile new variants of the kernels during sampling.
+    @triton.jit(do_not_specialize=["OFFSET", "STRIDE", "N_ROWS"])
     def _partial(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, bad_ptr,
                  sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd, sob, soh, sol, sod,
                  H, GROUPS, LQ, LK, D, DV, OFFSET, STRIDE, N_ROWS, PER_SPLIT, OUT_ROWS, scale,
@@ -259,7 +261,7 @@ if triton is not None:
             bad += tl.sum(tl.where((x == x) & (tl.abs(x) < float("inf")), 0.0, 1.0), 1)
         tl.store(bad_ptr + at, tl.sum(bad, 0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["OFFSET", "STRIDE", "N_ROWS"])
     def _combine(o_ptr, m_ptr, l_ptr, acc_ptr, bad_ptr, terms_ptr, sob, soh, sol, sod, H, DV, OFFSET, STRIDE,
                  N_ROWS, SPLITS, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
         """One (batch·head): the splits merged into the exact rows, the error terms against the output's rows."""

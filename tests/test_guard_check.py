@@ -150,7 +150,7 @@ for dt, b, h, hk, lq, lk, d, dv, causal, layout in cases:
         worst = max(worst, float(((a[:2] - t[:2]).abs() / t[:2]).max()))
     bad = out.clone()
     bad.view(-1)[-1] = float("nan")
-    assert gc.kernel_terms(q, k, v, bad, offset=0, stride=1, is_causal=causal, layout=layout)[2] != 0
+    assert gc.kernel_terms(q, k, v, bad, offset=off, stride=st, is_causal=causal, layout=layout)[2] != 0
 print(worst)
 """
 
