@@ -188,3 +188,28 @@ def test_the_triton_kernel_compiles_for_the_h100_and_h200(dtype, causal):
         source = ASTSource(fn=fn, signature=signature(fn, tensors, constants), constexprs=constants)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         assert compiled.asm.get("cubin"), fn
+
+
+def test_a_kernel_that_cannot_run_here_leaves_the_checks_to_the_torch_path(monkeypatch, caplog):
+    """A triton that imports but cannot build or launch the kernel (no compiler for this GPU): the check it was
+    making is made by the torch path, one warning says why, and later checks go there directly."""
+    q, k, v = inputs(torch.bfloat16, lq=40)
+    out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    tried = []
+
+    def fails(*args, **kwargs):
+        tried.append(1)
+        raise RuntimeError("PTX .version 9.4 does not support .target sm_120")
+
+    monkeypatch.setattr(guard_check, "triton", object())
+    monkeypatch.setattr(guard_check, "broken", "")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # a CUDA call, as far as the check sees
+    monkeypatch.setattr(guard_check, "kernel_terms", fails)
+    expected = guard_check.torch_terms(q, k, v, out, offset=3, stride=3)
+    with caplog.at_level("WARNING"):
+        first = guard_check.check_terms(q, k, v, out, offset=3, stride=3)
+        second = guard_check.check_terms(q, k, v, out, offset=3, stride=3)
+    torch.testing.assert_close(first, expected)
+    torch.testing.assert_close(second, expected)
+    assert tried == [1] and "sm_120" in guard_check.broken
+    assert sum("Triton check kernel failed" in r.getMessage() for r in caplog.records) == 1
