@@ -2,7 +2,9 @@
 
     python bench/guard_cost.py [--backend native] [--guard all] [--every 0] [--rounds 40] [--json PATH]
     python bench/guard_cost.py --scenario one-bad-block [--backend auto_fast] [--blocks 30] [--steps 20]
-                               [--bad-block 7] [--bad-from-step 0] [--outlier 100] [--json PATH]
+                               [--bad-block 7] [--bad-from-step 0] [--outlier 100] [--shared-site] [--json PATH]
+    python bench/guard_cost.py --scenario check-time [--shapes wan1.3b,wan14b,flux,sdxl,sdxl-cross] [--json PATH]
+    python bench/guard_cost.py --scenario call-cost [--shapes wan14b] [--backend auto_fast] [--blocks 30] [--json PATH]
 
 Cost (the default scenario, `sdxl-cost`): one "step" is the 140 attention calls of SDXL's UNet at 1024x1024 with
 cfg batch 2, in the model's order and with its call sites, each block named as the ComfyUI node names it
@@ -25,6 +27,21 @@ caller got is a spoiled call. Reports the spoiled calls (the goal: 0 from the st
 when the block turns bad mid-run), the guard's checks and failures with their blocks, and who served each block.
 `--kernel int8-sim` registers a quantised int8 kernel written here (per-tensor int8 q and k) that fails on the
 outlier block the same way, for a CPU run (`--device cpu --tokens 256 --heads 2 --head-dim 32`) or to compare.
+`--shared-site` runs it as a library user would: no call_site, so every block shares the default site "attention"
+(no block index: the guard counts and demotes per site; only a check of every call covers a block that alone goes
+wrong, see docs/python.md).
+
+Check time (`check-time`): the guard's check (dispatcher/guard_check.py: the Triton kernel where triton imports,
+else the torch path) on the shapes of WAN 1.3B and Wan 14B self-attention, Flux and SDXL, timed with CUDA events
+per call (its verdict read, as the guard reads it) against the call it checks (`--backend`, default SDPA through
+the dispatcher with the guard off), beside what the cost model says (guard.check_seconds, guard.call_seconds) and
+the interval it sizes; and a check's extra peak memory (torch.cuda.max_memory_allocated around one check). The
+figures re-fit the cost model's provisional constants (dispatcher/guard.py).
+
+The guard's cost on one shape's calls (`call-cost`, e.g. Wan 14B's self-attention): forwards of `--blocks` calls
+of that shape (block i is call site "self #i"), with the guard off, at its default interval, every second and every
+call, interleaved round by round in one run (`--rounds`): ms per call, the added share over guard off, and checks
+per call.
 """
 
 from __future__ import annotations
@@ -38,7 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dispatcher  # noqa: E402
 from output import emit  # noqa: E402  (bench/ is on sys.path when a script of it runs)
-from timing import interleaved_ms  # noqa: E402
+from timing import cpu_us_per_call, interleaved_ms  # noqa: E402
 
 # (blocks, tokens, heads, site prefix) of SDXL's UNet at 1024x1024: input, middle and output transformer blocks.
 SDXL_BLOCKS = [(4, 4096, 10, "input"), (20, 1024, 20, "input"), (10, 1024, 20, "middle"), (30, 1024, 20, "output"),
@@ -69,7 +86,8 @@ def sdxl_step_calls(device, dtype):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", default="sdxl-cost", choices=("sdxl-cost", "one-bad-block"))
+    parser.add_argument("--scenario", default="sdxl-cost", choices=("sdxl-cost", "one-bad-block", "check-time",
+                                                                   "call-cost"))
     parser.add_argument("--backend", default=None, help="default: native (sdxl-cost), auto_fast (one-bad-block)")
     parser.add_argument("--guard", default=None, choices=("all", "quantised"),
                         help="default: all (sdxl-cost, to guard an exact kernel), quantised (one-bad-block)")
@@ -89,11 +107,19 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--kernel", choices=("int8-sim",), default=None,
                         help="register the simulated int8 kernel (and use it as --backend unless one is given)")
+    parser.add_argument("--shared-site", action="store_true",
+                        help="one-bad-block: no call_site (every block shares the default site, no block index)")
+    parser.add_argument("--shapes", default=",".join(n for n in CHECK_SHAPES if n != "tiny"),
+                        help="check-time, call-cost: which of " + ", ".join(CHECK_SHAPES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if args.scenario == "one-bad-block":
         return one_bad_block(args)
+    if args.scenario == "check-time":
+        return check_time(args)
+    if args.scenario == "call-cost":
+        return call_cost(args)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -145,6 +171,136 @@ def _intervals(calls, every) -> dict:
     return out
 
 
+# (batch, tokens, heads, head dim, keys) of the calls the guard watches most (bf16, BSHD)
+CHECK_SHAPES = {"wan1.3b": (1, 32760, 12, 128, 32760), "wan14b": (1, 32760, 40, 128, 32760),
+                "flux": (1, 4608, 24, 128, 4608), "sdxl": (2, 4096, 10, 64, 4096), "sdxl-1024": (2, 1024, 20, 64, 1024),
+                "sdxl-cross": (2, 1024, 20, 64, 77), "tiny": (1, 256, 2, 32, 256)}  # tiny: a CPU try of the scenario
+
+
+def _sim_kernel(args, device) -> str | None:
+    """With --kernel int8-sim: the simulated int8 kernel, registered for `device` (its name)."""
+    if args.kernel != "int8-sim":
+        return None
+    if "bench_int8_sim" not in dispatcher.backend_names():
+        dispatcher.register_backend("bench_int8_sim", int8_sim, devices=(device.type,), quantised=True,
+                                    description="bench: per-tensor int8 q and k")
+    return "bench_int8_sim"
+
+
+def _device(args):
+    """The device of a check-time or call-cost run (None, said why, when it has no GPU to run on)."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --device cpu with small --shapes, to try the scenario)", file=sys.stderr)
+        return None
+    return device
+
+
+def _device_name(device) -> str:
+    return torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+
+
+def _qkv(b, lq, h, d, lk, device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.randn(b, lq, h, d, device=device, dtype=dtype, generator=gen)
+    return (q, *(torch.randn(b, lk, h, d, device=device, dtype=dtype, generator=gen) for _ in range(2)))
+
+
+def _ms(fns: dict, rounds: int, device) -> dict:
+    """Median ms of each, interleaved: CUDA events on the GPU, the clock on the CPU."""
+    if device.type == "cuda":
+        return interleaved_ms(fns, rounds)
+    return {name: us / 1e3 for name, us in cpu_us_per_call(fns, rounds, 1).items()}
+
+
+def check_time(args) -> int:
+    """The check's time and extra memory per call against the call it checks (see the module's docstring)."""
+    device = _device(args)
+    if device is None:
+        return 2
+    from dispatcher import guard, guard_check
+    from dispatcher.inputs import describe_call
+    backend = args.backend or "native"
+    rows = {}
+    for name in [n for n in args.shapes.split(",") if n]:
+        b, lq, h, d, lk = CHECK_SHAPES[name]
+        q, k, v = _qkv(b, lq, h, d, lk, device)
+        out = dispatcher.dispatch_attention_fn(q, k, v, backend=backend, guard="off")
+        offset, stride = guard_check.rotating_rows(lq, guard.ROWS, "self #0", 0)
+
+        def check():
+            return guard_check.check_terms(q, k, v, out, offset=offset, stride=stride).tolist()
+
+        def call():
+            return dispatcher.dispatch_attention_fn(q, k, v, backend=backend, guard="off")
+
+        check()  # compiles the kernel
+        extra_mib = None
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            check()
+            extra_mib = round((torch.cuda.max_memory_allocated() - base) / 2**20, 2)
+        med = _ms({"check": check, "call": call}, args.rounds, device)
+        inputs = describe_call(q, k, v, None, 0.0, False, None, False, False, "BSHD")
+        rows[name] = {"shape_bshd": [b, lq, h, d], "len_kv": lk, "check_ms": round(med["check"], 4),
+                      "call_ms": round(med["call"], 4), "check_share_of_call": round(med["check"] / med["call"], 4),
+                      "model_check_ms": round(guard.check_seconds(inputs) * 1e3, 4),
+                      "model_call_ms": round(guard.call_seconds(inputs) * 1e3, 4),
+                      "interval": guard.interval(inputs), "check_extra_peak_mib": extra_mib,
+                      "path": "triton" if guard_check.uses_kernel(q, k, v, None) else "torch"}
+        print(name, rows[name])
+        del q, k, v, out
+    emit({"scenario": "check-time", "backend": backend, "rounds": args.rounds, "shapes": rows,
+          "device": _device_name(device), "torch": torch.__version__,
+          "triton": getattr(guard_check.triton, "__version__", None)}, args.json)
+    return 0
+
+
+def call_cost(args) -> int:
+    """The guard's cost on one shape's calls, side by side (see the module's docstring)."""
+    device = _device(args)
+    if device is None:
+        return 2
+    backend = args.backend or _sim_kernel(args, device) or "auto_fast"
+    settings = {"off": dict(guard="off"), "default": dict(guard="quantised", guard_every=0),
+                "every 2": dict(guard="quantised", guard_every=2), "every 1": dict(guard="quantised", guard_every=1)}
+    shapes = {}
+    tuner = dispatcher.auto.Tuner(cache_path=None)  # this run's verdicts only
+    for name in [n for n in args.shapes.split(",") if n]:
+        b, lq, h, d, lk = CHECK_SHAPES[name]
+        q, k, v = _qkv(b, lq, h, d, lk, device)
+        recorders = {setting: dispatcher.Recorder(setting) for setting in settings}
+
+        def forward(setting):
+            for block in range(args.blocks):
+                dispatcher.dispatch_attention_fn(q, k, v, backend=backend, call_site=f"self #{block}",
+                                                 model=f"bench-call-cost-{name}", recorder=recorders[setting],
+                                                 **settings[setting])
+
+        with dispatcher.auto.using(tuner):
+            for setting in settings:  # decide, tune, make every block's first-call check
+                forward(setting)
+            first = {s: sum(g["checks"] for g in r.snapshot()["guard"]) for s, r in recorders.items()}
+            med = _ms({s: (lambda s=s: forward(s)) for s in settings}, args.rounds, device)
+        calls = args.rounds * args.blocks
+        checks = {s: sum(g["checks"] for g in r.snapshot()["guard"]) - first[s] for s, r in recorders.items()}
+        shapes[name] = {
+            "shape_bshd": [b, lq, h, d], "len_kv": lk, "blocks": args.blocks,
+            "ms_per_call": {s: round(ms / args.blocks, 4) for s, ms in med.items()},
+            "added_share": {s: round(med[s] / med["off"] - 1, 5) for s in settings if s != "off"},
+            "checks_per_call": {s: round(checks[s] / calls, 4) for s in settings if s != "off"},
+            "served": sorted({r["served"] for r in recorders["default"].snapshot()["rows"]}),
+            "failures": {s: sum(len(g["failures"]) for g in r.snapshot()["guard"]) for s, r in recorders.items()}}
+        print(name, shapes[name])
+        del q, k, v
+    emit({"scenario": "call-cost", "backend": backend, "rounds": args.rounds, "shapes": shapes,
+          "device": _device_name(device), "torch": torch.__version__}, args.json)
+    return 0
+
+
 def int8_sim(q, k, v, *, attn_mask=None, scale=None, **_):
     """A quantised kernel for the bench (BSHD): q and k rounded to int8 with one scale per tensor, as a naive int8
     attention does (SageAttention smooths k and scales per block, and still fails on the outlier block)."""
@@ -163,10 +319,7 @@ def one_bad_block(args) -> int:
         print("needs a CUDA GPU (or --device cpu with --kernel int8-sim and small --tokens)", file=sys.stderr)
         return 2
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.kernel == "int8-sim" and "bench_int8_sim" not in dispatcher.backend_names():
-        dispatcher.register_backend("bench_int8_sim", int8_sim, devices=(device.type,), quantised=True,
-                                    description="bench: per-tensor int8 q and k")
-    backend = args.backend or ("bench_int8_sim" if args.kernel else "auto_fast")
+    backend = args.backend or _sim_kernel(args, device) or "auto_fast"
     guard_mode = args.guard or "quantised"
     steps = args.steps or 20
     gen = torch.Generator(device=device).manual_seed(0)
@@ -189,9 +342,9 @@ def one_bad_block(args) -> int:
         for step in range(steps):
             for block in range(args.blocks):
                 bad = block == args.bad_block and step >= args.bad_from_step
-                out = dispatcher.dispatch_attention_fn(q, k_bad if bad else k, v, backend=backend,
-                                                       call_site=f"self #{block}", guard=guard_mode,
-                                                       guard_every=args.every)
+                site = {} if args.shared_site else {"call_site": f"self #{block}"}
+                out = dispatcher.dispatch_attention_fn(q, k_bad if bad else k, v, backend=backend, guard=guard_mode,
+                                                       guard_every=args.every, **site)
                 error = float((out.float() - exact).norm() / exact_norm)
                 if not error <= args.spoiled_at:
                     spoiled.append({"step": step, "block": block, "rel_error": error})
@@ -208,6 +361,7 @@ def one_bad_block(args) -> int:
               "guard_checks": sum(g["checks"] for g in snapshot["guard"]),
               "guard_failures": [{"site": g["site"], "backend": g["backend"], **f}
                                  for g in snapshot["guard"] for f in g["failures"]],
+              "shared_site": args.shared_site,
               "served": {f"{r['site']}": r["served"] for r in snapshot["rows"]
                          if r["site"] == f"self #{args.bad_block}" or r["served"] != backend},
               "served_calls": {name: sum(r["calls"] for r in snapshot["rows"] if r["served"] == name)

@@ -1,21 +1,24 @@
 """The quality guard: watches the picture while sampling, every block of the model.
 
-A guarded kernel's calls are compared, on a sample of query rows, with exact attention computed in float64 from
-the same live tensors: the first call of every block (its call site: "self #5"; nodes/adapter.py names the block),
-then one call in `every` of that block's calls, the blocks' checks staggered so each forward checks a few of them
-and every block is checked again within `every` of its own calls (the rotation bound). A NaN/Inf anywhere in the
-output, or a relative error past the kernel's guard bound, means the kernel went wrong on this block's activations:
-that call is recomputed with the fastest exact backend the decision knows (the caller gets a right result), the
-kernel is demoted for that block of this model for the rest of the process (other blocks keep it), one warning is
-logged, and the call's recorder gets the event (the ComfyUI node shows it on its badge and report route).
-`Watch` (one per decision) counts, checks, demotes and names the replacement; the eager path calls it once per
-served call of a guarded kernel.
+A guarded kernel's calls are compared, on a sample of query rows, with exact attention computed from the same
+live tensors by the check (guard_check.py: one pass over K and V in their own dtype with float32 accumulation, a
+Triton kernel on CUDA, the torch path elsewhere; its own error ~1e-6 against float64): the first call of every block
+(its call site: "self #5"; nodes/adapter.py names the block), then one call in `every` of that block's calls, the
+blocks' checks staggered so each forward checks a few of them and every block is checked again within `every` of
+its own calls (the rotation bound). Each check of a block samples other rows (rotating: ceil(L / ROWS) checks cover
+every query row). A NaN/Inf anywhere in the output, or a relative error past the kernel's guard bound, means the
+kernel went wrong on this block's activations: that call is recomputed with the fastest exact backend the decision
+knows (the caller gets a right result), the kernel is demoted for that block of this model for the rest of the
+process (other blocks keep it), one warning is logged, and the call's recorder gets the event (the ComfyUI node
+shows it on its badge and report route). `Watch` (one per decision) counts, checks, demotes and names the
+replacement; the eager path calls it once per served call of a guarded kernel. A site several blocks share (a
+library caller that passes no call_site) is one block to the guard: checked every call it is covered whole.
 
-`every` = 0 (the default) sizes the interval by the call's cost (`interval`): a check costs about `CHECK_HOST_S`
-of host ops and a device sync plus its float64 work, a call what its flops take; one call in `every` is checked
-so that checks cost at most `BUDGET` of the attention time, and so of a step. Checking without the sync (the
-exact result computed beside the kernel's, chosen on the device, the verdict read later) was built and measured
-twice on the H200: the extra exact call cost more than the wait, so checks wait. Figures: docs/auto.md and
+`every` = 0 (the default) sizes the interval by the call's cost (`interval`, the cost model below): one call in
+`every` is checked so that checks cost at most `BUDGET` of the attention time, and so of a step. A check waits for
+its verdict (one sync, three floats read): a failed check must recompute the call before the caller gets it.
+Checking without the wait (the exact result computed beside the kernel's, chosen on the device) was built and
+measured twice on the H200: the extra exact call cost more than the wait. Figures: docs/auto.md and
 bench/results/README.md.
 
 Modes: 'quantised' (the default: every kernel that is not exact, i.e. whose spec says `quantised`, e.g.
@@ -33,8 +36,9 @@ import math
 
 import torch
 
+from . import guard_check
 from .log import logger
-from .reference import error_terms, exact_attention, non_finite, strided_rows, to_bhsd
+from .reference import non_finite, to_bhsd
 
 
 GUARD_MODES = ("quantised", "all", "off")
@@ -44,20 +48,29 @@ DEFAULT = (DEFAULT_MODE, DEFAULT_EVERY)  # the (mode, every) form calls and deci
 ROWS = 16
 QUANTISED_BOUND = 1e-1
 
-# The cost model behind `every` = 0, from the H200 (bench/results/README.md): a check's host ops and sync cost
-# 0.5-0.6 ms on SDXL's calls (fourth and fifth sessions, `added_ms_per_check`); its data work is the float64 casts
-# of key and value, one read of the output (the NaN/Inf sum) and the float64 products on ROWS query rows. A call
-# costs its flops at a fused kernel's rate plus its launch. `bench/guard_cost.py` measures what this gives.
+# The cost model behind `every` = 0. PROVISIONAL constants, derived from the H200 figures below; to be re-fitted on
+# the next lease (`bench/guard_cost.py --scenario check-time` and the WAN 1.3B step, bench/results/README.md).
+# A check is the check kernel (guard_check.py: K, V and the output read once, exact attention on ROWS rows) and
+# one wait for its verdict; a call costs its flops at the watched kernel's rate plus its launch.
 BUDGET = 0.01  # of the attention time (so of a step, which also has other layers)
-CHECK_HOST_S = 5e-4
 CALL_HOST_S = 2e-5
-KERNEL_FLOPS = 7e14  # FA3 on WAN 1.3B's self-attention on the H200: 6.6e12 flops in 9.4 ms (issue 29's figures)
-# The float64 products' rate as the check gets it: 16-row products run far below the chip's float64 peak. Fitted
-# to the WAN 1.3B step on the H200 (2026-12-05: a check of its self-attention added 4.45 ms, where 5e13 had
-# predicted 0.94 and sized the interval at 10 calls, so the guard took 2.5% of the step); SDXL's calls (0.6-1.1
-# ms a check, fourth session) agree.
-F64_FLOPS = 8e11
-MEMORY_BYTES_S = 3e12
+# Sage per warp on Wan 14B's shape: 796 TFLOP/s-equivalent (27.62 ms), FA3 610-690 (/work/shared/docs/gpu.md): the
+# fastest kernel the guard watches, so the call it checks is no shorter than this says.
+KERNEL_FLOPS = 8e14
+# What a check adds to the GPU's timeline beyond its kernels: the GPU idles from the end of its queue until the host
+# has woken, read the verdict (3 floats) and launched the next op; plus the check's 3 launches. A bare sync cost
+# 0.31 ms per check on SDXL's attention calls alone (fourth session), a host-bound loop where the wait also holds
+# the host's queued launches back; on calls the GPU is busy with for milliseconds (video, Flux) the host is ahead
+# and only its wake-up, the check's Python (~30 us, the pack's per-call cost on that host) and one launch remain.
+CHECK_HOST_S = 1e-4
+# The torch path (no Triton: Windows without triton-windows, CPU) issues ~8 small ops per chunk of keys plus ~10,
+# each ~20 us of host time on the H200's host (fourth session: 177-194 us for a dozen ops).
+OP_HOST_S = 2e-5
+# The check kernel streams K, V and the output: 73% of the H200's 4.8 TB/s, a streaming read's usual share.
+MEMORY_BYTES_S = 3.5e12
+# P·V in true float32 (the `ieee` dot: FMA units, not tensor cores) on 16-row tiles: about a third of the H200's
+# 67 TFLOP/s float32 peak. q·k runs on the tensor cores at KERNEL_FLOPS (bf16/fp16 products are exact in float32).
+CHECK_FLOPS = 2.5e13
 MAX_EVERY = 100_000
 
 
@@ -79,15 +92,35 @@ def settings(mode: str | None = None, every: int | None = None) -> tuple[str, in
     return mode, every
 
 
-def interval(inputs) -> int:
-    """One call in how many of a block is checked so that checks cost at most BUDGET of the calls' time."""
+def interval(inputs, kernel: bool | None = None) -> int:
+    """One call in how many of a block is checked so that checks cost at most BUDGET of the calls' time.
+    kernel: whether the Triton check kernel serves these inputs (None: as on this machine)."""
+    return max(1, min(MAX_EVERY, math.ceil(check_seconds(inputs, kernel) / (BUDGET * call_seconds(inputs)))))
+
+
+def call_seconds(inputs) -> float:
+    b, h, lq, lk = inputs.batch, inputs.heads_q, inputs.len_q, inputs.len_kv
+    return CALL_HOST_S + 2.0 * b * h * lq * lk * (inputs.head_dim + inputs.head_dim_v) / KERNEL_FLOPS
+
+
+def check_seconds(inputs, kernel: bool | None = None) -> float:
+    """What one check of a call of these inputs costs (the cost model above)."""
     b, h, hk, lq, lk = inputs.batch, inputs.heads_q, inputs.heads_kv, inputs.len_q, inputs.len_kv
     d, dv = inputs.head_dim, inputs.head_dim_v
     size = torch.empty((), dtype=inputs.dtype).element_size()
-    call_s = CALL_HOST_S + 2.0 * b * h * lq * lk * (d + dv) / KERNEL_FLOPS
-    check_s = (CHECK_HOST_S + 2.0 * b * h * min(ROWS, lq) * lk * (d + dv) / F64_FLOPS
-               + (b * hk * lk * (d + dv) * (size + 8) + b * h * lq * dv * size) / MEMORY_BYTES_S)
-    return max(1, min(MAX_EVERY, math.ceil(check_s / (BUDGET * call_s))))
+    rows = min(ROWS, lq)
+    read = (b * hk * lk * (d + dv) + b * h * lq * dv) * size  # K and V once, the output once (NaN/Inf)
+    qk, pv = 2.0 * b * h * rows * lk * d, 2.0 * b * h * rows * lk * dv
+    if kernel is None:
+        kernel = (guard_check.triton is not None and inputs.device.type == "cuda" and inputs.mask_kind == "none"
+                  and inputs.dtype in (torch.bfloat16, torch.float16))
+    if kernel:
+        return CHECK_HOST_S + read / MEMORY_BYTES_S + qk / KERNEL_FLOPS + pv / CHECK_FLOPS
+    # the torch path: each chunk of keys cast to float32 (written and read again), its ops' host time
+    chunk_bytes = b * hk * (d + dv) * 4 + b * h * rows * 12
+    chunks = math.ceil(lk * chunk_bytes / guard_check.CHUNK_BYTES)
+    return (CHECK_HOST_S + (10 + 8 * chunks) * OP_HOST_S + (read + 2 * lk * chunk_bytes) / MEMORY_BYTES_S
+            + (qk + pv) / CHECK_FLOPS)
 
 
 def rules_for(spec, guard: tuple[str, int], inputs) -> tuple[int, bool] | None:
@@ -111,33 +144,32 @@ def checkable(call) -> bool:
     return call.dropout_p == 0 and (mask is None or isinstance(mask, torch.Tensor))
 
 
-def problem(call, out: torch.Tensor, spec) -> tuple[str | None, float | None]:
+def problem(call, out: torch.Tensor, spec, rows: tuple[int, int]) -> tuple[str | None, float | None]:
     """(why the output is wrong, or None; the relative error on the sampled rows). One device sync.
 
-    The rows are a strided view (no gather), the error's two norms and the output's float64 sum (NaN/Inf
-    anywhere makes it non-finite: one reduction instead of isfinite + all) are read in one go."""
-    got = to_bhsd(out, call.layout)
-    rows = strided_rows(got.shape[2], ROWS)
+    rows: (offset, stride) of the sampled query rows (guard_check.rotating_rows). The check kernel leaves its three
+    figures on the device (the error's two squared norms, the output's non-finite term); they are read in one go."""
+    offset, stride = rows
     with torch.no_grad():
-        ref, _ = exact_attention(call.query, call.key, call.value, call.attn_mask, call.is_causal, call.scale,
-                                 call.layout, rows, with_lse=False)
-        picked = got if rows is None else got[:, :, rows]
-        distance, size, total = torch.stack((*error_terms(picked, ref), out.sum(dtype=torch.float64))).tolist()
-    if not math.isfinite(total):
+        distance2, size2, non_finite = guard_check.check_terms(
+            call.query, call.key, call.value, out, offset=offset, stride=stride, attn_mask=call.attn_mask,
+            is_causal=call.is_causal, scale=call.scale, layout=call.layout).tolist()
+    if non_finite != 0:  # NaN/Inf anywhere in the output (NaN != 0 too)
         return _non_finite_problem(call, out), None
-    error = distance / max(size, 1e-30)
+    error = math.sqrt(distance2) / max(math.sqrt(size2), 1e-30)
     bound = bound_for(spec)
     if not error <= bound:
-        return f"relative error {error:.2e} against exact attention on {picked.shape[2]} sampled query rows " \
+        sampled = guard_check.sampled_count(to_bhsd(out, call.layout).shape[2], offset, stride)
+        return f"relative error {error:.2e} against exact attention on {sampled} sampled query rows " \
                f"exceeds its guard bound {bound:.0e}", error
     return None, error
 
 
 def finite_problem(call, out: torch.Tensor) -> str | None:
-    """The NaN/Inf check alone (one float64 sum, one sync): why the output is wrong, or None."""
+    """The NaN/Inf check alone (one reduction, one sync): why the output is wrong, or None."""
     with torch.no_grad():
-        total = float(out.sum(dtype=torch.float64))
-    return None if math.isfinite(total) else _non_finite_problem(call, out)
+        term = float(guard_check.non_finite_term(out))
+    return None if term == 0 else _non_finite_problem(call, out)
 
 
 def _non_finite_problem(call, out) -> str | None:
@@ -158,12 +190,13 @@ class Watch:
     guarded kernel falls, and the blocks a kernel failed on. The eager path asks `unchecked` on its fast lane and
     hands every other served call of a guarded kernel to `after`, which says what recomputes it when it failed."""
 
-    __slots__ = ("left", "sites", "demoted")
+    __slots__ = ("left", "sites", "demoted", "checks")
 
     def __init__(self):
         self.left: dict = {}  # (kernel, site) -> calls still served unchecked before its next check
         self.sites: dict = {}  # kernel -> blocks seen (a new one's first re-check is staggered by this count)
         self.demoted: dict = {}  # (kernel, site) -> why: the kernel no longer serves that block
+        self.checks: dict = {}  # (kernel, site) -> comparisons made: which rows the next one samples
 
     def unchecked(self, candidate, site) -> bool:
         """Whether this call may take the fast lane without a check (then it is counted)."""
@@ -197,7 +230,11 @@ class Watch:
                 else:
                     self.left[key] = every - 1
                 if checkable(call):  # dropout or a BlockMask: nothing to compare with (counted all the same)
-                    why, error = problem(call, out[0] if call.return_lse else out, candidate.spec)
+                    made = self.checks.get(key, 0)
+                    self.checks[key] = made + 1
+                    rows = guard_check.rotating_rows(call.query.shape[1 if call.layout == "BSHD" else 2], ROWS,
+                                                     site, made)
+                    why, error = problem(call, out[0] if call.return_lse else out, candidate.spec, rows)
                     if why is None and recorder is not None and hasattr(recorder, "record_guard"):
                         recorder.record_guard(site, candidate.name, error=error, every=every)
         if why is None and finite:

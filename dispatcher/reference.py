@@ -1,5 +1,6 @@
 """Exact attention in float64 and the error measure: the one reference every accuracy check of the pack uses
-(`auto`'s verdicts, the quality guard, the bench, the ComfyUI compare node)."""
+(`auto`'s verdicts, the bench, the ComfyUI compare node, and the tests that measure the quality guard's own check,
+guard_check.py, which computes exact attention in float32 on the call's device without float64 copies)."""
 
 from __future__ import annotations
 
@@ -21,18 +22,10 @@ def sample_rows(len_q: int, rows: int | None) -> torch.Tensor | None:
     return torch.linspace(0, len_q - 1, rows).round().long().unique()
 
 
-def strided_rows(len_q: int, rows: int) -> slice | None:
-    """At least `rows` evenly spaced query rows from the first, as a slice, or None for all of them: picking them
-    is a view, where sample_rows' index tensor costs a gather kernel (the quality guard's check counts its ops)."""
-    if rows >= len_q:
-        return None
-    return slice(0, len_q, max(1, (len_q - 1) // max(1, rows - 1)))
-
-
 def exact_attention(query, key, value, attn_mask=None, is_causal=False, scale=None, layout="BSHD", rows=None,
                     max_bytes: int = 256 << 20, with_lse: bool = True):
     """Exact attention in float64 for query rows `rows` (an index tensor or a slice, None = all): (out, lse), lse
-    None with with_lse=False (one softmax instead of logsumexp and exp: fewer host ops, for the quality guard).
+    None with with_lse=False (one softmax instead of logsumexp and exp: fewer host ops).
 
     out is (B, H, R, Dv) and lse (B, H, R), float64, from the caller's (possibly low-precision) inputs,
     so a comparison measures the kernel's error only. Grouped-query heads are expanded, causal is
@@ -53,7 +46,7 @@ def exact_attention(query, key, value, attn_mask=None, is_causal=False, scale=No
     chunk = max(1, min(h, int(max_bytes // max(per_head, 1))))
     outs, lses = [], []
     for h0 in range(0, h, chunk):
-        if chunk == h and groups == 1:  # all heads at once: no gathers (the guard's check counts its ops)
+        if chunk == h and groups == 1:  # all heads at once: no gathers
             heads = slice(None)
             qh, kh, vh = _float64(q[:, :, rows]), _float64(k), _float64(v)
         else:

@@ -1,6 +1,8 @@
 """The quality guard on a GPU, on an SDXL-sized call: a failing check recomputes the call and demotes the
-kernel, a passing one records its error, and the guard's lean float64 reference (one SDPA call) is the same
-exact attention as the full one. GPU only (marker `gpu`): python -m pytest tests/gpu -m gpu
+kernel, a passing one records its error, the lean float64 reference is the same exact attention as the full one;
+the check kernel (Triton) against the torch path and the float64 reference on the shapes of WAN 1.3B, Wan 14B,
+Flux and SDXL, and its extra peak memory on Wan 14B's shape (a few MB, not the float64 copies' gigabytes).
+GPU only (marker `gpu`, never in CI): python -m pytest tests/gpu/test_gpu_guard.py -m gpu -o addopts=""
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import torch.nn.functional as F
 
 import dispatcher
 from dispatcher import Recorder, dispatch_attention_fn, recording
+from dispatcher import guard, guard_check
+from dispatcher.inputs import describe_call
 from dispatcher.reference import exact_attention, sample_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -112,3 +116,94 @@ def test_sage_wrong_on_one_block_never_reaches_the_caller(backend, tmp_path):
     assert verdicts["self #1"] and set(verdicts["self #1"].values()) == {"rejected"}, verdicts
     for block in ("self #0", "self #2"):
         assert "rejected" not in verdicts[block].values() and verdicts[block], verdicts
+
+
+# (batch, tokens, heads, head dim, keys) of the calls the guard watches most
+SHAPES = {"wan1.3b": (1, 32760, 12, 128, 32760), "wan14b": (1, 32760, 40, 128, 32760), "flux": (1, 4608, 24, 128, 4608),
+          "sdxl": (2, 4096, 10, 64, 4096), "sdxl-cross": (2, 1024, 20, 64, 77)}
+
+
+def shaped(name, dtype=torch.bfloat16, outlier=0.0):
+    b, lq, h, d, lk = SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(b, lq, h, d, device="cuda", dtype=dtype, generator=gen)
+    k, v = (torch.randn(b, lk, h, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    if outlier:
+        q[..., 0] = 0
+        k[..., 0] = (torch.randint(0, 2, k.shape[:3], device="cuda", generator=gen) * 2 - 1).to(dtype) * outlier
+    return q, k, v
+
+
+@pytest.mark.skipif(guard_check.triton is None, reason="needs triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_the_check_kernel_agrees_with_the_torch_path_and_float64(name, dtype):
+    """The Triton kernel's error terms equal the torch path's (both float32) and the error they give is the one
+    against float64 attention to within 1e-5; the whole output's NaN/Inf is seen."""
+    q, k, v = shaped(name, dtype, outlier=30.0 if name == "wan1.3b" else 0.0)
+    out = exact(q, k, v)
+    lq = q.shape[1]
+    for check in range(2):
+        offset, stride = guard_check.rotating_rows(lq, guard.ROWS, "self #3", check)
+        assert guard_check.uses_kernel(q, k, v, None)
+        mine = guard_check.kernel_terms(q, k, v, out, offset=offset, stride=stride).tolist()
+        theirs = guard_check.torch_terms(q, k, v, out, offset=offset, stride=stride).tolist()
+        assert mine[2] == 0 and theirs[2] == 0
+        assert mine[1] == pytest.approx(theirs[1], rel=1e-5)
+        ref, _ = exact_attention(q[:, offset::stride], k, v)  # float64, the sampled rows only
+        got = out[:, offset::stride].transpose(1, 2).double()
+        truth = float((got - ref).norm() / ref.norm())
+        assert abs((mine[0] / mine[1]) ** 0.5 - truth) <= 1e-5, (mine, truth)
+    bad = out.clone()
+    bad[-1, -1, -1, -1] = float("inf")
+    assert guard_check.kernel_terms(q, k, v, bad, offset=offset, stride=stride)[2] != 0
+    assert guard_check.torch_terms(q, k, v, bad, offset=offset, stride=stride)[2] != 0
+
+
+def test_the_checks_extra_peak_memory_on_wan_14b_is_a_few_mb():
+    """Wan 14B's self-attention (K and V 335 MB each in bf16): a check allocates a few MB beyond its inputs and
+    output (the float64 copies it replaced were 1.3 GB each)."""
+    q, k, v = shaped("wan14b")
+    out = exact(q, k, v)
+    offset, stride = guard_check.rotating_rows(q.shape[1], guard.ROWS, "self #0", 0)
+    paths = {"torch": guard_check.torch_terms}
+    if guard_check.triton is not None:
+        paths["kernel"] = guard_check.kernel_terms
+    extra = {}
+    for path, terms in paths.items():
+        terms(q, k, v, out, offset=offset, stride=stride)  # compiled, warm
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        terms(q, k, v, out, offset=offset, stride=stride).tolist()
+        extra[path] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    print("extra peak MiB per check:", extra)
+    assert extra.get("kernel", 0) <= 16 and extra["torch"] <= 3 * guard_check.CHUNK_BYTES / 2**20, extra
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_the_check_costs_what_the_cost_model_says(name):
+    """Measures (prints) a check's time against SDPA's call on the same inputs; asserts only that the model's
+    check_seconds is within 3x of it (the constants are provisional until re-fitted from bench/guard_cost.py)."""
+    q, k, v = shaped(name)
+    out = exact(q, k, v)
+    inputs = describe_call(q, k, v, None, 0.0, False, None, False, False, "BSHD")
+    offset, stride = guard_check.rotating_rows(q.shape[1], guard.ROWS, "self #0", 0)
+
+    def timed(fn, n=20):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n / 1e3
+
+    check = timed(lambda: guard_check.check_terms(q, k, v, out, offset=offset, stride=stride).tolist())
+    call = timed(lambda: exact(q, k, v))
+    model = guard.check_seconds(inputs)
+    print(f"{name}: check {check * 1e3:.3f} ms (model {model * 1e3:.3f}), SDPA call {call * 1e3:.3f} ms, "
+          f"interval {guard.interval(inputs)}")
+    assert model / 3 <= check <= model * 3
