@@ -8,7 +8,6 @@ verdict were wrong.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import dispatcher
 from dispatcher import Recorder, dispatch_attention_fn, model_scope, recording
 from dispatcher import auto
 from dispatcher.auto import Tuner
+from dispatcher.auto import cache as disk_cache
 from helpers import fake_clock
 from helpers.tensors import qkv, sdpa as exact
 
@@ -153,7 +153,7 @@ def test_verdicts_belong_to_their_model_timings_are_shared(tuner, tmp_path):
             dispatch_attention_fn(*hostile, backend="auto_fast")
         assert t.timing_calls == timed  # model b reused model a's timings ...
     assert served(rec_a) == {quantised} and served(rec_b) == {exactly}  # ... but not its verdict
-    saved = json.loads((tmp_path / "tune.json").read_text())
+    saved = disk_cache.dump(tmp_path / "tune.json")
     (entry,) = saved["machines"].values()
     (decision,) = entry["decisions"].values()
     assert decision["verdicts"]["model-a"]["attention"][quantised]["status"] == "valid"  # per model and block
@@ -200,7 +200,7 @@ def test_auto_fast_judges_every_block_on_its_own_activations(tuner, tmp_path):
             torch.testing.assert_close(out, exact(*blocks[1]))  # the exact kernel's output, never int8_like's
     assert records["self #1"].chosen == exactly and records["self #1"].judged_on == "live values"
     assert {c.name: c.status for c in records["self #1"].candidates}[quantised] == "rejected"
-    saved = json.loads((tmp_path / "tune.json").read_text())
+    saved = disk_cache.dump(tmp_path / "tune.json")
     (entry,) = saved["machines"].values()
     (decision,) = entry["decisions"].values()
     verdicts = decision["verdicts"]["model-a"]
@@ -250,7 +250,7 @@ def test_unscoped_verdicts_stay_in_memory(tuner, tmp_path):
     exactly = register("t_exact", slow_exact)
     with tuner(quantised, exactly):
         dispatch_attention_fn(*qkv(1, 64, h=2, d=16), backend="auto_fast")
-    saved = json.loads((tmp_path / "tune.json").read_text())
+    saved = disk_cache.dump(tmp_path / "tune.json")
     (entry,) = saved["machines"].values()
     (decision,) = entry["decisions"].values()
     assert decision["verdicts"] == {} and decision["timings"]

@@ -17,8 +17,8 @@ For a call signature met for the first time, the tuner
   with the reason. A verdict belongs to the model it was made on (`model=` / `model_scope`);
 - times the valid ones on the same tensors (warm-up, then the median of a few runs; CUDA events on GPUs)
   within a time budget per signature, and keeps the fastest (a preferred one within timing noise wins ties).
-Decisions live in memory (the hot path never comes back here once decided) and on disk (JSON,
-`ATTN_DISPATCH_TUNE_CACHE` or ~/.cache/attention_dispatch/tune.json), keyed by the machine (GPU or CPU
+Decisions live in memory (the hot path never comes back here once decided) and on disk (SQLite, cache.py:
+`ATTN_DISPATCH_TUNE_CACHE` or ~/.cache/attention_dispatch/tune.sqlite3), keyed by the machine (GPU or CPU
 model, torch and attention package versions) and the set of candidates. On disk, timings are shared by
 every model; verdicts are kept per model and reused only for the same model (calls without a model scope
 keep theirs in memory). `tune(signature)` without tensors times on noise and leaves verdicts to the first
