@@ -400,12 +400,16 @@ class AttentionOverride:
             self.precision_notes[key] = self.precision_notes.get(key, 0) + 1
         attend = plan.attend or self._unkept_attend(plan)
         sparse = self.sparse
+        found = None  # what the dispatcher's `warn` checks found in this call (the kernel's own output included)
         if self.trust or self.checks or sparse is not None:  # scopes only when asked for: ~1 us each per call
             with contextlib.ExitStack() as stack:
                 if self.trust:
                     stack.enter_context(trusted_publishers(self.trust))
                 if self.checks:
                     stack.enter_context(attention_checks(self.checks))
+                    if self.tally is not None:
+                        found = []
+                        stack.enter_context(_checks.reporting(found.append))
                 if sparse is not None:
                     stack.enter_context(sol_attn_options(sparse.tau))
                 out = attend(qs, ks, vs, mask)
@@ -422,7 +426,7 @@ class AttentionOverride:
             out = out.transpose(1, 2)
         if self.checks or self.compare is not None:
             return self._finish(out, plan.site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, plan.scale,
-                                plan.gqa, plan.name)
+                                plan.gqa, plan.name, found)
         return out
 
     def _prepared(self, plan) -> PreparedAttention:
@@ -446,11 +450,16 @@ class AttentionOverride:
         if self.recorder is not None:
             self.recorder.record(site, requested, served, tuple(reasons))
 
-    def _finish(self, out, site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, scale, gqa, label):
+    def _finish(self, out, site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, scale, gqa, label,
+                found=None):
+        """found: what the dispatcher's `warn` checks found in this call (already logged): the kernel's own output
+        too, which the quality guard may have replaced with a finite one since."""
         if self.checks:
             tally = self.tally
             if tally is None:
                 _checks.check_values({"output": out}, self.checks, label)
+            elif found:
+                tally.non_finite(found[0])
             else:  # judged as "raise" to see it; counted; a warn is then logged as the dispatcher would
                 try:
                     _checks.check_values({"output": out}, "raise", label)

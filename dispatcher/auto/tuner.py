@@ -128,7 +128,7 @@ class Tuner:
     def __init__(self, *, cache_path=_DEFAULT_PATH, time_budget_s: float | None = None,
                  max_signatures: int | None = None, warmup: int = 1, runs: int = 5, validation_rows: int = 64,
                  memory_cap_bytes: int | None = None, backends=None, tie_margin: float = DEFAULT_TIE_MARGIN):
-        """cache_path: the JSON file (None: memory only; default: `cache.default_cache_path()`);
+        """cache_path: the cache file (SQLite; None: memory only; default: `cache.default_cache_path()`);
         time_budget_s: seconds per signature, everything included (ATTN_DISPATCH_TUNE_BUDGET; default 2 on a GPU,
         0.5 on a CPU); max_signatures: timed per process
         (ATTN_DISPATCH_TUNE_MAX_SIGNATURES, 32); warmup/runs: calls per candidate; validation_rows: query

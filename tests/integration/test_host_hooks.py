@@ -153,17 +153,18 @@ def sd15(**kw):
 
 
 def decisions(comfy) -> set:
-    path = Path(comfy.base) / "user" / "attention_dispatch" / "tune.json"
+    from dispatcher.auto import cache as disk_cache
+    path = Path(comfy.base) / "user" / "attention_dispatch" / "tune.sqlite3"
     if not path.exists():
         return set()
-    return {key for machine in json.loads(path.read_text())["machines"].values() for key in machine["decisions"]}
+    return {key for machine in disk_cache.dump(path)["machines"].values() for key in machine["decisions"]}
 
 
 def test_tuning_shows_progress_and_saves_into_comfyuis_user_directory(comfy, progress_texts):
     entry = comfy.run(wan(seed=3))
     report = model_report(comfy, entry, "10")
     assert report["recorder"]["rows"], report
-    assert decisions(comfy), "no decision in <user directory>/attention_dispatch/tune.json"
+    assert decisions(comfy), "no decision in <user directory>/attention_dispatch/tune.sqlite3"
     texts = [t["text"] for t in progress_texts() if t["node"] == "11"]  # on the sampler, where attention runs
     assert any(t.startswith("auto_exact: tuning attention for q ") and "trying native (1 of " in t for t in texts), texts
     assert any("trying test_slow_exact" in t for t in texts), texts
