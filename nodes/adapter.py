@@ -50,8 +50,8 @@ import threading
 
 import torch
 
-from ..dispatcher import (PreparedAttention, attention_checks, dispatch_attention_fn, fallback_order, get_backend_spec,
-                          trusted_publishers)
+from ..dispatcher import (PreparedAttention, attention_checks, availability_reasons, dispatch_attention_fn,
+                          fallback_order, get_backend_spec, trusted_publishers)
 from ..dispatcher import checks as _checks
 from ..dispatcher.auto import AUTO, AUTO_EXACT, AUTO_FAST
 from ..dispatcher.backends.kitchen import SOL_ATTN_NAME as SOL_ATTN
@@ -274,6 +274,9 @@ class AttentionOverride:
                  default_attention=None, precision_notes: dict | None = None, sparse=None, tally=None):
         self.backend, self.policy, self.recorder = backend, policy, recorder
         self.sparse = (sparse or SolAttnOptions()) if backend == SOL_ATTN else None
+        # A dense call's reason says first that sol_attn cannot run here at all, where so: "32 tokens < min_tokens"
+        # alone read as if sol_attn would serve the longer calls.
+        self._sparse_here = _cannot_run_here(SOL_ATTN) if self.sparse is not None else ""
         self.tally = tally
         self.window = tuple(window) if window is not None else None
         self.trust = frozenset(trust or ())
@@ -379,7 +382,7 @@ class AttentionOverride:
             dense = self.sparse.dense_reason(q.shape[2] if skip_reshape else q.shape[1],
                                              None if position is None else position[0])
             if dense is not None:
-                return plan, dense
+                return plan, self._sparse_here + dense
         return plan, plan.reason
 
     def _serve(self, plan, q, k, v, heads, mask, skip_reshape, skip_output_reshape):
@@ -610,6 +613,12 @@ class AttentionOverride:
                 plan.output = "transpose" if skip_output_reshape else "flatten"
         plan.recorder = self._relabel(plan.name, plan.notes)
         return plan
+
+
+def _cannot_run_here(name: str) -> str:
+    """'<name> cannot run on this machine (why), and ' when it cannot, else ''."""
+    reasons = availability_reasons(name)
+    return f"{name} cannot run on this machine ({'; '.join(reasons)}), and " if reasons else ""
 
 
 class CheckedOverride(AttentionOverride):
