@@ -280,3 +280,34 @@ def test_a_new_process_starts_the_next_block_and_auto_exact_from_what_the_disk_h
     assert new.reason.startswith("judged and timed earlier") or new.judged_on == "live values"
     exact_record = again.tune(*fine, model="model-a", exact=True)
     assert exact_record.chosen == exactly and again.timing_calls == 0
+
+
+def test_a_200_block_model_logs_one_line_per_decision_group_then_a_summary(tuner, caplog):
+    """A 200-block WAN under `auto_fast` once logged 1,200 lines on its first prompt (a decision line and a
+    warning per rejected kernel, per block and site): now the first block of each outcome is logged, the other
+    blocks counted, and the summary says how many."""
+    import logging
+    auto.log_summary()  # nothing left from another test
+    quantised = register("t_int8", int8_like, quantised=True)
+    exactly = register("t_exact", slow_exact)
+    caplog.set_level(logging.INFO, logger="attention_dispatch")
+    with tuner(quantised, exactly) as t:
+        caplog.clear()
+        for block in range(200):
+            q, k, v = qkv(1, 64, h=2, d=16, seed=2)
+            if block % 50 == 49:  # a few blocks with an outlier channel: the quantised kernel is rejected there
+                v = v.clone()
+                v[:, :, :, 0] *= 40
+            t.tune(q, k, v, model="wan", block=f"self #{block}")
+    lines = [r.getMessage() for r in caplog.records if r.name == "attention_dispatch"]
+    assert len(lines) == 2, lines  # one per outcome
+    assert all("same outcome are counted, not logged" in line for line in lines), lines
+    assert sum("rejected: t_int8" in line for line in lines) == 1, lines  # said once, in the line
+    caplog.clear()
+    auto.log_summary()
+    (summary,) = [r.getMessage() for r in caplog.records]
+    assert "this run decided 198 more blocks" in summary, summary
+    assert "-> t_int8 for 196 blocks of model wan" in summary and "-> t_exact for 4 blocks" in summary, summary
+    caplog.clear()
+    auto.log_summary()
+    assert not caplog.records  # said once

@@ -45,6 +45,7 @@ from typing import Any
 
 from .. import caches, registry
 from ..inputs import AttentionInputs
+from . import tune_log
 from .cache import CACHE_FORMAT, ENV_CACHE, default_cache_path, set_default_dir  # noqa: F401  (public names)
 from .hooks import TuningProgress, set_interrupt_check, set_progress_hook  # noqa: F401  (for a host: ComfyUI's nodes)
 from .fingerprint import cpu_model, fingerprint_key, machine_fingerprint  # noqa: F401
@@ -115,6 +116,11 @@ def explain() -> str:
 
 def clear_cache(disk: bool = True) -> None:
     default_tuner().clear_cache(disk=disk)
+
+
+def log_summary() -> None:
+    """Log how many blocks each decision group held since the last summary (a host calls it when a run ends)."""
+    tune_log.summary()
 
 
 def _resolver(exact: bool):
