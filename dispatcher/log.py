@@ -21,12 +21,12 @@ LOG_LIMIT = 2000  # characters of one argument of a log line (a list of reasons,
 _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
-def _escaped(text: str) -> str:
+def _escaped(text: str, keep: str = "") -> str:
     if text.isprintable():
         return text
     out = []
     for ch in text:
-        if ch.isprintable():
+        if ch.isprintable() or ch in keep:
             out.append(ch)
         elif ch in _ESCAPES:
             out.append(_ESCAPES[ch])
@@ -36,9 +36,10 @@ def _escaped(text: str) -> str:
     return "".join(out)
 
 
-def echo(value, limit: int = ECHO_LIMIT, quote: bool = True) -> str:
+def echo(value, limit: int = ECHO_LIMIT, quote: bool = True, keep: str = "") -> str:
     """`value` as safe text to echo: quoted like repr (quote=False: as str), control characters and lone surrogates
-    escaped, at most about `limit` characters, with the full length said when cut ('...' (1000000 characters))."""
+    escaped (but those in `keep`: a report's own line breaks), at most about `limit` characters, with the full
+    length said when cut ('...' (1000000 characters))."""
     total = len(value) if isinstance(value, (str, bytes, list, tuple, dict)) else None
     if isinstance(value, str) and len(value) > limit:
         value = value[:limit]  # cut before repr: never a copy of the whole value
@@ -46,7 +47,7 @@ def echo(value, limit: int = ECHO_LIMIT, quote: bool = True) -> str:
         text = repr(value) if quote else str(value)
     except Exception as exc:  # a value whose repr raises is still named
         text = f"<{type(value).__name__}: repr failed with {type(exc).__name__}>"
-    text = _escaped(text[:limit * 2])
+    text = _escaped(text[:limit * 2], keep)
     if len(text) > limit or (isinstance(value, str) and total > len(value)):
         text = text[:limit] + "\u2026"
         if total is not None:

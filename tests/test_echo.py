@@ -71,3 +71,17 @@ def test_validation_errors_echo_values_cut_and_escaped(monkeypatch, node, inputs
     answer = getattr(nodes, node).check_inputs(**given)
     assert isinstance(answer, str) and answer.isprintable() and len(answer) < 4000, answer[:300]
     answer.encode("utf-8")
+
+
+def test_reports_cut_and_escape_their_texts_keeping_their_own_line_breaks():
+    from helpers.pack import PACK, load_pack
+    import importlib
+    load_pack()
+    reports = importlib.import_module(f"{PACK}.nodes.reports")
+    data = reports.scrub({"summary": "line one\nline two", "errors": ["RuntimeError: " + "x" * 1_000_000,
+                                                                       "bad \ud800 \x1b[2J"]})
+    assert data["summary"] == "line one\nline two"
+    assert len(data["errors"][0]) < 5000 and "1000014 characters" in data["errors"][0]
+    assert data["errors"][1] == "bad \\ud800 \\x1b[2J"
+    import json
+    json.dumps(data, ensure_ascii=False).encode("utf-8")  # what the websocket sends: never raises
