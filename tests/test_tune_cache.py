@@ -382,3 +382,10 @@ def test_a_cache_path_that_is_a_folder_is_said_once(tmp_path, backends, caplog):
         Tuner(cache_path=folder, backends=backends).tune(SIG, force=True)
     warnings = _cache_warnings(caplog)
     assert len(warnings) == 1 and "is a folder" in warnings[0], warnings
+
+
+def test_the_cache_folder_is_made_on_the_first_write_not_on_a_read(tmp_path):
+    path = tmp_path / "user" / "attention_dispatch" / "tune.sqlite3"
+    assert cache.lookup(path, "sig") is None and not path.parent.exists()
+    cache.update(path, "sig", lambda saved: _good())
+    assert cache.lookup(path, "sig") == _good()

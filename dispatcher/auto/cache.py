@@ -277,12 +277,12 @@ def _forget(path: Path) -> None:
 
 
 def _fresh(path: Path) -> sqlite3.Connection:
+    path.parent.mkdir(parents=True, exist_ok=True)
     if _legacy_source(path) is None:
         try:
             return _open(path)
         except _NotACache:
             pass
-    path.parent.mkdir(parents=True, exist_ok=True)
     with _lock(path):  # one process migrates or sets aside; the others wait, then open what it made
         return _repair(path)
 
@@ -402,8 +402,8 @@ def _trim(con: sqlite3.Connection, machine: str) -> None:
 def lookup(path: Path | None, signature_key: str) -> dict | None:
     """This machine's saved decision for a signature, or None (also for one of the wrong shape: dropped, said
     once)."""
-    if not _usable(path):
-        return None
+    if not _usable(path) or (not path.exists() and _legacy_source(path) is None):
+        return None  # nothing saved yet: a read creates nothing
     machine = fingerprint_key(machine_fingerprint())
     with _connection(path) as con:
         if con is None:

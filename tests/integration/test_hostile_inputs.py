@@ -82,7 +82,9 @@ def test_a_lone_surrogate_and_a_newline_are_escaped_in_the_log(comfy, node, inpu
         else:
             prompt = sampled([("40", node, given)], seed)
         errors = refused(comfy, prompt, "50" if node == SPARSE else "40")
-        assert ("\\ud800" if seed == 603 else "x\\nINJECTED") in errors, errors
+        details = " ".join(e["details"] for e in json.loads(errors)["errors"])
+        assert ("\\ud800" if seed == 603 else "x\\nINJECTED") in details, details  # escaped, so it is one line
+        assert details.isprintable(), details
     time.sleep(0.5)
     log = _log_since(comfy, offset)
     assert "UnicodeEncodeError" not in log and "Logging error" not in log, log[-3000:]
