@@ -389,3 +389,20 @@ def test_the_cache_folder_is_made_on_the_first_write_not_on_a_read(tmp_path):
     assert cache.lookup(path, "sig") is None and not path.parent.exists()
     cache.update(path, "sig", lambda saved: _good())
     assert cache.lookup(path, "sig") == _good()
+
+
+def test_a_rejected_verdict_with_an_infinite_error_is_saved_and_a_merge_that_raises_releases_the_lock(tmp_path):
+    path = tmp_path / "tune.sqlite3"
+    decision = _good()
+    decision["verdicts"] = {"m": {"": {"tc_fast": {"status": "rejected", "rel_error": float("inf"),
+                                                   "reason": "output has NaN/Inf values"}}}}
+    cache.update(path, "sig", lambda saved: decision)
+    assert cache.lookup(path, "sig")["verdicts"]["m"][""]["tc_fast"]["rel_error"] == float("inf")
+
+    def broken(saved):
+        raise RuntimeError("merge failed")
+    with pytest.raises(RuntimeError):
+        cache.update(path, "other", broken)
+    with sqlite3.connect(path, timeout=0.5) as con:  # another writer gets the lock at once
+        con.execute("BEGIN IMMEDIATE")
+        con.execute("ROLLBACK")

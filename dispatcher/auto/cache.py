@@ -100,8 +100,10 @@ def _verdict_problem(where: str, verdict) -> str | None:
     if not isinstance(verdict, dict) or verdict.get("status") not in _STATUSES:
         return f"the verdict {where} has no status valid or rejected"
     rel_error = verdict.get("rel_error")
-    if rel_error is not None and not _number(rel_error):
-        return f"the error of the verdict {where} is not a finite number"
+    if rel_error is not None and (isinstance(rel_error, bool) or not isinstance(rel_error, (int, float))):
+        return f"the error of the verdict {where} is not a number"
+    if verdict["status"] == "valid" and rel_error is not None and not _number(rel_error):
+        return f"the verdict {where} is valid with an error that is not a finite number"  # a rejected one may be
     if not isinstance(verdict.get("reason", ""), str):
         return f"the reason of the verdict {where} is not text"
     return None
@@ -240,6 +242,11 @@ def _connection(path: Path, write: bool = False):
                 con.execute("ROLLBACK")
         _forget(path)
         _unusable(path, exc)
+    except BaseException:  # the caller's own error (a merge that raised): never leave the write lock held
+        if write:
+            with contextlib.suppress(sqlite3.Error):
+                con.execute("ROLLBACK")
+        raise
 
 
 # Each thread keeps its connection to each cache file open: closing the last connection checkpoints the WAL
@@ -352,7 +359,7 @@ def _migrate(source: Path, path: Path) -> sqlite3.Connection:
         valid = sorted(((sig, d) for sig, d in decisions.items() if decision_problem(d) is None),
                        key=lambda item: item[1].get("tuned_at", ""), reverse=True)
         dropped += len(decisions) - len(valid)
-        rows = [(key, sig, json.dumps(d, allow_nan=False), stamp) for sig, d in valid[:MAX_DECISIONS]]
+        rows = [(key, sig, json.dumps(d), stamp) for sig, d in valid[:MAX_DECISIONS]]
         kept += len(rows)
         con.execute("INSERT OR REPLACE INTO machines VALUES (?, ?, ?)",
                     (key, json.dumps(entry.get("machine", {}), sort_keys=True), stamp))
@@ -459,7 +466,7 @@ def update(path: Path | None, signature_key: str, merge: Callable[[dict | None],
         con.execute("INSERT OR REPLACE INTO machines VALUES (?, ?, ?)",
                     (machine, json.dumps(fingerprint, sort_keys=True), stamp))
         con.execute("INSERT OR REPLACE INTO decisions VALUES (?, ?, ?, ?)",
-                    (machine, signature_key, json.dumps(decision, allow_nan=False), stamp))
+                    (machine, signature_key, json.dumps(decision), stamp))  # a rejected verdict's error may be inf
         _trim(con, machine)
         if con.execute("SELECT count(*) FROM machines").fetchone()[0] > MACHINES_KEPT:
             oldest = con.execute("SELECT machine FROM machines ORDER BY used LIMIT 1").fetchone()[0]
@@ -477,10 +484,17 @@ def dump(path: Path | None) -> dict:
         if con is None:
             return {}
         for key, fingerprint, used in con.execute("SELECT machine, fingerprint, used FROM machines"):
-            machines[key] = {"machine": json.loads(fingerprint), "used": used, "decisions": {}}
+            machines[key] = {"machine": _loaded(fingerprint), "used": used, "decisions": {}}
         for key, sig, decision in con.execute("SELECT machine, signature, decision FROM decisions"):
-            machines.setdefault(key, {"machine": {}, "decisions": {}})["decisions"][sig] = json.loads(decision)
+            machines.setdefault(key, {"machine": {}, "decisions": {}})["decisions"][sig] = _loaded(decision)
     return {"format": CACHE_FORMAT, "machines": machines}
+
+
+def _loaded(text):
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError) as exc:
+        return {"unreadable": f"{type(exc).__name__}: {exc}"}
 
 
 def remove(path: Path | None) -> None:
