@@ -74,8 +74,9 @@ def main() -> None:
     n = iter(range(10**9))
     print(f"insert a new decision: "
           f"{timed(lambda: cache.update(path, f'new-{next(n)}', lambda saved: decision(1)), args.repeat):.2f} ms")
-    size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name != legacy.name)
-    print(f"on disk after: {size / 1e6:.1f} MB ({path.name})")
+    size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name.startswith(path.name))
+    print(f"cache on disk after: {size / 1e6:.1f} MB ({path.name} and its WAL; the JSON file kept beside is not "
+          f"counted)")
 
 
 if __name__ == "__main__":
