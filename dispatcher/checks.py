@@ -8,9 +8,11 @@ call only while checks are on (DIFFUSERS_ATTN_CHECKS=yes, `set_checks`, or `atte
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -145,6 +147,22 @@ def _non_finite(t: torch.Tensor, allow_inf: bool = False) -> str | None:
     return None
 
 
+# Who hears of what `warn` found, besides the log (an Attention Checks node's tally): under `raise` the error
+# itself says it. Set per call by `reporting`.
+_observer: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar("checks_observer",
+                                                                                        default=None)
+
+
+@contextlib.contextmanager
+def reporting(found: Callable[[str], None]):
+    """Inside: every NaN/Inf that `warn` checks find is also passed to `found(message)`."""
+    token = _observer.set(found)
+    try:
+        yield
+    finally:
+        _observer.reset(token)
+
+
 def check_values(named: dict[str, torch.Tensor], mode: str, backend: str) -> None:
     for name, tensor in named.items():
         if tensor is None or not isinstance(tensor, torch.Tensor):
@@ -154,7 +172,10 @@ def check_values(named: dict[str, torch.Tensor], mode: str, backend: str) -> Non
             message = f"{name} of attention backend '{backend}' has {problem}"
             if mode == "raise":
                 _fail(message)
-            logger.warning(message)
+            logger.warning("%s", message)
+            observer = _observer.get()
+            if observer is not None:
+                observer(message)
 
 
 def broadcast_kv(q, k, v, enable_gqa: bool = True):

@@ -131,11 +131,14 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
             continue
         name = candidate.name
         if candidate.guard:
+            if mode != "off":  # checks judge what the kernel produced: the guard may replace it just below
+                checks.check_values({"output": out[0] if return_lse else out}, mode, name)
             replacement = watch.after(decision, candidate, call, out, recorder, policy)
             if replacement is not None:
                 out, name = run(replacement, call), replacement.name
                 guard_notes += (f"{candidate.name}: {watch.demoted[(candidate.name, call_site)]}",)
-        if mode != "off":  # "raise": a non-finite output fails the call under every policy (what checks ask)
+        if mode != "off" and (name != candidate.name or not candidate.guard):
+            # "raise": a non-finite output fails the call under every policy (what checks ask)
             checks.check_values({"output": out[0] if return_lse else out}, mode, name)
         if failed or name != decision.requested or recorder is not None:
             _account(decision, name, failed, recorder, call_site, requested, guard_notes)

@@ -50,8 +50,8 @@ import threading
 
 import torch
 
-from ..dispatcher import (PreparedAttention, attention_checks, dispatch_attention_fn, fallback_order, get_backend_spec,
-                          trusted_publishers)
+from ..dispatcher import (PreparedAttention, attention_checks, availability_reasons, dispatch_attention_fn,
+                          fallback_order, get_backend_spec, trusted_publishers)
 from ..dispatcher import checks as _checks
 from ..dispatcher.auto import AUTO, AUTO_EXACT, AUTO_FAST
 from ..dispatcher.backends.kitchen import SOL_ATTN_NAME as SOL_ATTN
@@ -274,6 +274,9 @@ class AttentionOverride:
                  default_attention=None, precision_notes: dict | None = None, sparse=None, tally=None):
         self.backend, self.policy, self.recorder = backend, policy, recorder
         self.sparse = (sparse or SolAttnOptions()) if backend == SOL_ATTN else None
+        # A dense call's reason says first that sol_attn cannot run here at all, where so: "32 tokens < min_tokens"
+        # alone read as if sol_attn would serve the longer calls.
+        self._sparse_here = _cannot_run_here(SOL_ATTN) if self.sparse is not None else ""
         self.tally = tally
         self.window = tuple(window) if window is not None else None
         self.trust = frozenset(trust or ())
@@ -379,7 +382,7 @@ class AttentionOverride:
             dense = self.sparse.dense_reason(q.shape[2] if skip_reshape else q.shape[1],
                                              None if position is None else position[0])
             if dense is not None:
-                return plan, dense
+                return plan, self._sparse_here + dense
         return plan, plan.reason
 
     def _serve(self, plan, q, k, v, heads, mask, skip_reshape, skip_output_reshape):
@@ -400,12 +403,16 @@ class AttentionOverride:
             self.precision_notes[key] = self.precision_notes.get(key, 0) + 1
         attend = plan.attend or self._unkept_attend(plan)
         sparse = self.sparse
+        found = None  # what the dispatcher's `warn` checks found in this call (the kernel's own output included)
         if self.trust or self.checks or sparse is not None:  # scopes only when asked for: ~1 us each per call
             with contextlib.ExitStack() as stack:
                 if self.trust:
                     stack.enter_context(trusted_publishers(self.trust))
                 if self.checks:
                     stack.enter_context(attention_checks(self.checks))
+                    if self.tally is not None:
+                        found = []
+                        stack.enter_context(_checks.reporting(found.append))
                 if sparse is not None:
                     stack.enter_context(sol_attn_options(sparse.tau))
                 out = attend(qs, ks, vs, mask)
@@ -422,7 +429,7 @@ class AttentionOverride:
             out = out.transpose(1, 2)
         if self.checks or self.compare is not None:
             return self._finish(out, plan.site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, plan.scale,
-                                plan.gqa, plan.name)
+                                plan.gqa, plan.name, found)
         return out
 
     def _prepared(self, plan) -> PreparedAttention:
@@ -446,11 +453,16 @@ class AttentionOverride:
         if self.recorder is not None:
             self.recorder.record(site, requested, served, tuple(reasons))
 
-    def _finish(self, out, site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, scale, gqa, label):
+    def _finish(self, out, site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, scale, gqa, label,
+                found=None):
+        """found: what the dispatcher's `warn` checks found in this call (already logged): the kernel's own output
+        too, which the quality guard may have replaced with a finite one since."""
         if self.checks:
             tally = self.tally
             if tally is None:
                 _checks.check_values({"output": out}, self.checks, label)
+            elif found:
+                tally.non_finite(found[0])
             else:  # judged as "raise" to see it; counted; a warn is then logged as the dispatcher would
                 try:
                     _checks.check_values({"output": out}, "raise", label)
@@ -601,6 +613,12 @@ class AttentionOverride:
                 plan.output = "transpose" if skip_output_reshape else "flatten"
         plan.recorder = self._relabel(plan.name, plan.notes)
         return plan
+
+
+def _cannot_run_here(name: str) -> str:
+    """'<name> cannot run on this machine (why), and ' when it cannot, else ''."""
+    reasons = availability_reasons(name)
+    return f"{name} cannot run on this machine ({'; '.join(reasons)}), and " if reasons else ""
 
 
 class CheckedOverride(AttentionOverride):

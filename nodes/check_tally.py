@@ -50,4 +50,4 @@ class CheckTally:
         first = s["messages"][0] if s["messages"] else ""
         if s["mode"] == "raise":
             return f"NaN/Inf found, the prompt failed (checks: raise) after {calls}: {first}"
-        return f"NaN/Inf in {s['non_finite']} of {calls} (checks: warn, logged; the output was kept): {first}"
+        return f"NaN/Inf in {s['non_finite']} of {calls} (checks: warn, logged; the prompt went on): {first}"

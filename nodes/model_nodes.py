@@ -7,7 +7,7 @@ from comfy_api.latest import io
 from ..dispatcher import (TRUSTED_PUBLISHERS, Recorder, availability_reasons, backend_names, get_backend_spec,
                           trusted_publishers)
 from ..dispatcher import env as _env
-from ..dispatcher.auto import FAST_BOUND
+from ..dispatcher.auto import FAST_BOUND, log_summary
 from ..dispatcher.backends import kitchen as _kitchen
 from ..dispatcher.guard import DEFAULT_EVERY
 from ..dispatcher.support import installing_helps
@@ -384,6 +384,7 @@ def _run_wrapper(kind: str, node_id, recorder=None, compare=None, info=None, blo
         try:
             return executor(*args, **kwargs)
         finally:
+            log_summary()  # the blocks `auto` decided like the ones it logged: counted, said once per run
             data = dict(info or {})
             data["notes"] = list(data.get("notes", ()))
             if recorder is not None:

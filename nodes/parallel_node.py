@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..dispatcher.log import echo
 from ..dispatcher.parallel import ContextParallelError
 from ..dispatcher.parallel.replicated import ReplicatedConfig, replicated_parallel
 from . import cp_runtime, reports
@@ -97,7 +98,7 @@ class ContextParallelAttention(io.ComfyNode):
     @classmethod
     def check_inputs(cls, mode="off", degree=0):
         if mode not in MODES:
-            return f"unknown mode '{mode}'; valid: {', '.join(MODES)}"
+            return f"unknown mode {echo(mode)}; valid: {', '.join(MODES)}"
         if isinstance(degree, bool) or not isinstance(degree, int) or degree < 0:
             return f"degree must be an integer >= 0 (0 = all ranks); got {degree!r}"
         return cp_runtime.validation_message(mode, degree)

@@ -12,6 +12,7 @@ import time
 import weakref
 from collections import deque
 
+from ..dispatcher.log import echo
 from ..dispatcher.report import rotation_text
 
 EVENT = "attention_dispatch.report"
@@ -25,14 +26,20 @@ _live: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary(
 _PATH = re.compile(r"(?<![\w.:/~-])(?:[A-Za-z]:[\\/]|~[\\/]|/(?=[\w.~-]))[^\s'\"<>|,;()\[\]]*")
 
 
+REPORT_TEXT_LIMIT = 4000  # characters of one text in a report (a kernel's error, a summary)
+
+
 def scrub(obj):
     """Plain data for the browser: no 'path' keys and no absolute file paths in texts (error messages name
-    lock files, kernel caches and libraries); each path becomes '<path>'."""
+    lock files, kernel caches and libraries); each path becomes '<path>'. Every text is cut and escaped
+    (`log.echo`): a report echoes what kernels and inputs said."""
     if isinstance(obj, dict):
         return {k: scrub(v) for k, v in obj.items() if k != "path"}
     if isinstance(obj, (list, tuple)):
         return [scrub(v) for v in obj]
     if isinstance(obj, str):
+        if len(obj) > REPORT_TEXT_LIMIT or not obj.isprintable():  # cut, escaped (its own line breaks kept)
+            obj = echo(obj, REPORT_TEXT_LIMIT, quote=False, keep="\n")
         return _PATH.sub("<path>", obj) if ("/" in obj or "\\" in obj) else obj
     return obj
 

@@ -26,6 +26,8 @@ import difflib
 import math
 from typing import Callable, Iterable, Sequence
 
+from ..dispatcher.log import echo
+
 MISSING = object()  # an input the prompt does not carry: ComfyUI reports it itself (required_input_missing)
 
 
@@ -55,8 +57,7 @@ class Field:
 
 
 def _short(value, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
+    return echo(value, limit)
 
 
 def _number(x) -> str:
@@ -66,7 +67,7 @@ def _number(x) -> str:
 def close_matches(value, options: Iterable, n: int = 1) -> list:
     """The option `value` most likely meant: equal ignoring case first, else difflib's closest."""
     options = [o for o in options if isinstance(o, str)]
-    if not isinstance(value, str):
+    if not isinstance(value, str) or len(value) > 200:  # difflib's cost grows with the product of the lengths
         return []
     folded = [o for o in options if o.lower() == value.strip().lower()]
     if folded:
@@ -138,10 +139,20 @@ def check(fields: Sequence[Field], values: dict) -> tuple[list[str], dict]:
     return problems, good
 
 
+ANSWER_LIMIT = 4000  # characters of one refusal: ComfyUI repeats it in its 400 body and its log
+
+
 def answer(problems: Iterable[str]) -> bool | str:
-    """check_inputs' answer: True, or every problem in one message."""
+    """check_inputs' answer: True, or every problem in one message (cut past ANSWER_LIMIT, saying how many more)."""
     problems = [p for p in problems if p]
-    return True if not problems else "; ".join(problems)
+    if not problems:
+        return True
+    text, shown = "", 0
+    for problem in problems:
+        if shown and len(text) + len(problem) > ANSWER_LIMIT:
+            return f"{text}; and {len(problems) - shown} more problems"
+        text, shown = (f"{text}; {problem}" if shown else problem[:ANSWER_LIMIT]), shown + 1
+    return text
 
 
 def refuse(result: bool | str) -> bool:

@@ -8,7 +8,6 @@ verdict were wrong.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import dispatcher
 from dispatcher import Recorder, dispatch_attention_fn, model_scope, recording
 from dispatcher import auto
 from dispatcher.auto import Tuner
+from dispatcher.auto import cache as disk_cache
 from helpers import fake_clock
 from helpers.tensors import qkv, sdpa as exact
 
@@ -153,7 +153,7 @@ def test_verdicts_belong_to_their_model_timings_are_shared(tuner, tmp_path):
             dispatch_attention_fn(*hostile, backend="auto_fast")
         assert t.timing_calls == timed  # model b reused model a's timings ...
     assert served(rec_a) == {quantised} and served(rec_b) == {exactly}  # ... but not its verdict
-    saved = json.loads((tmp_path / "tune.json").read_text())
+    saved = disk_cache.dump(tmp_path / "tune.json")
     (entry,) = saved["machines"].values()
     (decision,) = entry["decisions"].values()
     assert decision["verdicts"]["model-a"]["attention"][quantised]["status"] == "valid"  # per model and block
@@ -200,7 +200,7 @@ def test_auto_fast_judges_every_block_on_its_own_activations(tuner, tmp_path):
             torch.testing.assert_close(out, exact(*blocks[1]))  # the exact kernel's output, never int8_like's
     assert records["self #1"].chosen == exactly and records["self #1"].judged_on == "live values"
     assert {c.name: c.status for c in records["self #1"].candidates}[quantised] == "rejected"
-    saved = json.loads((tmp_path / "tune.json").read_text())
+    saved = disk_cache.dump(tmp_path / "tune.json")
     (entry,) = saved["machines"].values()
     (decision,) = entry["decisions"].values()
     verdicts = decision["verdicts"]["model-a"]
@@ -250,7 +250,7 @@ def test_unscoped_verdicts_stay_in_memory(tuner, tmp_path):
     exactly = register("t_exact", slow_exact)
     with tuner(quantised, exactly):
         dispatch_attention_fn(*qkv(1, 64, h=2, d=16), backend="auto_fast")
-    saved = json.loads((tmp_path / "tune.json").read_text())
+    saved = disk_cache.dump(tmp_path / "tune.json")
     (entry,) = saved["machines"].values()
     (decision,) = entry["decisions"].values()
     assert decision["verdicts"] == {} and decision["timings"]
@@ -280,3 +280,34 @@ def test_a_new_process_starts_the_next_block_and_auto_exact_from_what_the_disk_h
     assert new.reason.startswith("judged and timed earlier") or new.judged_on == "live values"
     exact_record = again.tune(*fine, model="model-a", exact=True)
     assert exact_record.chosen == exactly and again.timing_calls == 0
+
+
+def test_a_200_block_model_logs_one_line_per_decision_group_then_a_summary(tuner, caplog):
+    """A 200-block WAN under `auto_fast` once logged 1,200 lines on its first prompt (a decision line and a
+    warning per rejected kernel, per block and site): now the first block of each outcome is logged, the other
+    blocks counted, and the summary says how many."""
+    import logging
+    auto.log_summary()  # nothing left from another test
+    quantised = register("t_int8", int8_like, quantised=True)
+    exactly = register("t_exact", slow_exact)
+    caplog.set_level(logging.INFO, logger="attention_dispatch")
+    with tuner(quantised, exactly) as t:
+        caplog.clear()
+        for block in range(200):
+            q, k, v = qkv(1, 64, h=2, d=16, seed=2)
+            if block % 50 == 49:  # a few blocks with an outlier channel: the quantised kernel is rejected there
+                v = v.clone()
+                v[:, :, :, 0] *= 40
+            t.tune(q, k, v, model="wan", block=f"self #{block}")
+    lines = [r.getMessage() for r in caplog.records if r.name == "attention_dispatch"]
+    assert len(lines) == 2, lines  # one per outcome
+    assert all("same outcome are counted, not logged" in line for line in lines), lines
+    assert sum("rejected: t_int8" in line for line in lines) == 1, lines  # said once, in the line
+    caplog.clear()
+    auto.log_summary()
+    (summary,) = [r.getMessage() for r in caplog.records]
+    assert "this run decided 198 more blocks" in summary, summary
+    assert "-> t_int8 for 196 blocks of model wan" in summary and "-> t_exact for 4 blocks" in summary, summary
+    caplog.clear()
+    auto.log_summary()
+    assert not caplog.records  # said once

@@ -22,6 +22,7 @@ import dispatcher
 from dispatcher import (Recorder, attention_backend, dispatch_attention_fn, env, hub, recording, register_backend,
                         registry, state, trust)
 from dispatcher import auto as tuner
+from dispatcher.auto import cache as disk_cache
 
 from helpers import kernel_repos as kr
 from helpers import tensors
@@ -367,7 +368,7 @@ def test_tuner_cache_under_threads(tmp_path):
         assert all(len(s) == 1 for s in seen.values()), seen  # every thread got the same choice
         assert {r.chosen for r in records} == set().union(*seen.values())
         assert rec.total_calls == THREADS * (CALLS // 2)
-        on_disk = json.loads((tmp_path / "tune.json").read_text())
+        on_disk = disk_cache.dump(tmp_path / "tune.json")
         assert on_disk  # written once per signature, readable (no torn write)
 
 

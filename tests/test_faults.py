@@ -577,5 +577,29 @@ def test_checks_report_says_what_was_checked(nodes, mode):
     assert result == "latent" and not torch.isfinite(outs[1][0]).all()  # warn keeps the output
     checks = [r for r in reports.latest()["reports"] if r["kind"] == "checks"][-1]
     assert checks["checked"]["calls"] == 6 and checks["checked"]["non_finite"] == 1, checks
-    assert checks["summary"].startswith("NaN/Inf in 1 of 6 attention calls (checks: warn, logged; the output was "
-                                        "kept): output of attention backend 'faulty' has"), checks["summary"]
+    assert checks["summary"].startswith("NaN/Inf in 1 of 6 attention calls (checks: warn, logged; the prompt went "
+                                        "on): output of attention backend 'faulty' has"), checks["summary"]
+
+
+@pytest.mark.parametrize("mode", ["warn", "raise"])
+def test_checks_see_the_kernels_own_output_before_the_guard_replaces_it(nodes, mode, caplog):
+    """A custom kernel returning NaN under the default quality guard (which recomputes it exactly): the Attention
+    Checks node reports the NaN the kernel produced, and under `raise` the prompt fails (docs/nodes.md). It once
+    succeeded with "all finite": the guard had replaced the output before the checks saw it."""
+    reports = importlib.import_module(f"{PACK}.nodes.reports")
+    pack_dispatcher.register_backend("faulty", Faulty("nan", fail_on=(2,)), devices=("cpu",))
+    (patched,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "faulty", "fallback", 0.0, 1.0,
+                                                   None).result  # the default guard
+    (patched,) = nodes.AttentionChecks.execute(patched, mode, False, 10).result
+    if mode == "raise":
+        with pytest.raises(pack_dispatcher.AttentionInputError, match="output of attention backend 'faulty' has"):
+            sample(patched)
+    else:
+        result, outs = sample(patched)
+        assert result == "latent" and all(torch.isfinite(out).all() for out, _ in outs)  # the guard replaced it
+    checks = [r for r in reports.latest()["reports"] if r["kind"] == "checks"][-1]
+    assert checks["checked"]["non_finite"] == 1, checks
+    assert checks["summary"].startswith("NaN/Inf") and "output of attention backend 'faulty' has" in checks["summary"]
+    if mode == "warn":
+        logged = [r.getMessage() for r in caplog.records if "output of attention backend 'faulty'" in r.getMessage()]
+        assert len(logged) == 1, logged  # once, not once by the dispatcher and once by the node

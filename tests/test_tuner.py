@@ -19,6 +19,7 @@ import dispatcher
 from dispatcher import AttentionInputs, Recorder, dispatch_attention_fn, eager, recording
 from dispatcher import auto as tuner
 from dispatcher.auto import Tuner
+from dispatcher.auto import cache as disk_cache
 from helpers import fake_clock
 from helpers.tensors import sdpa as exact
 
@@ -152,7 +153,7 @@ def test_an_inaccurate_backend_is_rejected_even_when_fastest(cache, wrong):
     bad = {c.name: c for c in record.rejected}["t_wrong"]
     assert bad.status == "rejected" and bad.rel_error > 0.5 and bad.median_ms is None
     assert "relative error" in bad.reason and "bound 5e-02" in bad.reason
-    saved = json.loads(cache.read_text())["machines"]
+    saved = disk_cache.dump(cache)["machines"]
     (entry,) = saved.values()
     (decision,) = entry["decisions"].values()
     # timings are kept for what can run; a verdict on noise (no model, no live values) is not written down
@@ -215,7 +216,7 @@ def test_a_version_change_invalidates_the_cache(cache):
         again = make(cache, *names)
         record = again.tune(SIG)
         assert record.source == "timed" and again.timing_calls == 2
-    machines = json.loads(cache.read_text())["machines"]
+    machines = disk_cache.dump(cache)["machines"]
     assert len(machines) == 2  # one entry per fingerprint
     assert {m["machine"]["packages"].get("sageattention") for m in machines.values()} == {None, "9.9.9"}
     assert make(cache, *names).tune(SIG).source == "judged"  # the original machine still reads its own timings
@@ -353,19 +354,20 @@ def test_module_level_api_uses_the_default_tuner(cache):
 
 def test_the_cache_file_comes_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(tuner.ENV_CACHE, str(tmp_path))
-    assert Tuner().cache_path == tmp_path / "tune.json"
+    assert Tuner().cache_path == tmp_path / "tune.sqlite3"
     monkeypatch.setenv(tuner.ENV_CACHE, "off")
     assert Tuner().cache_path is None
     monkeypatch.delenv(tuner.ENV_CACHE)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert Tuner().cache_path == tmp_path / "xdg" / "attention_dispatch" / "tune.json"
+    assert Tuner().cache_path == tmp_path / "xdg" / "attention_dispatch" / "tune.sqlite3"
 
 
-def test_an_unreadable_cache_is_ignored(cache):
+def test_an_unreadable_cache_is_set_aside(cache):
     cache.write_text("{not json")
     names = register("t_slow", slow), register("t_fast", exact)
     assert make(cache, *names).tune(SIG).source == "timed"
-    assert json.loads(cache.read_text())["format"] == tuner.CACHE_FORMAT
+    assert disk_cache.dump(cache)["format"] == tuner.CACHE_FORMAT
+    assert cache.with_name(cache.name + ".bad").read_text() == "{not json"  # kept for the user
 
 
 def test_inputs_are_shrunk_to_the_memory_cap(cache):

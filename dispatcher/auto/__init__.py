@@ -17,8 +17,8 @@ For a call signature met for the first time, the tuner
   with the reason. A verdict belongs to the model it was made on (`model=` / `model_scope`);
 - times the valid ones on the same tensors (warm-up, then the median of a few runs; CUDA events on GPUs)
   within a time budget per signature, and keeps the fastest (a preferred one within timing noise wins ties).
-Decisions live in memory (the hot path never comes back here once decided) and on disk (JSON,
-`ATTN_DISPATCH_TUNE_CACHE` or ~/.cache/attention_dispatch/tune.json), keyed by the machine (GPU or CPU
+Decisions live in memory (the hot path never comes back here once decided) and on disk (SQLite, cache.py:
+`ATTN_DISPATCH_TUNE_CACHE` or ~/.cache/attention_dispatch/tune.sqlite3), keyed by the machine (GPU or CPU
 model, torch and attention package versions) and the set of candidates. On disk, timings are shared by
 every model; verdicts are kept per model and reused only for the same model (calls without a model scope
 keep theirs in memory). `tune(signature)` without tensors times on noise and leaves verdicts to the first
@@ -45,6 +45,7 @@ from typing import Any
 
 from .. import caches, registry
 from ..inputs import AttentionInputs
+from . import tune_log
 from .cache import CACHE_FORMAT, ENV_CACHE, default_cache_path, set_default_dir  # noqa: F401  (public names)
 from .hooks import TuningProgress, set_interrupt_check, set_progress_hook  # noqa: F401  (for a host: ComfyUI's nodes)
 from .fingerprint import cpu_model, fingerprint_key, machine_fingerprint  # noqa: F401
@@ -115,6 +116,11 @@ def explain() -> str:
 
 def clear_cache(disk: bool = True) -> None:
     default_tuner().clear_cache(disk=disk)
+
+
+def log_summary() -> None:
+    """Log how many blocks each decision group held since the last summary (a host calls it when a run ends)."""
+    tune_log.summary()
 
 
 def _resolver(exact: bool):

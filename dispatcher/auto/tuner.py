@@ -17,7 +17,7 @@ from ..call import AttentionCall
 from ..checks import check_shapes, check_structure
 from ..execute import run
 from ..inputs import AttentionInputs, describe_call
-from . import cache, hooks, measure
+from . import cache, hooks, measure, tune_log
 from .fingerprint import fingerprint_key, machine_fingerprint
 from .measure import random_inputs, shrink, sync, time_calls, time_rounds, validate
 from ..reference import exact_attention, first_line, sample_rows
@@ -128,7 +128,7 @@ class Tuner:
     def __init__(self, *, cache_path=_DEFAULT_PATH, time_budget_s: float | None = None,
                  max_signatures: int | None = None, warmup: int = 1, runs: int = 5, validation_rows: int = 64,
                  memory_cap_bytes: int | None = None, backends=None, tie_margin: float = DEFAULT_TIE_MARGIN):
-        """cache_path: the JSON file (None: memory only; default: `cache.default_cache_path()`);
+        """cache_path: the cache file (SQLite; None: memory only; default: `cache.default_cache_path()`);
         time_budget_s: seconds per signature, everything included (ATTN_DISPATCH_TUNE_BUDGET; default 2 on a GPU,
         0.5 on a CPU); max_signatures: timed per process
         (ATTN_DISPATCH_TUNE_MAX_SIGNATURES, 32); warmup/runs: calls per candidate; validation_rows: query
@@ -404,13 +404,7 @@ class Tuner:
         if record.source in ("timed", "judged"):
             where = f"model {model}" + (f", {block}" if block else "")
             self._progress(record, "done", len(names), len(names), start, chosen=record.chosen)
-            rejected = "; ".join(f"{c.name} ({c.reason})" for c in record.rejected)
-            logger.info("auto: %s (%s) -> %s (%d candidates, judged on %s, %.2f s)%s", sig.describe(), where,
-                        record.chosen, len(names), record.judged_on, record.seconds,
-                        f"; rejected: {rejected}" if rejected else "")
-            for c in record.rejected:
-                logger.warning("auto rejected attention backend '%s' for %s (%s): %s", c.name, sig.describe(),
-                               where, c.reason)
+            tune_log.decided(record, where)  # once per group of blocks with the same outcome
         return record
 
     @staticmethod

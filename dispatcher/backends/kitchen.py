@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..inputs import AttentionInputs
+from ..log import echo
 from ..registry import add
 from ..requirements import CudaCapability, OnDevice, Package, Probe
 from ..spec import HALF, BackendSpec, HeadDims
@@ -89,28 +90,47 @@ def tau_problem(tau) -> str | None:
 
 
 _BLOCK_ITEM = re.compile(r"^(\d+)(?:\s*-\s*(\d+))?$")
+# A model has tens of blocks (WAN 14B 40, Flux 57, HunyuanVideo 60): these caps are far above any of them and far
+# below what costs the server anything. They are checked on the text and on each range's arithmetic length before
+# a single block is expanded: 300 ranges of 100,000 blocks once held the server 3-14 s and took 2.4 GB.
+MAX_DENSE_TEXT = 4096  # characters of dense_blocks
+MAX_DENSE_ITEMS = 256  # block numbers and ranges
+MAX_DENSE_BLOCKS = 4096  # blocks named in all, counted before they are expanded
+MAX_BLOCK = 99_999  # the highest block number
+_FORM = "write block numbers from 0 and ranges a-b, separated by commas, e.g. '0, 1, 47-49'"
 
 
 def parse_dense_blocks(text) -> tuple[frozenset[int], str | None]:
     """'0, 1, 47-49' -> ({0, 1, 47, 48, 49}, None); anything else -> (empty, why). ComfyUI's node skips what it
-    cannot read (a typo silently makes every block sparse); this names the item and the form instead."""
+    cannot read (a typo silently makes every block sparse); this names the item and the form instead. Sizes are
+    capped (MAX_DENSE_*) before anything is expanded: the answer takes microseconds whatever the text."""
     if not isinstance(text, str):
         return frozenset(), f"dense_blocks must be text such as '0, 1, 47-49'; got {type(text).__name__}"
-    blocks: set[int] = set()
-    for item in (part.strip() for part in text.replace(";", ",").split(",")):
-        if not item:
-            continue
+    if len(text) > MAX_DENSE_TEXT:
+        return frozenset(), (f"dense_blocks is {len(text)} characters long, at most {MAX_DENSE_TEXT} are accepted "
+                             f"(a model has tens of blocks); {_FORM}")
+    items = [part.strip() for part in text.replace(";", ",").split(",")]
+    items = [item for item in items if item]
+    if len(items) > MAX_DENSE_ITEMS:
+        return frozenset(), (f"dense_blocks names {len(items)} numbers and ranges, at most {MAX_DENSE_ITEMS} are "
+                             f"accepted; join neighbouring blocks into ranges a-b")
+    ranges, total = [], 0
+    for item in items:
         match = _BLOCK_ITEM.match(item)
         if match is None:
-            return frozenset(), (f"dense_blocks: {item!r} is not a block number or a range; write block numbers "
-                                 "from 0 and ranges a-b, separated by commas, e.g. '0, 1, 47-49'")
+            return frozenset(), f"dense_blocks: {echo(item)} is not a block number or a range; {_FORM}"
         first, last = int(match.group(1)), int(match.group(2) or match.group(1))
         if last < first:
-            return frozenset(), f"dense_blocks: the range {item!r} runs backwards; write it {last}-{first}"
-        if last - first > 100000:
-            return frozenset(), f"dense_blocks: the range {item!r} is longer than any model's block count"
-        blocks.update(range(first, last + 1))
-    return frozenset(blocks), None
+            return frozenset(), f"dense_blocks: the range {echo(item)} runs backwards; write it {last}-{first}"
+        if last > MAX_BLOCK:
+            return frozenset(), (f"dense_blocks: block {last} is past the highest block number accepted, "
+                                 f"{MAX_BLOCK} (a model has tens of blocks, numbered from 0); name the model's blocks")
+        total += last - first + 1
+        ranges.append((first, last))
+    if total > MAX_DENSE_BLOCKS:
+        return frozenset(), (f"dense_blocks names {total} blocks, at most {MAX_DENSE_BLOCKS} are accepted (a model "
+                             f"has tens of blocks); name only the model's blocks, e.g. '0, 1, 47-49'")
+    return frozenset(b for first, last in ranges for b in range(first, last + 1)), None
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ SET = "SetAttentionBackend"
 SLOW_NODE = r'''
 import time
 
+import torch
 import torch.nn.functional as F
 
 NAME = "test_slow_exact"
@@ -44,11 +45,18 @@ def kernel(q, k, v, *, attn_mask=None, scale=None, **_):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
 
 
+def nan_kernel(q, k, v, **_):
+    """(B, H, L, D): a custom kernel gone wrong, NaN everywhere."""
+    return torch.full_like(q, float("nan"))
+
+
 def register():
     d = _dispatcher()
     if d is not None and NAME not in d.backend_names():
         d.register_backend(NAME, kernel, layout="BHSD", devices=("cpu",), fallback=("native",),
                            description="test: an exact kernel whose next call after arming is slow")
+        d.register_backend("test_nan", nan_kernel, layout="BHSD", devices=("cpu",), fallback=("native",),
+                           description="test: a kernel whose every output is NaN")
 
 
 class TestSlowKernel:
@@ -153,17 +161,18 @@ def sd15(**kw):
 
 
 def decisions(comfy) -> set:
-    path = Path(comfy.base) / "user" / "attention_dispatch" / "tune.json"
+    from dispatcher.auto import cache as disk_cache
+    path = Path(comfy.base) / "user" / "attention_dispatch" / "tune.sqlite3"
     if not path.exists():
         return set()
-    return {key for machine in json.loads(path.read_text())["machines"].values() for key in machine["decisions"]}
+    return {key for machine in disk_cache.dump(path)["machines"].values() for key in machine["decisions"]}
 
 
 def test_tuning_shows_progress_and_saves_into_comfyuis_user_directory(comfy, progress_texts):
     entry = comfy.run(wan(seed=3))
     report = model_report(comfy, entry, "10")
     assert report["recorder"]["rows"], report
-    assert decisions(comfy), "no decision in <user directory>/attention_dispatch/tune.json"
+    assert decisions(comfy), f"no decision in <user directory>/attention_dispatch/tune.sqlite3\n{comfy.tail(6000)}"
     texts = [t["text"] for t in progress_texts() if t["node"] == "11"]  # on the sampler, where attention runs
     assert any(t.startswith("auto_exact: tuning attention for q ") and "trying native (1 of " in t for t in texts), texts
     assert any("trying test_slow_exact" in t for t in texts), texts
@@ -200,3 +209,45 @@ def test_cancel_stops_tuning(comfy, tmp_path):
     assert any(m[0] == "execution_interrupted" for m in status["messages"]), status
     assert stopped < 4.0 + 10, stopped  # the slow call's rest, then no other candidate, no sampling step
     assert decisions(comfy) == before
+
+
+def test_tuning_cache_files_that_are_not_caches_are_set_aside_once_and_auto_goes_on(comfy):
+    """A tuning cache of the wrong shape once broke every `auto` prompt until deleted (issue #41): now the file is
+    renamed `.bad` (kept for the user) with one warning, and the prompts run."""
+    folder = Path(comfy.base) / "user" / "attention_dispatch"
+    folder.mkdir(parents=True, exist_ok=True)
+    legacy = '{"format": 4, "machines": {"x": {"decisions": []}}}'
+    (folder / "tune.json").write_text(legacy)  # an earlier version's file, of the wrong shape
+    (folder / "tune.sqlite3").unlink(missing_ok=True)
+    (folder / "tune.sqlite3").write_text("this is not a database, but long enough to have a header")
+    offset = comfy.log.stat().st_size
+    for seed, size in ((31, 48), (32, 80)):  # new signatures: tuned now, so the cache is read and written
+        entry = comfy.run(prompt("tiny_wan21.safetensors", 4096, 8, {"class_type": "EmptyHunyuanLatentVideo", "inputs": {
+            "width": size, "height": size, "length": 1, "batch_size": 1}}, seed=seed))
+        assert model_report(comfy, entry, "10")["recorder"]["rows"]
+    assert (folder / "tune.json.bad").read_text() == legacy
+    assert (folder / "tune.sqlite3.bad").read_text().startswith("this is not a database")
+    assert decisions(comfy), "no decision saved in the new cache"
+    log = comfy.log.read_bytes()[offset:].decode("utf-8", errors="replace")
+    set_aside = [line for line in log.splitlines() if "is not a tuning cache" in line]
+    assert len(set_aside) == 2, set_aside  # one per file, not one per prompt or lookup
+    assert "Traceback" not in log, log[-3000:]
+
+
+def test_checks_raise_fail_a_prompt_whose_kernel_returned_nan_under_the_default_guard(comfy):
+    """Attention Checks `raise` after a custom kernel that returns NaN, policy fallback, default quality guard:
+    the prompt once succeeded with "all finite" (the guard had replaced the NaN before the checks saw it)."""
+    p = prompt("tiny_wan21.safetensors", 4096, 8, {"class_type": "EmptyHunyuanLatentVideo", "inputs": {
+        "width": 64, "height": 64, "length": 1, "batch_size": 1}}, seed=33)
+    p["10"]["inputs"]["backend"] = "test_nan"
+    p["13"] = {"class_type": "AttentionChecks", "inputs": {"model": ["10", 0], "mode": "raise", "compare": False,
+                                                          "compare_every": 10}}
+    p["11"]["inputs"]["model"] = ["13", 0]
+    status, body = comfy.post_prompt(p)
+    assert status == 200, body
+    entry = comfy.wait(body["prompt_id"])
+    assert entry["status"]["status_str"] == "error", entry["status"]
+    checks = [r for r in comfy.reports(entry["prompt_id"]) if r["kind"] == "checks"]
+    assert checks and checks[-1]["checked"]["non_finite"] >= 1, checks
+    assert checks[-1]["summary"].startswith("NaN/Inf found, the prompt failed (checks: raise)"), checks[-1]
+    assert "output of attention backend 'test_nan'" in checks[-1]["summary"], checks[-1]

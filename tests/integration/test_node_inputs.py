@@ -164,6 +164,9 @@ def test_sol_attn_on_a_cpu_says_why_and_applies_the_dense_rules(comfy):
     assert rows and all(r["served"].startswith("comfy:") for r in rows), rows
     assert all(any("< min_tokens 1048576: short sequences run faster dense" in reason for reason in r["reasons"])
                for r in rows), rows
+    # the machine's reason first: sol_attn would not serve the longer calls here either (issue #41)
+    assert all(any(reason.startswith("sol_attn cannot run on this machine (") and "needs an NVIDIA CUDA GPU" in reason
+                   for reason in r["reasons"]) for r in rows), rows
 
 
 def test_a_refusal_appears_once_in_the_error_response(comfy):
