@@ -37,8 +37,13 @@ SM90_ONLY = CudaCapability(exact=((9, 0),))
 # FlashAttention-4 (CuTe DSL, JIT-compiled on first use of each shape family; needs nvidia-cutlass-dsl, which pip
 # brings). It installs `flash_attn/cute` into the `flash_attn` namespace, so FlashAttention-2 is detected by
 # `flash_attn.flash_attn_interface`, never by `import flash_attn`. On CUDA 13 its README asks for the [cu13] extra.
+# Since 4.6 the DSL's Python package (`cutlass`, `cutlass.cute`) comes in nvidia-cutlass-dsl-libs-core, a requirement
+# of nvidia-cutlass-dsl-libs-base; -libs-base itself carries only `cutlass/_mlir`, so without -libs-core `cutlass`
+# still imports (a namespace package) and `cutlass.cute` does not: what the H200's wheel set (installed --no-deps)
+# lacked on 2026-12-05. pip with dependencies brings it.
 FA4 = Package("flash-attn-4", "4.0.0b40", module="flash_attn.cute",
-              pip="pip install 'flash-attn-4>=4.0.0b40' (on CUDA 13: 'flash-attn-4[cu13]>=4.0.0b40')")
+              pip="pip install 'flash-attn-4>=4.0.0b40' (on CUDA 13: 'flash-attn-4[cu13]>=4.0.0b40')",
+              carriers=(("cutlass", "nvidia-cutlass-dsl-libs-core", "nvidia-cutlass-dsl"),))
 # flash_attn/cute/interface.py 4.0.0b40 has kernels for sm_90 (Hopper), sm_100/sm_103/sm_110 (Blackwell datacenter,
 # Thor) and sm_120/sm_121 (Blackwell GeForce, DGX Spark); its sm_80 path is left out (FA2 and FA3 serve Ampere).
 FA4_ARCHS = CudaCapability(exact=((9, 0), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1)))
