@@ -73,12 +73,14 @@ def test_what_each_needs_on_a_cpu_and_on_a_gpu_without_the_packages():
         assert any("needs an NVIDIA CUDA GPU; this machine has a CPU" in r for r in why), (name, why)
     bare = cuda_machine((9, 0))
     assert availability_reasons("comfy_kitchen_int8", bare) == \
-        ["comfy-kitchen is not installed: pip install 'comfy-kitchen>=0.2.40'"]
+        ["comfy-kitchen is not installed: pip install 'comfy-kitchen>=0.2.36'"]
     assert availability_reasons("flash_4", bare)[0].startswith(
         "flash-attn-4 is not installed: pip install 'flash-attn-4>=4.0.0b40'")
-    old_beta = cuda_machine((9, 0), **{"flash-attn-4": "4.0.0b36", "comfy-kitchen": "0.2.39"})
+    old_beta = cuda_machine((9, 0), **{"flash-attn-4": "4.0.0b36", "comfy-kitchen": "0.2.35"})
     assert "flash-attn-4 4.0.0b36 is older than the required 4.0.0b40" in availability_reasons("flash_4", old_beta)[0]
-    assert "comfy-kitchen 0.2.39 is older than the required 0.2.40" in availability_reasons("sol_attn", old_beta)[0]
+    assert "comfy-kitchen 0.2.35 is older than the required 0.2.36" in availability_reasons("sol_attn", old_beta)[0]
+    pinned = cuda_machine((9, 0), **{"comfy-kitchen": "0.2.36"})  # what ComfyUI 0.38 installs: enough
+    assert availability_reasons("sol_attn", pinned) == [] and availability_reasons("comfy_kitchen_int8", pinned) == []
     for name in NEW:
         assert availability_reasons(name, H200) == [], name
 
@@ -384,3 +386,25 @@ def test_the_device_wheel_set_carries_the_dsls_core_and_checks_its_closure(tmp_p
     assert device_wheels.unmet([dsl, base, cu13, core], "13") == []
     assert device_wheels.unmet([dsl, base, cu13, core], "12,13") == [
         "nvidia-cutlass-dsl requires nvidia-cutlass-dsl-libs-cu12==4.8.1"]
+
+
+# --- comfy-kitchen: the floor is ComfyUI's own pin ----------------------------------------------------------------
+
+def test_the_floor_never_fights_comfyuis_pin():
+    """ComfyUI 0.38 pins comfy-kitchen==0.2.36: the pack's floor and install advice must accept it."""
+    from dispatcher.versions import at_least
+    assert at_least(kitchen.COMFYUI_PIN, kitchen.KITCHEN.min_version)
+    assert kitchen.KITCHEN.install_hint == f"pip install 'comfy-kitchen>={kitchen.KITCHEN.min_version}'"
+
+
+def test_the_installed_comfy_kitchen_takes_the_packs_calls():
+    """Whatever comfy-kitchen this environment has (CI: 0.2.40, and the floor, 0.2.36, in the floor phase): at least
+    the floor, and its two calls take the keywords the pack passes (the CPU call above runs its eager Sol-Attn)."""
+    import importlib.metadata
+    import inspect
+    from dispatcher.versions import at_least
+    ck = pytest.importorskip("comfy_kitchen")
+    assert at_least(importlib.metadata.version("comfy-kitchen"), kitchen.KITCHEN.min_version)
+    assert {"scale", "attn_mask"} <= set(inspect.signature(ck.int8_attention).parameters)
+    assert {"tau", "scale"} <= set(inspect.signature(ck.sol_attn).parameters)
+    assert callable(ck.int8_attention_is_available) and callable(ck.sol_attn_is_available)
