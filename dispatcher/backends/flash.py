@@ -243,7 +243,8 @@ add(BackendSpec(name="_flash_3", family="flash3",
 add(BackendSpec(name="flash_3_fp8", family="flash3",
                 description="FlashAttention-3's FP8 forward (Hopper): e4m3 q/k/v, per-head scales, K and V smoothed",
                 fn=fp8_call, capability=SM90_ONLY, backward=False, quantised=True, error_bound=7e-2,
-                requires=(FA3, ON_CUDA, Probe("FlashAttention-3 FP8 forward", _fa3_fp8_probe)),
+                # sm_90 before the probe: a tiny FP8 call is only tried where FP8 kernels can exist
+                requires=(FA3, ON_CUDA, SM90_ONLY, Probe("FlashAttention-3 FP8 forward", _fa3_fp8_probe)),
                 **{**COMMON, "head_dims": HeadDims(16, 256, 16)}))
 add(BackendSpec(name="_flash_varlen_3", family="flash3", description="FlashAttention-3 varlen (Hopper)",
                 fn=_style(varlen, style="fa3"), capability=HOPPER_AMPERE, masks=KEY_PADDING,

@@ -4,14 +4,11 @@ emulation of the kernel (dispatcher/quantise.py) that tests/test_fp8.py relies o
 
 GPU only (marker `gpu`), run on the lent H200:
     ATTN_GPU_RESULTS=fp8.json python -m pytest tests/gpu/test_gpu_fp8.py -m gpu
-Each measured error is written to the JSON file ATTN_GPU_RESULTS names. The bound is the backend's declared
+Each measured error is written to the JSON file ATTN_GPU_RESULTS names (with test_gpu_backends.py's rows). The bound is the backend's declared
 `error_bound` (7e-2 on noise, from the emulation's 5.4e-2); timings are bench/side_by_side.py's.
 """
 
 from __future__ import annotations
-
-import json
-import os
 
 import pytest
 import torch
@@ -21,13 +18,13 @@ from dispatcher import quantise
 from dispatcher.backends.flash import fp8_call
 from dispatcher.reference import exact_attention, relative_error, sample_rows
 from dispatcher.tools.bench import local_video_qkv, video_grid
+from gpu.test_gpu_backends import _record  # one results file for every GPU test module (ATTN_GPU_RESULTS)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 NAME = "flash_3_fp8"
 # (label, B, H, L, D), issue 42's shapes
 SHAPES = [("wan14b_480p", 1, 40, 32760, 128), ("wan1.3b_480p", 1, 12, 32760, 128), ("flux_1024", 1, 24, 4608, 128)]
-RESULTS: list[dict] = []
 
 
 @pytest.fixture(autouse=True)
@@ -35,15 +32,6 @@ def available():
     why = dispatcher.availability_reasons(NAME)
     if why:
         pytest.skip("; ".join(why))
-
-
-def _record(**row):
-    RESULTS.append(row)
-    path = os.environ.get("ATTN_GPU_RESULTS")
-    if path:
-        with open(path, "w") as f:
-            json.dump({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
-                       "packages": dispatcher.current_machine().packages, "results": RESULTS}, f, indent=1)
 
 
 def inputs(kind, b, h, length, d, seed=0):
