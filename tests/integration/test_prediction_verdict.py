@@ -68,7 +68,7 @@ def comfy():
         return (server.get("/object_info/SetAttentionBackend") is not None
                 and server.get("/object_info/TestSparseKernel") is not None)
 
-    with serve_comfyui("attn-dispatch-issue42-", command, ready) as server:
+    with serve_comfyui("attn-dispatch-issue42-", command, ready, start_timeout=600) as server:  # a loaded machine
         yield server
 
 
