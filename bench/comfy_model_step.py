@@ -11,6 +11,9 @@ cfg batch 2 (kernels of 0.03-0.2 ms, where the per-call cost of the Python aroun
 call's cost). Each guarded configuration reports the guard's checks in the warm-up step (every block's first
 call) and per timed step, the blocks it checked and its failures with their blocks (`guard_summary`), so the
 guard's cost reads side by side: `--backends auto_fast,auto_fast:guard=off`.
+`auto_fast:verdict` asks for the prediction-level verdict on approximate kernels (dispatcher/prediction.py) as the
+Set Attention Backend node does: its warm-up step runs the model with them refused and allowed, keeps one, and the
+JSON's `sparse_verdicts` says what it admitted or refused and how far the prediction moved.
 `--steps N` also runs N Euler steps of a sampling run from the same start for every configuration and reports
 how far each final latent is from `auto_exact`'s and from ComfyUI's default.
 `--compile` times the model under torch.compile (inductor) instead and counts its graph breaks.
@@ -117,21 +120,33 @@ def main() -> int:
 
     model_key = f"bench-{args.model}"  # the override's model identity: verdicts and demotions are per model
     configs = {"comfy default": ({}, None)}
+    judged = {}  # config -> its model key, for the configurations that ask for the prediction-level verdict
     for entry in [b for b in args.backends.split(",") if b]:
-        backend, _, option = entry.partition(":guard=")
+        backend, _, option = entry.removesuffix(":verdict").partition(":guard=")
         mode, _, every = option.partition("/")
         if backend not in dispatcher.auto.PSEUDO_BACKENDS and dispatcher.availability_reasons(backend):
             print(f"{backend:16} unavailable: {'; '.join(dispatcher.availability_reasons(backend))[:90]}")
             continue
         recorder = dispatcher.Recorder(entry)
         guard = dict(guard=mode or None, guard_every=int(every) if every else None)
-        override = adapter.make_override(backend, "fallback", recorder, model=model_key, **guard)
+        key = f"{model_key}-verdict" if entry.endswith(":verdict") else model_key
+        override = adapter.make_override(backend, "fallback", recorder, model=key, **guard)
         configs[entry] = ({"optimized_attention_override": override}, recorder)
+        if key != model_key:
+            judged[entry] = key
+            dispatcher.prediction.require(key)
     if args.compile:
         return compiled_step(args, forward_args, configs, device)
     # One warm-up step each (`auto` tunes, flex compiles), then rounds that run every configuration once in
     # turn: drift of the host or the GPU clock hits all of them alike (the SDXL step is partly CPU-bound).
-    outputs = {name: forward(options).float() for name, (options, _) in configs.items()}
+    outputs, verdicts = {}, {}
+    for name, (options, _) in configs.items():
+        if name in judged:  # the first step: the model with approximate kernels refused, then allowed
+            verdict, out = dispatcher.prediction.judge(judged[name], lambda: forward(options), lambda: forward(options))
+            outputs[name], verdicts[name] = out.float(), verdict.as_dict()
+            print(f"{name}: {verdict.text}")
+        else:
+            outputs[name] = forward(options).float()
     warmup_checks = {name: _checks(recorder) for name, (_, recorder) in configs.items()}
     times = {name: [] for name in configs}
     for _ in range(args.runs):
@@ -166,7 +181,8 @@ def main() -> int:
         Path(args.json).write_text(json.dumps({
             "model": args.model, "config": cfg, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
             "torch": torch.__version__, "dtype": str(dtype), "runs": args.runs, "rows": rows, "tuning": report,
-            "sampling": sampling, "packages": dispatcher.current_machine().packages}, indent=1, default=str))
+            "sampling": sampling, "sparse_verdicts": verdicts, "packages": dispatcher.current_machine().packages},
+            indent=1, default=str))
     return 0
 
 

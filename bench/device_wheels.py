@@ -5,7 +5,11 @@
 
 What the H200 needs for issue 31's kernels (Python 3.12, torch 2.11.0+cu130 already there): comfy-kitchen 0.2.40
 (67.8 MB, of which its ROCm library is 158 MB of the 199 MB unpacked) and flash-attn-4 4.0.0b40 with its CuTe DSL
-(nvidia-cutlass-dsl, whose CUDA 13 library wheel alone is 92 MB). `prepare`:
+(nvidia-cutlass-dsl, whose CUDA 13 library wheel alone is 92 MB). Since 4.6 the DSL's Python package (`cutlass`,
+`cutlass.cute`) is a wheel of its own, nvidia-cutlass-dsl-libs-core, required by nvidia-cutlass-dsl-libs-base (which
+carries only `cutlass/_mlir`): the set of 2026-12-05 lacked it, so `cutlass` imported as a namespace package and
+`cutlass.cute` did not. `prepare` now checks the set's closure (`unmet`): every Requires-Dist of every wheel is in
+the set, on the device already (`DEVICE_HAS`) or the other CUDA major's library. `prepare`:
 - downloads the pinned set below with `pip download --no-deps` for CPython 3.12 on manylinux x86_64 (no torch:
   the device has it), into .whl/device/downloads (`.whl/` is git-ignored: no wheel is ever committed);
 - repacks comfy-kitchen without `comfy_kitchen/backends/hip/_C*.so` (and its RECORD line): the package loads that
@@ -41,12 +45,15 @@ PYTHON, PLATFORM = "3.12", "manylinux_2_28_x86_64"
 # flash-attn-4 4.0.0b40's Requires-Dist, resolved on 2026-12-04, without torch (and typing-extensions) which the
 # device has; nvidia-cutlass-dsl's library wheels are chosen by --cuda.
 PINNED = ("comfy-kitchen==0.2.40", "flash-attn-4==4.0.0b40", "nvidia-cutlass-dsl==4.8.1",
-          "nvidia-cutlass-dsl-libs-base==4.8.1", "quack-kernels==0.6.5", "apache-tvm-ffi==0.1.15.post2",
-          "torch-c-dlpack-ext==0.1.5", "einops==0.8.2")
+          "nvidia-cutlass-dsl-libs-base==4.8.1", "nvidia-cutlass-dsl-libs-core==4.8.1", "quack-kernels==0.6.5",
+          "apache-tvm-ffi==0.1.15.post2", "torch-c-dlpack-ext==0.1.5", "einops==0.8.2", "cuda-bindings==13.5.0",
+          "cuda-pathfinder==1.9.1", "protobuf==7.36.2")
+# What the device's torch 2.11.0+cu130 already brings (never carried: torch must not be touched).
+DEVICE_HAS = ("torch", "typing-extensions", "triton", "numpy")
 CUTLASS_LIBS = "nvidia-cutlass-dsl-libs-cu{}==4.8.1"
 # Members a repacked wheel leaves out: (wheel name prefix, member prefix, why).
 STRIP = (("comfy_kitchen-", "comfy_kitchen/backends/hip/_C", "its ROCm library, loaded only under a ROCm torch"),)
-IMPORTS = ("comfy_kitchen", "flash_attn.cute")
+IMPORTS = ("comfy_kitchen", "cutlass.cute", "flash_attn.cute")
 
 
 def sha256(path: Path) -> str:
@@ -55,6 +62,38 @@ def sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _requires(wheel: Path) -> tuple[str, list[str]]:
+    """(its distribution name, its Requires-Dist lines), from the wheel's METADATA."""
+    with zipfile.ZipFile(wheel) as z:
+        name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = z.read(name).decode().splitlines()
+    dist = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Name:"))
+    return dist, [line.split(":", 1)[1].strip() for line in lines if line.startswith("Requires-Dist:")]
+
+
+def unmet(wheels: list[Path], cuda: str) -> list[str]:
+    """Each requirement of the wheels (for CPython 3.12 on Linux x86_64, no extras) that neither the set, the
+    device (DEVICE_HAS) nor the choice of CUDA majors (`cuda`: the other major's DSL library is left out on purpose)
+    provides: `pip install --no-deps` would install the set without it, and an import would fail on the device."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    environment = {"python_version": PYTHON, "python_full_version": f"{PYTHON}.0", "sys_platform": "linux",
+                   "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
+                   "os_name": "posix", "extra": ""}
+    found = dict(_requires(w) for w in wheels)
+    have = {canonicalize_name(d) for d in found} | {canonicalize_name(d) for d in DEVICE_HAS}
+    have |= {f"nvidia-cutlass-dsl-libs-cu{major}" for major in ("12", "13") if major not in cuda.split(",")}
+    missing = []
+    for dist, requires in sorted(found.items()):
+        for line in requires:
+            requirement = Requirement(line)
+            if requirement.marker is not None and not requirement.marker.evaluate(environment):
+                continue
+            if canonicalize_name(requirement.name) not in have:
+                missing.append(f"{dist} requires {line}")
+    return missing
 
 
 def download(requirements: list[str], target: Path) -> list[Path]:
@@ -123,6 +162,9 @@ def prepare(args) -> int:
         folder.mkdir(parents=True)
     requirements = list(PINNED) + [CUTLASS_LIBS.format(c) for c in args.cuda.split(",")]
     wheels = [strip(w, slim) for w in download(requirements, downloads)]
+    missing = unmet(wheels, args.cuda)
+    if missing:
+        raise SystemExit("the wheel set is not closed (pin these in PINNED): " + "; ".join(missing))
     sums = {w.name: sha256(w) for w in wheels}
     limit = int(args.batch_mib * 2**20)
     batches: list[list[dict]] = []

@@ -2,11 +2,13 @@
 
     python bench/side_by_side.py --shape 1,40,32760,128 --backends auto_fast,_native_cudnn,native [--runs 30]
     python bench/side_by_side.py --shape 1,40,32760,128 --inputs local --backends \\
-        _native_cudnn,_flash_3,flash_4,sage_sm90_per_warp,comfy_kitchen_int8,sol_attn,auto_exact,auto_fast
+        _native_cudnn,_flash_3,flash_4,flash_3_fp8,sage_sm90_per_warp,comfy_kitchen_int8,sol_attn,auto_exact,auto_fast
 
 (B, H, L, D) bf16 in the dispatcher's default (B, L, H, D) layout; each backend runs through
 `dispatch_attention_fn` with policy 'strict' (an auto resolves to the kernel it picked for this shape and the
-model scope `bench`). Prints and writes (`--json`) the median ms of each, every ratio to the first, each one's
+model scope `bench`). Prints and writes (`--json`) the median ms of each, its TFLOP/s-equivalent (4 B H L^2 D flops
+of exact attention per call, over its time: what a quantised or sparse kernel "does" at exact attention's count),
+every ratio to the first, each one's
 relative error against exact attention in float64 (64 sampled query rows, the pack's one reference) and the tuner's
 account of each auto's pick (`auto_explain`), so a target such as "auto_fast >= x1.35 of cuDNN on Wan 14B" reads
 from one run, not from two runs' tables. A backend that cannot run here is listed under `skipped` with the reasons.
@@ -14,6 +16,8 @@ from one run, not from two runs' tables. A backend that cannot run here is liste
 --inputs noise (default): N(0,1). --inputs local: video-like activations whose attention is local
 (dispatcher.tools.bench.local_video_qkv; WAN's 21 x 30 x 52 grid for L = 32760), the structure block-sparse sol_attn
 relies on: its error on noise says nothing of its error on a video model, and the autos judge it on these values.
+--inputs outlier: N(0,1) with one key channel of random sign and size 100 that the queries ignore (exact attention
+is unchanged; tests/gpu/test_gpu_guard.py's outlier block, where every Sage kernel is 0.24 off).
 --tau sets sol_attn's routing threshold (default 1.0, comfy_kitchen's).
 """
 
@@ -38,7 +42,12 @@ def inputs(kind: str, b: int, h: int, length: int, d: int, device, dtype):
     if kind == "local":
         return local_video_qkv(b, h, *video_grid(length), d, device=device, dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(0)
-    return tuple(torch.randn(b, length, h, d, device=device, dtype=dtype, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(b, length, h, d, device=device, dtype=dtype, generator=gen) for _ in range(3))
+    if kind == "outlier":
+        q[..., 0] = 0
+        signs = torch.randint(0, 2, k.shape[:3], device=device, generator=gen).to(dtype) * 2 - 1
+        k[..., 0] = signs * 100
+    return q, k, v
 
 
 def cannot_run(name: str) -> list[str]:
@@ -54,7 +63,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="1,40,32760,128", help="B,H,L,D")
     parser.add_argument("--backends", default="auto_fast,_native_cudnn,native")
-    parser.add_argument("--inputs", choices=("noise", "local"), default="noise")
+    parser.add_argument("--inputs", choices=("noise", "local", "outlier"), default="noise")
     parser.add_argument("--tau", type=float, default=DEFAULT_TAU, help="sol_attn's routing threshold")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--json")
@@ -87,6 +96,8 @@ def main(argv=None) -> int:
               "inputs": args.inputs, "grid": list(video_grid(length)) if args.inputs == "local" else None,
               "sol_attn_tau": args.tau,
               "ms": dict(zip(names, (round(t, 3) for t in times))),
+              "tflops_equivalent": {name: round(4 * b * h * length * length * d / (t * 1e-3) / 1e12, 1)
+                                    for name, t in zip(names, times)},
               "served": {name: served.get(name, name) for name in names},
               f"speedup_of_{names[0]}": {name: round(t / times[0], 4) for name, t in zip(names[1:], times[1:])},
               "rel_error_vs_float64": errors,

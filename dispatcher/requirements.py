@@ -43,6 +43,13 @@ def forget_imports() -> None:
         _import_errors.clear()
 
 
+def with_flags(hint: str, flags: str) -> str:
+    """An install command with pip flags added before its closing remark in parentheses, if any."""
+    remark = re.search(r"\s*\(.*\)\s*$", hint)
+    core = hint[: remark.start()] if remark else hint
+    return f"{core} {flags}" + (hint[remark.start():] if remark else "")
+
+
 @dataclass(frozen=True)
 class Package:
     dist: str
@@ -53,6 +60,11 @@ class Package:
     vetted: bool = True  # False: a build from a publisher we cannot vouch for; install.py prints it, never runs it
     device: str | None = None  # a device stack ("an Ascend NPU"): the device exists only through it, so missing
     #                            means not this machine; it must match torch and its drivers, never pip-installed here
+
+    # Modules of its requirements that come in a distribution of their own, which an install without dependencies
+    # (--no-deps, a hand-picked wheel set) leaves out: (top-level module, the distribution carrying it, the
+    # distribution whose version it must equal). The repair then names that distribution at that version.
+    carriers: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def machine_bound(self) -> bool:
@@ -70,7 +82,7 @@ class Package:
 
     @property
     def distributions(self) -> tuple[str, ...]:
-        return (self.dist,)
+        return (self.dist,) + tuple(dict.fromkeys(d for _, _, d in self.carriers))
 
     def reason(self, machine: Machine) -> str | None:
         if self.torch and not at_least(machine.torch_version, self.torch):
@@ -87,17 +99,28 @@ class Package:
             error = import_error(self.module)
             if error:
                 return f"{self.dist} {version} is installed but `import {self.module}` fails ({error}); " \
-                       + self._fix_for(error)
+                       + self.repair(machine, error)[1]
         return None
 
-    def _fix_for(self, error: str) -> str:
-        """The fix an import error asks for: a module of another package missing (flash-attn-4 without its CuTe
-        DSL's `cutlass`) wants that package, anything else a build of this one for this torch."""
+    def repair(self, machine: Machine, error: str | None = None) -> tuple[str, str]:
+        """(the command, what it fixes) for this package installed but failing to import with `error` (default:
+        this machine's own). A module of another package missing (flash-attn-4 without its CuTe DSL's
+        `cutlass.cute`) wants that package: its carrier at the matching version when it is one, else the install
+        command, which brings the missing requirements (never --force-reinstall, which would reinstall torch and
+        every other requirement too); anything else a build of this one for this torch."""
+        error = error if error is not None else (import_error(self.module) or "") if self.module else ""
         missing = re.search(r"No module named '([^']+)'", error)
-        if missing and missing.group(1).split(".")[0] != self.module.split(".")[0]:
-            return (f"a package it needs is missing or incomplete (no `{missing.group(1)}`): reinstall it with its "
-                    f"requirements, {self.install_hint} --force-reinstall")
-        return "reinstall it for this torch"
+        if missing and missing.group(1).split(".")[0] != (self.module or self.dist).split(".")[0]:
+            name = missing.group(1)
+            for root, carrier, matched in self.carriers:
+                if name.split(".")[0] == root:
+                    version = machine.package_version(matched)
+                    command = f"pip install '{carrier}=={version}'" if version else f"pip install '{carrier}'"
+                    return command, (f"`{name}` comes in {carrier}, which an install without dependencies leaves "
+                                     f"out: {command}")
+            return self.install_hint, (f"a package it needs is missing or incomplete (no `{name}`): install it "
+                                       f"with its requirements, {self.install_hint}")
+        return with_flags(self.install_hint, "--force-reinstall --no-deps"), "reinstall it for this torch"
 
 
 @dataclass(frozen=True)

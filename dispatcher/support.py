@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from . import hub, registry, trust
+from . import hub, prediction, registry, trust
 from .inputs import AttentionInputs
 from .machine import Machine
 from .spec import STANDARD_ARGUMENTS
@@ -90,10 +90,11 @@ def availability_reasons(name: str, machine: Machine | None = None) -> list[str]
 # ---- auto's own rules, on top ------------------------------------------------------------------------------------
 
 def for_auto(name: str, inputs: AttentionInputs, *, exact_only: bool, attention_kwargs=None,
-             fetched: frozenset[str] | set[str] = frozenset()) -> WhyNot:
+             fetched: frozenset[str] | set[str] = frozenset(), model: str | None = None) -> WhyNot:
     """`why_not` for a call, plus `auto`'s own rules as `policy`: `auto_exact` (exact_only) times exact kernels
-    only, and `auto` never downloads code, so a Hub kernel that could run is a candidate only once its repo is
-    `fetched` (fetched or loaded: `hub.fetched_repos()`)."""
+    only, `auto` never downloads code, so a Hub kernel that could run is a candidate only once its repo is
+    `fetched` (fetched or loaded: `hub.fetched_repos()`), and an approximate kernel serves `model` only as its
+    prediction-level verdict allows (dispatcher/prediction.py)."""
     why = why_not(name, inputs, attention_kwargs=attention_kwargs)
     spec = registry.get(name)
     policy = []
@@ -103,6 +104,10 @@ def for_auto(name: str, inputs: AttentionInputs, *, exact_only: bool, attention_
     if spec.hub is not None and why.runs and spec.hub.repo_id not in fetched:
         policy.append(f"Hub kernel '{spec.hub.repo_id}' is not fetched or loaded yet; auto never downloads code: "
                       f"select '{name}' once (or run install.py) to make it a candidate")
+    if spec.approximate and not exact_only and model is not None:
+        refused = prediction.refusal(model)
+        if refused:
+            policy.append(refused)
     return why._replace(policy=tuple(policy))
 
 

@@ -12,7 +12,7 @@ from ..dispatcher.backends import kitchen as _kitchen
 from ..dispatcher.guard import DEFAULT_EVERY
 from ..dispatcher.support import installing_helps
 from . import blocks as _blocks
-from . import comfy_names, overrides, raw_prompt, reports
+from . import comfy_names, overrides, prediction_check, raw_prompt, reports
 from . import validation as v
 from .adapter import AUTO, AUTO_EXACT, AUTO_FAST, AUTOS, COMFY_DEFAULT, PASS_THROUGH, make_override
 from .clip_patch import patch_clip
@@ -395,7 +395,11 @@ def _run_wrapper(kind: str, node_id, recorder=None, compare=None, info=None, blo
                 data["fallback_every_call"] = reports.every_call_fallbacks(snapshot)
             if block_notes is not None and data.get("blocks"):
                 data["blocks"] = reports.block_results(data["blocks"], dict(block_notes))
-            for extra in (_precision_notes(dict(precision_notes or {})),
+            verdict = prediction_check.report(override.model) if getattr(override, "backend", None) == AUTO_FAST \
+                and override.model else {}
+            if verdict.get("sparse_verdict") and data.get("summary"):
+                data["summary"] = f"{data['summary']}; {verdict['sparse_verdict']['text']}"
+            for extra in (verdict, _precision_notes(dict(precision_notes or {})),
                           _foreign_notes(override, _installed_override(executor),
                                          recorder.total_calls if recorder is not None else 0)):
                 data["notes"] += extra.pop("notes", [])
@@ -536,6 +540,8 @@ class SetAttentionBackend(io.ComfyNode):
                                     else "."))
         _add_outer_sample_wrapper(m, _run_wrapper("model", node_id, recorder, info=info, block_notes=block_notes,
                                                   override=override, precision_notes=precision_notes))
+        if backend == AUTO_FAST:  # approximate kernels wait for the model's prediction-level verdict
+            prediction_check.require(m, key, window, WRAPPER_KEY)
         return io.NodeOutput(m)
 
 

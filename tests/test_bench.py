@@ -248,13 +248,33 @@ def test_side_by_side_reports_errors_picks_and_what_cannot_run(tmp_path):
     import side_by_side
     out = tmp_path / "sbs.json"
     assert side_by_side.main(["--shape", "1,2,512,64", "--inputs", "local", "--runs", "2", "--json", str(out),
-                              "--backends", "native,sol_attn,comfy_kitchen_int8,flash_4,auto_exact,auto_fast"]) == 0
+                              "--backends", "native,sol_attn,comfy_kitchen_int8,flash_4,flash_3_fp8,auto_exact,"
+                              "auto_fast"]) == 0
     result = json.loads(out.read_text())
     assert set(result["ms"]) == {"native", "auto_exact", "auto_fast"} and result["grid"] == [1, 16, 32]
     assert all(e < 1e-5 for e in result["rel_error_vs_float64"].values())  # exact kernels on the CPU
     assert result["served"]["auto_exact"] in dispatcher.backend_names()
-    for name in ("sol_attn", "comfy_kitchen_int8", "flash_4"):
+    flops = 4 * 2 * 512 * 512 * 64
+    for name, ms in result["ms"].items():  # TFLOP/s-equivalent: exact attention's flops over the time
+        assert result["tflops_equivalent"][name] == round(flops / (ms * 1e-3) / 1e12, 1)
+    for name in ("sol_attn", "comfy_kitchen_int8", "flash_4", "flash_3_fp8"):
         assert any("needs an NVIDIA CUDA GPU" in r for r in result["skipped"][name]), result["skipped"]
+
+
+def test_side_by_side_outlier_inputs_leave_exact_attention_unchanged():
+    """--inputs outlier: a key channel of size 100 the queries ignore, so exact attention is that of the inputs
+    without it (what the bench measures quantised kernels against)."""
+    import side_by_side
+    q, k, v = side_by_side.inputs("outlier", 1, 2, 256, 32, torch.device("cpu"), torch.float32)
+    assert float(k[..., 0].abs().min()) == 100 and float(q[..., 0].abs().max()) == 0
+    clean = k.clone()
+    clean[..., 0] = 0
+    torch.testing.assert_close(bench_sdpa(q, k, v), bench_sdpa(q, clean, v))
+
+
+def bench_sdpa(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                            v.transpose(1, 2)).transpose(1, 2)
 
 
 def test_local_video_inputs_have_the_locality_block_sparse_routing_needs():

@@ -176,7 +176,7 @@ def test_plan_pip_commands_are_exact_and_deduplicated():
     assert "pip install 'flash-attn>=2.6.3' --no-build-isolation" in commands
     assert "pip install 'xformers>=0.0.29'" in commands
     # comfy-kitchen serves two backends: one command; flash-attn-4's CUDA 13 remark is text, not an argument
-    assert commands.count("pip install 'comfy-kitchen>=0.2.40'") == 1
+    assert commands.count("pip install 'comfy-kitchen>=0.2.36'") == 1
     assert ip.pip_argv(plan.get("flash_4").steps[0]) == ["install", "flash-attn-4>=4.0.0b40"]
     assert "[cu13]" in plan.get("flash_4").steps[0].command
     assert commands.count("pip install sageattention") == 1  # PyPI's 1.0.6 serves `sage`

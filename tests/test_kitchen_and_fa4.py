@@ -73,12 +73,14 @@ def test_what_each_needs_on_a_cpu_and_on_a_gpu_without_the_packages():
         assert any("needs an NVIDIA CUDA GPU; this machine has a CPU" in r for r in why), (name, why)
     bare = cuda_machine((9, 0))
     assert availability_reasons("comfy_kitchen_int8", bare) == \
-        ["comfy-kitchen is not installed: pip install 'comfy-kitchen>=0.2.40'"]
+        ["comfy-kitchen is not installed: pip install 'comfy-kitchen>=0.2.36'"]
     assert availability_reasons("flash_4", bare)[0].startswith(
         "flash-attn-4 is not installed: pip install 'flash-attn-4>=4.0.0b40'")
-    old_beta = cuda_machine((9, 0), **{"flash-attn-4": "4.0.0b36", "comfy-kitchen": "0.2.39"})
+    old_beta = cuda_machine((9, 0), **{"flash-attn-4": "4.0.0b36", "comfy-kitchen": "0.2.35"})
     assert "flash-attn-4 4.0.0b36 is older than the required 4.0.0b40" in availability_reasons("flash_4", old_beta)[0]
-    assert "comfy-kitchen 0.2.39 is older than the required 0.2.40" in availability_reasons("sol_attn", old_beta)[0]
+    assert "comfy-kitchen 0.2.35 is older than the required 0.2.36" in availability_reasons("sol_attn", old_beta)[0]
+    pinned = cuda_machine((9, 0), **{"comfy-kitchen": "0.2.36"})  # what ComfyUI 0.38 installs: enough
+    assert availability_reasons("sol_attn", pinned) == [] and availability_reasons("comfy_kitchen_int8", pinned) == []
     for name in NEW:
         assert availability_reasons(name, H200) == [], name
 
@@ -317,3 +319,92 @@ def test_sol_attn_call_on_comfy_kitchens_own_cpu_reference():
     ref, _ = exact_attention(*noise, with_lse=False)
     out = kitchen.sol_attn_call(*noise, None, 0.0, False, None, False, False)
     assert relative_error(out.transpose(1, 2).double(), ref) > 0.5
+
+
+# --- FlashAttention-4's install: the CuTe DSL's Python package comes in nvidia-cutlass-dsl-libs-core ---------------
+
+def test_flash_4_without_the_dsls_core_names_the_wheel_that_carries_cutlass_cute(monkeypatch, tmp_path):
+    """The H200's wheel set (installed --no-deps) had nvidia-cutlass-dsl-libs-base, whose `cutlass/_mlir` makes
+    `cutlass` import as a namespace package, and not -libs-core, which carries `cutlass/__init__.py` and
+    `cutlass/cute`. The reason and install.py's step name that wheel at the DSL's version, never
+    `--force-reinstall` (which would reinstall torch and every other requirement too)."""
+    import importlib.util
+    from dispatcher.backends.flash import FA4
+    from dispatcher.requirements import forget_imports
+    from dispatcher.tools import install_plan
+    (tmp_path / "cutlass" / "_mlir").mkdir(parents=True)  # what -libs-base installs: no __init__.py, no cute
+    (tmp_path / "fake_fa4").mkdir()
+    (tmp_path / "fake_fa4" / "__init__.py").write_text("from cutlass.cute.runtime import from_dlpack\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert importlib.util.find_spec("cutlass") is not None  # the half-installed DSL: `cutlass` is there
+    package = dataclasses.replace(FA4, module="fake_fa4")
+    machine = cuda_machine((9, 0), **{"flash-attn-4": "4.0.0b40", "nvidia-cutlass-dsl": "4.8.1"})
+    machine = dataclasses.replace(machine, simulated=False)  # the import is tried for real
+    forget_imports()
+    try:
+        reason = package.reason(machine)
+        command = install_plan._package_step(package, machine)[1].command
+    finally:
+        forget_imports()
+    assert "No module named 'cutlass.cute'" in reason, reason
+    assert reason.endswith("`cutlass.cute` comes in nvidia-cutlass-dsl-libs-core, which an install without "
+                           "dependencies leaves out: pip install 'nvidia-cutlass-dsl-libs-core==4.8.1'"), reason
+    assert command == "pip install 'nvidia-cutlass-dsl-libs-core==4.8.1'"
+    assert "force-reinstall" not in reason and "nvidia-cutlass-dsl" in FA4.distributions  # its version is tracked
+
+
+def test_the_device_wheel_set_carries_the_dsls_core_and_checks_its_closure(tmp_path):
+    """bench/device_wheels.py: the pinned set has nvidia-cutlass-dsl-libs-core at the DSL's version, and `unmet`
+    finds a requirement the set lacks in the wheels' own metadata (as -libs-base 4.8.1 declares -libs-core)."""
+    import sys
+    import zipfile
+    from pathlib import Path
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        import device_wheels
+    finally:
+        sys.path.remove(bench)
+    pins = dict(p.split("==") for p in device_wheels.PINNED)
+    assert pins["nvidia-cutlass-dsl-libs-core"] == pins["nvidia-cutlass-dsl-libs-base"] == pins["nvidia-cutlass-dsl"]
+
+    def wheel(name, *requires):
+        path = tmp_path / f"{name.replace('-', '_')}-4.8.1-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr(f"{name}-4.8.1.dist-info/METADATA", "\n".join(
+                ["Metadata-Version: 2.4", f"Name: {name}", "Version: 4.8.1"]
+                + [f"Requires-Dist: {r}" for r in requires]) + "\n")
+        return path
+    dsl = wheel("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base==4.8.1", "nvidia-cutlass-dsl-libs-cu12==4.8.1",
+                'nvidia-cutlass-dsl-libs-cu13==4.8.1; extra == "cu13"')
+    base = wheel("nvidia-cutlass-dsl-libs-base", "typing-extensions>=4.10.0", "nvidia-cutlass-dsl-libs-core==4.8.1",
+                 'backports.strenum; python_version < "3.11"')
+    cu13 = wheel("nvidia-cutlass-dsl-libs-cu13", "nvidia-cutlass-dsl-libs-base==4.8.1")
+    assert device_wheels.unmet([dsl, base, cu13], "13") == [
+        "nvidia-cutlass-dsl-libs-base requires nvidia-cutlass-dsl-libs-core==4.8.1"]
+    core = wheel("nvidia-cutlass-dsl-libs-core", "typing-extensions>=4.10.0")
+    assert device_wheels.unmet([dsl, base, cu13, core], "13") == []
+    assert device_wheels.unmet([dsl, base, cu13, core], "12,13") == [
+        "nvidia-cutlass-dsl requires nvidia-cutlass-dsl-libs-cu12==4.8.1"]
+
+
+# --- comfy-kitchen: the floor is ComfyUI's own pin ----------------------------------------------------------------
+
+def test_the_floor_never_fights_comfyuis_pin():
+    """ComfyUI 0.38 pins comfy-kitchen==0.2.36: the pack's floor and install advice must accept it."""
+    from dispatcher.versions import at_least
+    assert at_least(kitchen.COMFYUI_PIN, kitchen.KITCHEN.min_version)
+    assert kitchen.KITCHEN.install_hint == f"pip install 'comfy-kitchen>={kitchen.KITCHEN.min_version}'"
+
+
+def test_the_installed_comfy_kitchen_takes_the_packs_calls():
+    """Whatever comfy-kitchen this environment has (CI: 0.2.40, and the floor, 0.2.36, in the floor phase): at least
+    the floor, and its two calls take the keywords the pack passes (the CPU call above runs its eager Sol-Attn)."""
+    import importlib.metadata
+    import inspect
+    from dispatcher.versions import at_least
+    ck = pytest.importorskip("comfy_kitchen")
+    assert at_least(importlib.metadata.version("comfy-kitchen"), kitchen.KITCHEN.min_version)
+    assert {"scale", "attn_mask"} <= set(inspect.signature(ck.int8_attention).parameters)
+    assert {"tau", "scale"} <= set(inspect.signature(ck.sol_attn).parameters)
+    assert callable(ck.int8_attention_is_available) and callable(ck.sol_attn_is_available)

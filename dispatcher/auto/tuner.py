@@ -310,7 +310,7 @@ class Tuner:
         caches.forget()
 
     # -- candidates
-    def candidates(self, inputs: AttentionInputs, exact: bool = False, attention_kwargs=()
+    def candidates(self, inputs: AttentionInputs, exact: bool = False, attention_kwargs=(), model: str | None = None
                    ) -> tuple[list[str], list[tuple[str, list[str]]], bool]:
         """(names in priority order, [(skipped name, reasons)], trust-sensitive): every backend `support.for_auto`
         finds nothing against (the decision's own reasons for these inputs and attention_kwargs keys, then auto's
@@ -324,7 +324,7 @@ class Tuner:
                 if fetched is None and registry.get(name).hub is not None:
                     fetched = hub.fetched_repos()
                 why = support.for_auto(name, inputs, exact_only=exact, attention_kwargs=attention_kwargs,
-                                       fetched=fetched or frozenset())
+                                       fetched=fetched or frozenset(), model=model)
                 sensitive = sensitive or support.trust_decides(name, why, exact_only=exact)
             except registry.UnknownBackendError:  # removed by another thread
                 continue
@@ -338,7 +338,7 @@ class Tuner:
     def _resolve(self, sig: AttentionInputs, exact: bool, *, layout: str, live, timing: bool, model: str,
                  block: str = "", use_disk: bool = True, keys: tuple = ()) -> TuneRecord:
         start = measure.now()
-        names, skipped, sensitive = self.candidates(sig, exact, keys)
+        names, skipped, sensitive = self.candidates(sig, exact, keys, model)
         record = TuneRecord(sig, names[0] if names else "native", "preference", skipped=skipped, layout=layout,
                             trust_sensitive=sensitive, exact=exact, model=model, block=block, attention_kwargs=keys)
         record.candidates = [CandidateResult(n, "untimed", i, admission_bound(registry.get(n)))

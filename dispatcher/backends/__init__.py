@@ -12,7 +12,7 @@ from . import native, flex, flash, sage, xformers, kitchen  # noqa: F401  (regis
 
 PRIORITY = (
     "flash_4", "flash_4_hub", "_flash_3", "_flash_3_hub", "_flash_varlen_3", "sage_blackwell_hub",
-    "_flash_3_varlen_hub", "_native_cudnn", "native", "sage_sm90_per_warp", "sage", "sage_hub", "comfy_kitchen_int8",
+    "_flash_3_varlen_hub", "_native_cudnn", "native", "sage_sm90_per_warp", "sage", "flash_3_fp8", "sage_hub", "comfy_kitchen_int8",
     "sol_attn", "_sage_qk_int8_pv_fp8_cuda_sm90", "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp16_cuda",
     "aiter_sage_hub", "_sage_qk_int8_pv_fp16_triton", "flash", "aiter_fa2_hub", "flash_hub", "flash_varlen",
     "flash_varlen_hub", "sage_varlen", "xformers", "_native_flash", "flex", "_native_efficient", "_native_math",

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import quantise
 from ..inputs import AttentionInputs
 from ..registry import add, kernels_requirement
-from ..requirements import CudaCapability, OneOf, OnDevice, Package, RocmArch, import_error
+from ..requirements import CudaCapability, OneOf, OnDevice, Package, Probe, RocmArch, import_error
 from ..spec import BF16, HALF, BackendSpec, HeadDims, HubKernel
 
 CUDA = frozenset({"cuda"})
@@ -30,11 +31,19 @@ FA3_FORWARD_WHEEL = Package("fa3-fwd", module="fa3_fwd_interface", torch="2.10",
                             pip="pip install fa3-fwd (a community build of FlashAttention-3's forward kernels whose "
                                 "metadata names no author: install it yourself if you trust it)")
 FA3 = OneOf((FA3_FORWARD_WHEEL, FA3_SOURCE))
+# FlashAttention-3's FP8 forward runs on sm_90 only (its FP8 kernels are Hopper's WGMMA; flash_api.cpp dispatches
+# e4m3 to its sm_90 instances); fa3-fwd 0.0.3 is built with it (fa3_fwd_config: FLASHATTENTION_DISABLE_FP8 False).
+SM90_ONLY = CudaCapability(exact=((9, 0),))
 # FlashAttention-4 (CuTe DSL, JIT-compiled on first use of each shape family; needs nvidia-cutlass-dsl, which pip
 # brings). It installs `flash_attn/cute` into the `flash_attn` namespace, so FlashAttention-2 is detected by
 # `flash_attn.flash_attn_interface`, never by `import flash_attn`. On CUDA 13 its README asks for the [cu13] extra.
+# Since 4.6 the DSL's Python package (`cutlass`, `cutlass.cute`) comes in nvidia-cutlass-dsl-libs-core, a requirement
+# of nvidia-cutlass-dsl-libs-base; -libs-base itself carries only `cutlass/_mlir`, so without -libs-core `cutlass`
+# still imports (a namespace package) and `cutlass.cute` does not: what the H200's wheel set (installed --no-deps)
+# lacked on 2026-12-05. pip with dependencies brings it.
 FA4 = Package("flash-attn-4", "4.0.0b40", module="flash_attn.cute",
-              pip="pip install 'flash-attn-4>=4.0.0b40' (on CUDA 13: 'flash-attn-4[cu13]>=4.0.0b40')")
+              pip="pip install 'flash-attn-4>=4.0.0b40' (on CUDA 13: 'flash-attn-4[cu13]>=4.0.0b40')",
+              carriers=(("cutlass", "nvidia-cutlass-dsl-libs-core", "nvidia-cutlass-dsl"),))
 # flash_attn/cute/interface.py 4.0.0b40 has kernels for sm_90 (Hopper), sm_100/sm_103/sm_110 (Blackwell datacenter,
 # Thor) and sm_120/sm_121 (Blackwell GeForce, DGX Spark); its sm_80 path is left out (FA2 and FA3 serve Ampere).
 FA4_ARCHS = CudaCapability(exact=((9, 0), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1)))
@@ -90,6 +99,30 @@ def _fa3_varlen_pip():
 def _fa4_pip():
     from flash_attn.cute import flash_attn_func
     return flash_attn_func
+
+
+def _fa3_fp8_probe():
+    """A tiny FP8 call: a FlashAttention-3 build without FP8 (FLASHATTENTION_DISABLE_FP8) imports and runs bf16."""
+    x = torch.randn(1, 128, 1, 128, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones(1, 1, device="cuda")
+    _fa3_module().flash_attn_func(x, x, x, q_descale=one, k_descale=one, v_descale=one)
+    torch.cuda.synchronize()
+
+
+def fp8_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *, kernel=None):
+    """FlashAttention-3's FP8 forward on `quantise.quantise`'s inputs (per-head e4m3 scales, K and V smoothed);
+    the bfloat16 output gets V's mean back and the caller's dtype, the log-sum-exp the smoothing's shift."""
+    kernel = kernel or _fa3_pip()
+    prepared = quantise.quantise(q, k, v)
+    result = kernel(prepared.q, prepared.k, prepared.v, softmax_scale=scale, causal=is_causal,
+                    q_descale=prepared.q_descale, k_descale=prepared.k_descale, v_descale=prepared.v_descale,
+                    return_attn_probs=return_lse)
+    out, lse = _out_and_lse(result, True) if return_lse else (_out_and_lse(result, False), None)
+    out = quantise.restore(out, prepared).to(q.dtype)
+    if not return_lse:
+        return out
+    shift = quantise.lse_shift(q, prepared, scale if scale is not None else q.shape[-1] ** -0.5)
+    return out, lse if shift is None else lse + shift
 
 
 def _fa4_head_dims(inputs: AttentionInputs) -> list[str]:
@@ -203,6 +236,16 @@ add(BackendSpec(name="_flash_3", family="flash3",
                 description="FlashAttention-3 (Hopper; a source build, or the forward-only fa3-fwd wheel)",
                 fn=_style(dense, style="fa3"), capability=HOPPER_AMPERE, requires=(FA3, ON_CUDA),
                 backward=True, extra_reasons=_fa3_wheel_limits, **WINDOWED))
+# Quantised: never auto_exact's; auto_fast admits it per block on the model's own activations, the guard watches it.
+# error_bound: its expected error on N(0,1) noise, from the emulation of the kernel on e4m3 inputs
+# (dispatcher/quantise.py, tests/test_fp8.py: 5.4e-2; e4m3's 3 mantissa bits round q and k about three times as
+# coarsely as Sage's per-block INT8); on the GPU: tests/gpu/test_gpu_fp8.py.
+add(BackendSpec(name="flash_3_fp8", family="flash3",
+                description="FlashAttention-3's FP8 forward (Hopper): e4m3 q/k/v, per-head scales, K and V smoothed",
+                fn=fp8_call, capability=SM90_ONLY, backward=False, quantised=True, error_bound=7e-2,
+                # sm_90 before the probe: a tiny FP8 call is only tried where FP8 kernels can exist
+                requires=(FA3, ON_CUDA, SM90_ONLY, Probe("FlashAttention-3 FP8 forward", _fa3_fp8_probe)),
+                **{**COMMON, "head_dims": HeadDims(16, 256, 16)}))
 add(BackendSpec(name="_flash_varlen_3", family="flash3", description="FlashAttention-3 varlen (Hopper)",
                 fn=_style(varlen, style="fa3"), capability=HOPPER_AMPERE, masks=KEY_PADDING,
                 mask_format="key_padding", requires=(FA3, ON_CUDA), extra_reasons=_fa3_wheel_limits,

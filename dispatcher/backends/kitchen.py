@@ -33,7 +33,14 @@ from ..registry import add
 from ..requirements import CudaCapability, OnDevice, Package, Probe
 from ..spec import HALF, BackendSpec, HeadDims
 
-KITCHEN = Package("comfy-kitchen", "0.2.40", module="comfy_kitchen", pip="pip install 'comfy-kitchen>=0.2.40'")
+# The floor is the version ComfyUI pins (its requirements.txt: comfy-kitchen==0.2.36, a hard import since 0.38), so
+# the pack's advice never fights ComfyUI's pin. 0.2.36 has the two calls the pack makes with the same signatures as
+# 0.2.40, `int8_attention` (comfy_kitchen/sage_attention.py) and the eager Sol-Attn are the same files, and the
+# CUDA sol_attn differs only in its top-k path (topk_ratio > 0), which the pack never asks for. 0.2.35 (ComfyUI
+# 0.37.4's pin) has both calls too but is not tested here; 0.2.31 has no sol_attn.
+# Tested: tests/test_kitchen_and_fa4.py in a venv with comfy-kitchen==0.2.36 (docs/install.md says how CI runs it).
+COMFYUI_PIN = "0.2.36"
+KITCHEN = Package("comfy-kitchen", COMFYUI_PIN, module="comfy_kitchen", pip=f"pip install 'comfy-kitchen>={COMFYUI_PIN}'")
 ON_CUDA = OnDevice(frozenset({"cuda"}))
 SM75 = CudaCapability(minimum=(7, 5))  # comfy_kitchen.sage_attention._NATIVE_MINIMUM_CAPABILITY
 SM80 = CudaCapability(minimum=(8, 0))  # comfy_kitchen.sol_attn_is_available: "the CUDA backend on sm_80+"

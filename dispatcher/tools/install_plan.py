@@ -19,7 +19,7 @@ from packaging.utils import canonicalize_name
 
 from .. import env, hub, registry, support, trust
 from ..machine import Machine, current_machine, use_machine
-from ..requirements import EnvOptIn, OneOf, Package, Probe
+from ..requirements import EnvOptIn, OneOf, Package, Probe, with_flags
 from ..versions import at_least
 
 # Statuses, most usable first.
@@ -233,9 +233,9 @@ def _package_step(req: Package, machine: Machine) -> tuple[str, Step | None, str
     if version is None:
         command, status = hint, PIP
     elif req.min_version and not at_least(version, req.min_version):
-        command, status = _with_flags(hint, "--upgrade"), PIP
-    else:  # installed, new enough, but `import` fails: a build for another torch/GPU
-        command, status = _with_flags(hint, "--force-reinstall --no-deps"), BROKEN
+        command, status = with_flags(hint, "--upgrade"), PIP
+    else:  # installed, new enough, but `import` fails: what its error asks for (a requirement, or a rebuild)
+        command, status = req.repair(machine)[0], BROKEN
     argv = _pip_words(command) if req.vetted else None  # an unvetted build is the user's call, never ours
     return status, Step("pip" if argv else "manual", command, req.dist), None
 
@@ -275,12 +275,6 @@ def _protected(word: str) -> bool:
         return canonicalize_name(Requirement(word).name) in PROTECTED
     except InvalidRequirement:
         return False
-
-
-def _with_flags(hint: str, flags: str) -> str:
-    remark = re.search(r"\s*\(.*\)\s*$", hint)
-    core = hint[: remark.start()] if remark else hint
-    return f"{core} {flags}" + (hint[remark.start():] if remark else "")
 
 
 def _classify(name: str, machine: Machine, why: support.WhyNot) -> tuple[str, list[Step], list[str]]:

@@ -48,7 +48,7 @@ def stub_modules() -> dict[str, types.ModuleType]:
     latest.ComfyExtension = type("ComfyExtension", (), {})
     comfy_api.latest = latest
     comfy, patcher = types.ModuleType("comfy"), types.ModuleType("comfy.patcher_extension")
-    patcher.WrappersMP = types.SimpleNamespace(OUTER_SAMPLE="outer_sample")
+    patcher.WrappersMP = types.SimpleNamespace(OUTER_SAMPLE="outer_sample", APPLY_MODEL="apply_model")
     comfy.patcher_extension = patcher
     return {"comfy_api": comfy_api, "comfy_api.latest": latest, "comfy": comfy, "comfy.patcher_extension": patcher}
 

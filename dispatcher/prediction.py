@@ -1,0 +1,141 @@
+"""The model-level verdict on approximate kernels: whether block-sparse attention may serve a model, judged once on
+what it does to the model's own prediction.
+
+A per-call bound (sol_attn's 1e-1 on a block's own activations, the guard at twice that) says nothing of what 30
+blocks x 50 steps of such calls do to a picture. So a host that can run the model's forward (ComfyUI's nodes: an
+apply-model wrapper, nodes/prediction_check.py) asks for a verdict before an approximate kernel serves the model
+under `auto_fast`:
+
+    prediction.require(model)                 # approximate kernels wait for the verdict (support.for_auto says so)
+    verdict, out = prediction.judge(model, forward, forward)
+        # 1. the forward with approximate kernels refused: the reference prediction
+        # 2. the same forward, same input, with them allowed (auto_fast picks per block as usual)
+        # 3. admitted when the relative L2 difference of the two predictions is within `bound` (MODEL_BOUND);
+        #    the prediction returned is the candidate's when admitted, the reference's when refused
+
+After the verdict, a refused model's calls never get an approximate kernel from `auto_fast` (the reason names the
+prediction's error); an admitted one keeps the per-block choices, and the per-call bound stays as the quality
+guard's tripwire. A model no host asked a verdict for keeps the per-call rule (the library without a model forward).
+Verdicts are kept per model for the process, like `auto_fast`'s per-block verdicts.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from . import caches, registry
+
+# The largest relative L2 difference (float64, over the whole prediction) between the model's prediction with the
+# approximate kernels `auto_fast` picks and with them refused, on the same input at the first step they would serve.
+# A policy, not a measurement: a kernel that spoils a picture moves attention outputs by 0.3-1.0 per call
+# (docs/auto.md), and a prediction 2% off at the first step is far from visible; the final latent's difference to
+# `auto_exact` on the WAN 1.3B step is what the H200 run checks it against (docs/performance.md).
+MODEL_BOUND = 2e-2
+
+PENDING, TRIAL, ADMITTED, REFUSED = "pending", "trial", "admitted", "refused"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    model: str
+    status: str  # admitted | refused
+    rel_error: float  # the prediction's relative L2 difference to the reference (inf for NaN/Inf)
+    bound: float
+
+    @property
+    def text(self) -> str:
+        """The badge's words: "sparse: prediction off by 3.1e-03" (refused: "... > bound, kept exact")."""
+        off = f"prediction off by {self.rel_error:.1e}"
+        if self.status == ADMITTED:
+            return f"sparse: {off} (within {self.bound:.0e})"
+        return f"sparse refused: {off} > {self.bound:.0e}; its blocks run without approximate kernels"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "text": self.text}
+
+
+_lock = threading.Lock()
+_status: dict[str, str] = {}
+_verdicts: dict[str, Verdict] = {}
+
+
+def _set(model: str, status: str) -> None:
+    with _lock:
+        changed = _status.get(model) != status
+        _status[model] = status
+    if changed:
+        caches.forget()  # auto's choices for this model were made under the other status
+
+
+def status(model: str) -> str | None:
+    """PENDING, TRIAL, ADMITTED, REFUSED, or None (no host asked: the per-call rule alone)."""
+    return _status.get(model)
+
+
+def verdict(model: str) -> Verdict | None:
+    return _verdicts.get(model)
+
+
+def require(model: str) -> None:
+    """A host will judge `model`'s prediction: until then approximate kernels wait (no-op once judged)."""
+    if status(model) not in (ADMITTED, REFUSED):
+        _set(model, PENDING)
+
+
+def refusal(model: str) -> str | None:
+    """Why an approximate kernel may not serve `model` now, or None (support.for_auto's policy reason)."""
+    now = _status.get(model)
+    if now == PENDING:
+        return ("an approximate kernel: waits for this model's prediction-level verdict (its first step, judged with "
+                "and without approximate kernels)")
+    if now == REFUSED:
+        return f"an approximate kernel: refused for this model by its {_verdicts[model].text.split(': ', 1)[1]}"
+    return None
+
+
+def available_here() -> list[str]:
+    """The approximate backends this machine can run (none: nothing to judge, no second forward)."""
+    return [name for name in registry.names()
+            if registry.get(name).approximate and not registry.requirement_reasons(name)]
+
+
+def relative_difference(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+    """||candidate - reference|| / ||reference|| in float64 (inf when either has NaN/Inf)."""
+    c, r = candidate.detach().double(), reference.detach().double()
+    if not (torch.isfinite(c).all() and torch.isfinite(r).all()):
+        return math.inf
+    return float((c - r).norm() / r.norm().clamp_min(1e-30))
+
+
+def judge(model: str, reference: Callable[[], torch.Tensor], candidate: Callable[[], torch.Tensor], *,
+          bound: float = MODEL_BOUND) -> tuple[Verdict, torch.Tensor]:
+    """(the verdict, the prediction to use): `reference()` runs the model's forward with approximate kernels refused,
+    `candidate()` the same forward on the same input with them allowed (see the module's docstring)."""
+    _set(model, PENDING)
+    try:
+        expected = reference()
+        _set(model, TRIAL)
+        got = candidate()
+    except BaseException:
+        _set(model, PENDING)  # an interrupted or failing forward decides nothing
+        raise
+    error = relative_difference(got, expected)
+    result = Verdict(model, ADMITTED if error <= bound else REFUSED, error, bound)
+    with _lock:
+        _verdicts[model] = result
+    _set(model, result.status)
+    return result, got if result.status == ADMITTED else expected
+
+
+def forget(model: str | None = None) -> None:
+    """Drop the verdicts (of one model, or all): the next `require` asks again."""
+    with _lock:
+        for name in [model] if model is not None else list(_status):
+            _status.pop(name, None)
+            _verdicts.pop(name, None)
+    caches.forget()

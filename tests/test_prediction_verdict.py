@@ -1,0 +1,141 @@
+"""The prediction-level verdict on approximate kernels (dispatcher/prediction.py), with real tuning on the CPU.
+
+A small model of six attention blocks (no residual: each block's error carries into the next, as errors compound
+over a DiT's blocks and steps) and two fake approximate kernels, both "fine per call" (relative error within the
+approximate class's bound of 1e-1, so `auto_fast`'s per-block verdicts admit them): one 8e-2 off on every call, which
+compounds to a prediction 0.6 off; one 1e-3 off, whose prediction stays within MODEL_BOUND. The verdict refuses the
+first and admits the second; without a verdict the per-call rule alone lets the bad one serve.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dispatcher
+from dispatcher import Recorder, auto, dispatch_attention_fn, model_scope, prediction, recording
+from dispatcher.auto import Tuner
+from helpers import fake_clock
+from helpers.tensors import sdpa
+
+BLOCKS, HEADS, DIM, TOKENS = 6, 2, 16, 64
+CLOCK = fake_clock.FakeClock()
+exact_kernel = CLOCK.kernel(20)
+
+
+def scaled(factor):
+    """Exact attention times `factor`: a relative error of |factor - 1| on every call, always the same way."""
+    return CLOCK.kernel(5, fn=lambda q, k, v: sdpa(q, k, v) * factor)
+
+
+@pytest.fixture
+def kernels(tmp_path, monkeypatch):
+    fake_clock.use(monkeypatch, CLOCK)
+    names = ("t_sparse_bad", "t_sparse_good", "t_exact")
+    dispatcher.register_backend(names[0], scaled(1.08), devices=("cpu",), approximate=True, error_bound=1e-1)
+    dispatcher.register_backend(names[1], scaled(1.001), devices=("cpu",), approximate=True, error_bound=1e-1)
+    dispatcher.register_backend(names[2], exact_kernel, devices=("cpu",))
+    dispatcher.registry.set_priority(names + tuple(dispatcher.registry.names()))
+    yield names
+    prediction.forget()
+
+
+def weights(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(3, HEADS * DIM, HEADS * DIM, generator=gen) / (HEADS * DIM) ** 0.5 for _ in range(BLOCKS)]
+
+
+def forward(x, model: str, w, backend="auto_fast", recorder=None):
+    """The model's prediction: six self-attention blocks, each block its own call site."""
+    for i, (wq, wk, wv) in enumerate(w):
+        q, k, v = ((x @ m).unflatten(-1, (HEADS, DIM)) for m in (wq, wk, wv))
+        x = dispatch_attention_fn(q, k, v, backend=backend, call_site=f"self #{i}", model=model,
+                                  recorder=recorder).flatten(-2) * 3.0  # keeps the scale through the blocks
+    return x
+
+
+def inputs(seed=1):
+    return torch.randn(1, TOKENS, HEADS * DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def served(rec) -> set[str]:
+    return {row["served"] for row in rec.snapshot()["rows"]}
+
+
+def setup(tmp_path, backends):
+    return auto.using(Tuner(cache_path=tmp_path / "tune.json", backends=backends))
+
+
+def test_the_per_call_rule_alone_lets_a_kernel_that_ruins_the_prediction_serve(kernels, tmp_path):
+    bad, _, exact = kernels
+    x, w = inputs(), weights()
+    with setup(tmp_path, (bad, exact)), model_scope("m-unjudged"):
+        reference = forward(x, "m-unjudged", w, backend=exact)
+        rec = Recorder()
+        got = forward(x, "m-unjudged", w, recorder=rec)
+    assert served(rec) == {bad}  # each block's verdict admitted it: 8e-2 is within its 1e-1
+    assert prediction.relative_difference(got, reference) > 0.5
+
+
+def test_a_kernel_fine_per_call_that_ruins_the_prediction_is_refused(kernels, tmp_path):
+    bad, _, exact = kernels
+    x, w = inputs(), weights()
+    with setup(tmp_path, (bad, exact)) as tuner:
+        prediction.require("m-bad")
+        rec = Recorder()
+        before = forward(x, "m-bad", w, recorder=rec)
+        assert served(rec) == {exact}  # pending: it waits for the verdict
+        trial = Recorder()
+        verdict, out = prediction.judge("m-bad", lambda: forward(x, "m-bad", w),
+                                        lambda: forward(x, "m-bad", w, recorder=trial))
+        assert served(trial) == {bad}  # the candidate forward ran it, on every block
+        assert verdict.status == prediction.REFUSED and verdict.rel_error > 0.5 and verdict.bound == 2e-2
+        torch.testing.assert_close(out, before)  # the prediction returned is the reference's
+        rec = Recorder()
+        after = forward(x, "m-bad", w, recorder=rec)
+        assert served(rec) == {exact}
+        torch.testing.assert_close(after, before)
+        skipped = [dict(r.skipped).get(bad) for r in tuner.records() if r.model == "m-bad" and r.block == "self #0"]
+    assert any(why and why[0].startswith("an approximate kernel: refused for this model by its prediction off by")
+               for why in skipped), skipped
+    assert verdict.text.startswith("sparse refused: prediction off by ")
+
+
+def test_a_kernel_that_keeps_the_prediction_is_admitted_and_serves(kernels, tmp_path):
+    _, good, exact = kernels
+    x, w = inputs(), weights()
+    with setup(tmp_path, (good, exact)):
+        reference = forward(x, "m-good", w, backend=exact)
+        prediction.require("m-good")
+        verdict, out = prediction.judge("m-good", lambda: forward(x, "m-good", w), lambda: forward(x, "m-good", w))
+        assert verdict.status == prediction.ADMITTED and 1e-3 < verdict.rel_error < prediction.MODEL_BOUND
+        assert verdict.text == f"sparse: prediction off by {verdict.rel_error:.1e} (within 2e-02)"
+        torch.testing.assert_close(out, reference, atol=0.05, rtol=0.05)
+        rec = Recorder()
+        forward(x, "m-good", w, recorder=rec)
+    assert served(rec) == {good}
+
+
+def test_a_nan_prediction_is_refused_and_a_failed_forward_decides_nothing(kernels, tmp_path):
+    verdict, out = prediction.judge("m-nan", lambda: torch.ones(3), lambda: torch.tensor([1.0, float("nan"), 1.0]))
+    assert verdict.status == prediction.REFUSED and verdict.rel_error == float("inf")
+    torch.testing.assert_close(out, torch.ones(3))
+
+    def broken():
+        raise RuntimeError("out of memory")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        prediction.judge("m-oom", lambda: torch.ones(3), broken)
+    assert prediction.status("m-oom") == prediction.PENDING and prediction.verdict("m-oom") is None
+
+
+def test_only_approximate_kernels_wait(kernels, tmp_path):
+    """Quantised and exact kernels are not held back by a pending verdict; auto_exact never sees either class."""
+    from dispatcher.support import for_auto
+    prediction.require("m-pending")
+    call = dispatcher.AttentionInputs.of(1, HEADS, TOKENS, DIM, dtype=torch.float32, device="cpu")
+    assert for_auto("t_sparse_bad", call, exact_only=False, model="m-pending").policy == (
+        "an approximate kernel: waits for this model's prediction-level verdict (its first step, judged with and "
+        "without approximate kernels)",)
+    assert for_auto("t_sparse_bad", call, exact_only=False, model="another").runs
+    assert for_auto("t_exact", call, exact_only=False, model="m-pending").runs
+    assert "t_sparse_bad" in prediction.available_here()
