@@ -32,6 +32,13 @@ DEFAULT_BUDGET_S = 2.0  # on a GPU
 # a GPU: 2 s each made a tiny model's first prompt on a CPU 36 s instead of 9 s.
 CPU_BUDGET_S = 0.5
 DEFAULT_MAX_SIGNATURES = 32
+# On a CPU flex_attention runs eagerly through torch.compile's tracer: its first call of each signature took 4.4 s
+# and its calls 640 ms against SDPA's 24 ms (tiny SD1.5's self-attention, 2 x 256 x 8 x 40, torch 2.13 on this
+# CI's CPU): it never wins there, and its first call alone was 9x a CPU's whole budget. `auto` leaves it out on a
+# CPU where another kernel can run the call (a BlockMask still gets it), with this reason.
+CPU_UNTIMED_FAMILIES = ("flex",)
+CPU_UNTIMED_REASON = ("auto leaves flex out on a CPU: it runs eagerly there, its first call per signature traces "
+                      "for seconds and its calls were 25x SDPA's; select 'flex' by name to run it")
 DEFAULT_TIE_MARGIN = 0.03  # at most: how much a later backend in priority order must beat an earlier one by
 # `auto_fast` admits a quantised kernel whose relative error on the model's own activations (sampled query rows
 # against float64 exact attention) is at most this; see docs/auto.md for the measurements behind it.
@@ -100,7 +107,8 @@ class TuneRecord:
     judged_on: str = ""  # live values | noise (provisional, judged again on the first live call) | disk
     attention_kwargs: tuple[str, ...] = ()  # the call's attention_kwargs keys: only backends honouring them compete
     # The budget ran out before every candidate was judged and timed (first calls that load or compile a kernel
-    # count): the choice serves this call only, and the block's next call goes on from where this one stopped.
+    # count): those left are listed with the reason, and the choice is kept all the same (the budget is per
+    # signature, every call of it included: going on at later calls tuned one signature 5 times, 11 s on a CPU).
     cut_short: bool = False
 
     @property
@@ -153,6 +161,7 @@ class Tuner:
         # (disk key -> (candidates, {name: (median_ms, times_ms)})) and the exact kernels' verdicts per model.
         self._timings: dict[str, tuple] = {}
         self._exact_verdicts: dict[tuple, dict] = {}
+        self._spent: dict[str, float] = {}  # disk key -> seconds of tuning it has had in this process, every block
         self._timed = 0
         self.timing_calls = 0  # candidate timings actually run (tests: a disk hit runs none)
 
@@ -196,8 +205,8 @@ class Tuner:
         """(backend name, whether the choice depends on trust settings, whether it holds for the later calls of
         this block) for these inputs of `model`; live: the call itself (its tensors judge accuracy); exact=True:
         never a quantised kernel; block: which block of the model the call comes from (auto_fast judges quantised
-        kernels on each block's own activations). A choice that does not hold (made on noise or in a trace, or cut
-        short by the budget) is made again on the next call."""
+        kernels on each block's own activations). A choice that does not hold (made on noise or in a trace) is made
+        again on the next call."""
         block = "" if exact else block
         keys = tuple(sorted(live.attention_kwargs)) if live is not None and live.attention_kwargs else ()
         key = self._key(inputs, exact, model, block, keys)
@@ -304,6 +313,7 @@ class Tuner:
             self._records.clear()
             self._timings.clear()
             self._exact_verdicts.clear()
+            self._spent.clear()
             self._timed = 0
             if disk:
                 cache.remove(self.cache_path)
@@ -332,6 +342,11 @@ class Tuner:
                 names.append(name)
             else:
                 skipped.append((name, why.reasons))
+        if torch.device(inputs.device).type == "cpu":
+            slow = [n for n in names if registry.get(n).family in CPU_UNTIMED_FAMILIES]
+            if len(slow) < len(names):  # another can run it: a kernel that cannot win is not worth its first call
+                names = [n for n in names if n not in slow]
+                skipped += [(n, [CPU_UNTIMED_REASON]) for n in slow]
         return names, skipped, sensitive  # registry.names() is the priority order
 
     # -- deciding
@@ -343,12 +358,11 @@ class Tuner:
                             trust_sensitive=sensitive, exact=exact, model=model, block=block, attention_kwargs=keys)
         record.candidates = [CandidateResult(n, "untimed", i, admission_bound(registry.get(n)))
                              for i, n in enumerate(names)]
-        from_disk = from_memory = resumed = False
+        from_disk = from_memory = False
         if use_disk and len(names) > 1:
             from_disk = self._from_disk(record, names)
             from_memory = self._from_memory(record)
-            resumed = self._resume(record)
-        known = from_disk or from_memory or resumed
+        known = from_disk or from_memory
         judged = known and all(c.status in ("valid", "rejected") for c in record.candidates)
         timed = known and all(c.median_ms is not None for c in record.candidates if c.status == "valid")
         if not names:
@@ -375,11 +389,13 @@ class Tuner:
         elif self.budget(sig.device) <= 0 and not (timed and live is not None):
             record.reason = f"the time budget is {self.budget(sig.device):g} s ({ENV_BUDGET}): preference order"
         else:
-            counted = not known  # a signature measured before in this process (or cut short) is not counted again
+            counted = not known  # a signature measured before in this process is not counted again
             if counted:
                 self._timed += 1
-            try:
-                self._measure(sig, record, names, layout, live, start)
+            spent_key = _disk_key(record)
+            spent_before = self._spent.get(spent_key, 0.0)
+            try:  # the budget is the signature's, over every block and call that tunes it
+                self._measure(sig, record, names, layout, live, start - spent_before)
             except hooks.TuningInterrupted as stop:  # the host's own interrupt: nothing is decided or saved
                 if counted:
                     self._timed -= 1
@@ -389,6 +405,8 @@ class Tuner:
                                type(exc).__name__, exc)
                 record.source, record.judged_on = "preference", ""
                 record.reason = f"tuning failed ({type(exc).__name__}: {exc}): preference order"
+            finally:
+                self._spent[spent_key] = spent_before + measure.now() - start
             if record.source in ("timed", "judged"):
                 self._to_memory(record)
                 self._to_disk(record, names)
@@ -460,7 +478,8 @@ class Tuner:
                     and any(c.status == "valid" and c.median_ms is not None for c in record.candidates))
 
         def cut_short(result, what: str) -> None:
-            result.reason = f"not {what}: the {budget:g} s budget for this signature was spent (the next call goes on)"
+            result.reason = (f"not {what}: the {budget:g} s budget for this signature was spent ({ENV_BUDGET} "
+                             f"raises it)")
             record.cut_short = True
 
         for position, name in enumerate(names):
@@ -473,7 +492,7 @@ class Tuner:
                 result.reason = (f"not run: it materialises the {score_bytes >> 20} MiB score matrix, over the "
                                  f"tuning memory cap")
                 continue
-            if spent():
+            if spent() and result.median_ms is None:  # one timed already (another block): judged on this block's values
                 cut_short(result, "timed" if known else "tried")
                 continue
             self._progress(record, "candidate", position, len(names), start, candidate=name)
@@ -626,22 +645,6 @@ class Tuner:
                 c.status, c.rel_error, c.reason = verdicts[c.name]
         return True
 
-    def _resume(self, record: TuneRecord) -> bool:
-        """Carry this block's own verdicts from its record that the budget cut short (its timings went to memory
-        with it: `_from_memory`): the next call judges and times only what is left. False when there is none."""
-        previous = self._records.get((record.signature, record.exact, record.model, record.block,
-                                      record.attention_kwargs))
-        if previous is None or not previous.cut_short:
-            return False
-        before = {c.name: c for c in previous.candidates}
-        for c in record.candidates:
-            old = before.get(c.name)
-            if old is not None and c.status not in ("valid", "rejected") and old.status in ("chosen", "valid",
-                                                                                                "rejected"):
-                c.status = "valid" if old.status == "chosen" else old.status
-                c.rel_error, c.reason = old.rel_error, old.reason
-        return True
-
     def _to_memory(self, record: TuneRecord) -> None:
         key = record.signature.key()
         self._timings.setdefault(key, {}).update(
@@ -692,10 +695,9 @@ class Tuner:
 
 
 def _settled(record: TuneRecord) -> bool:
-    """Whether a choice may be remembered: judged on live values (now or on disk) and not cut short by the budget,
-    or there was nothing to judge. A provisional one (noise, a trace, a preference, a cut-short tuning) is made
-    again on the next call, with its live values."""
-    return (record.judged_on in (LIVE, DISK) and not record.cut_short) or record.source in ("only-candidate", "none")
+    """Whether a choice may be remembered: judged on live values (now or on disk), or there was nothing to judge.
+    A provisional one (noise, a trace, a preference) is made again on the next call, with its live values."""
+    return record.judged_on in (LIVE, DISK) or record.source in ("only-candidate", "none")
 
 
 def _reject(result: CandidateResult, reason: str, device: torch.device) -> None:
