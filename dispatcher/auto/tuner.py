@@ -17,7 +17,7 @@ from ..call import AttentionCall
 from ..checks import check_shapes, check_structure
 from ..execute import run
 from ..inputs import AttentionInputs, describe_call
-from . import cache, hooks, measure
+from . import cache, hooks, measure, step
 from .fingerprint import fingerprint_key, machine_fingerprint
 from .measure import random_inputs, shrink, sync, time_calls, time_rounds, validate
 from ..reference import exact_attention, first_line, sample_rows
@@ -135,14 +135,16 @@ class Tuner:
 
     def __init__(self, *, cache_path=_DEFAULT_PATH, time_budget_s: float | None = None,
                  max_signatures: int | None = None, warmup: int = 1, runs: int = 5, validation_rows: int = 64,
-                 memory_cap_bytes: int | None = None, backends=None, tie_margin: float = DEFAULT_TIE_MARGIN):
+                 memory_cap_bytes: int | None = None, backends=None, tie_margin: float = DEFAULT_TIE_MARGIN,
+                 step_check: bool = True):
         """cache_path: the JSON file (None: memory only; default: `cache.default_cache_path()`);
         time_budget_s: seconds per signature, everything included (ATTN_DISPATCH_TUNE_BUDGET; default 2 on a GPU,
         0.5 on a CPU); max_signatures: timed per process
         (ATTN_DISPATCH_TUNE_MAX_SIGNATURES, 32); warmup/runs: calls per candidate; validation_rows: query
         rows checked against exact attention; memory_cap_bytes: for the tuning inputs (default: a quarter
         of free GPU memory up to 8 GiB, 512 MiB on a CPU); backends: consider only these names; tie_margin:
-        how much faster than a preferred backend another must be to win (timings carry host noise)."""
+        how much faster than a preferred backend another must be to win (timings carry host noise); step_check:
+        check the picks of a model's forward against single kernels in the model's own call order (step.py)."""
         self._cache_path = cache_path
         self.backends = None if backends is None else tuple(backends)
         budget = time_budget_s if time_budget_s is not None else env.value(ENV_BUDGET)
@@ -152,6 +154,7 @@ class Tuner:
         self.warmup, self.runs, self.validation_rows = int(warmup), max(1, int(runs)), int(validation_rows)
         self.memory_cap_bytes = memory_cap_bytes
         self.tie_margin = float(tie_margin)
+        self.step_check = bool(step_check)
         self._lock = threading.RLock()
         # Tuner._key (signature, exact, model, block, trust scope, machine) -> (name, trust-sensitive); forgotten
         # with the dispatcher's decisions (caches.on_forget, auto/__init__.py), which are made from these choices.
@@ -162,6 +165,12 @@ class Tuner:
         self._timings: dict[str, tuple] = {}
         self._exact_verdicts: dict[tuple, dict] = {}
         self._spent: dict[str, float] = {}  # disk key -> seconds of tuning it has had in this process, every block
+        # The model's step (step.py): per-signature choices of live calls wait in _pending (key -> record) while
+        # the forward they belong to is recorded (_sequences: (model, exact, trust scope, machine) -> Sequence);
+        # once it is complete, the step decision settles them all. _steps: sequence key -> StepRecord.
+        self._pending: dict[tuple, TuneRecord] = {}
+        self._sequences: dict[tuple, step.Sequence] = {}
+        self._steps: dict[str, step.StepRecord] = {}
         self._timed = 0
         self.timing_calls = 0  # candidate timings actually run (tests: a disk hit runs none)
 
@@ -217,13 +226,99 @@ class Tuner:
             hit = self._choices.get(key)
             if hit is not None:
                 return (*hit, True)
-            record = self._resolve(inputs, exact, layout=layout, live=live, timing=timing, model=model, block=block,
-                                   keys=keys)
-            hit = (record.chosen, record.trust_sensitive)
-            settled = _settled(record)
-            if settled:
-                self._choices[key] = hit
-        return (*hit, settled)
+            record = self._pending.get(key)
+            if record is None:
+                record = self._resolve(inputs, exact, layout=layout, live=live, timing=timing, model=model,
+                                       block=block, keys=keys)
+                hit = (record.chosen, record.trust_sensitive)
+                if not _settled(record):
+                    return (*hit, False)
+                if live is None or not self.step_check or record.source in ("only-candidate", "none"):
+                    self._choices[key] = hit
+                    return (*hit, True)
+                self._pending[key] = record
+            return self._in_step(key, record, live.call_site if live is not None else DEFAULT_BLOCK, exact, model)
+
+    # -- the model's step (step.py)
+    def _in_step(self, key: tuple, record: TuneRecord, site: str, exact: bool, model: str) -> tuple[str, bool, bool]:
+        """Record this call in its model's forward; once the forward is complete, decide the step and settle every
+        choice of it. Until then a call is served by its signature's own pick, provisionally."""
+        forward = (model, exact) + key[-2:]  # trust scope and machine, as the key's
+        sequence = self._sequences.setdefault(forward, step.Sequence())
+        if not sequence.add(site, key):
+            return record.chosen, record.trust_sensitive, False
+        del self._sequences[forward]
+        records = {k: self._pending[k] for k in sequence.keys()}
+        result = self._decide_step([k for _, k in sequence.calls], records, exact, model)
+        for k, rec in records.items():
+            del self._pending[k]
+            self._choices[k] = (rec.chosen if result.chosen == step.MIX else result.chosen, rec.trust_sensitive)
+        hit = self._choices.get(key) or (record.chosen, record.trust_sensitive)
+        return (*hit, True)
+
+    def _decide_step(self, order: list, records: dict, exact: bool, model: str) -> step.StepRecord:
+        """One kernel for every call of the forward, or the mix of per-signature picks: see step.py."""
+        start = measure.now()
+        disk_keys = [_disk_key(records[k]) for k in order]
+        result = step.StepRecord(model, exact, step.sequence_key(disk_keys, exact, model), len(order), len(records),
+                                 step.MIX, "agree")
+        top, result.predicted_ms = step.singles(order, records)
+        picks = {r.chosen for r in records.values()}
+        if len(records) == 1 or len(picks) == 1:
+            result.chosen = next(iter(picks))
+            result.source, result.reason = ("one-signature", "its own tuning compared the kernels on it") if len(
+                records) == 1 else ("agree", "every signature picked it")
+        elif not top:
+            result.reason = "no kernel is valid for every call: each call keeps its own pick"
+        else:
+            self._replay_step(result, order, records, top)
+        result.seconds = measure.now() - start
+        self._steps[result.key] = result
+        logger.info("auto: %s", result.text())
+        return result
+
+    def _replay_step(self, result: step.StepRecord, order: list, records: dict, top: list[str]) -> None:
+        configs = top + [step.MIX]
+        earlier = self._steps.get(result.key)  # decided in this process (before the choices were forgotten)
+        chosen = earlier.chosen if earlier is not None else None
+        if chosen is None and result.model != state.UNSCOPED_MODEL:  # timings are the machine's, the order the model's
+            saved = cache.lookup(self.cache_path, result.key)
+            chosen = saved.get("chosen") if saved is not None else None
+        if chosen in configs:
+            result.chosen = chosen
+            result.source, result.reason = "disk" if earlier is None else "memory", "decided earlier for this forward"
+            return
+        device = torch.device(next(iter(records.values())).signature.device)
+        cap = self._memory_cap(device)
+        made: dict[tuple, tuple] = {}
+
+        def inputs(key):
+            if key not in made:
+                rec = records[key]
+                made[key] = self._inputs(rec.signature, rec.layout, None, cap)[:2]
+            return made[key]
+
+        self.timing_calls += 1
+        try:
+            step_ms, samples, why = step.replay(order, records, configs, inputs, device, self.budget(device),
+                                                self.runs, self.tie_margin)
+        except hooks.TuningInterrupted as stop:
+            raise stop.original from None
+        except Exception as exc:  # a kernel that fails here keeps each call's own pick (it ran them alone)
+            result.reason = f"replaying the forward failed ({type(exc).__name__}: {exc}): each call keeps its pick"
+            return
+        finally:
+            made.clear()
+        if why:
+            result.source, result.reason = "predicted", why + ": from the per-signature timings"
+            result.chosen = step.step_pick({c: result.predicted_ms[c] for c in configs}, {}, self.tie_margin)
+        else:
+            result.source, result.step_ms, result.samples_ms = "timed", step_ms, samples
+            result.chosen = step.step_pick(step_ms, samples, self.tie_margin)
+        if result.model != state.UNSCOPED_MODEL:
+            cache.update(self.cache_path, result.key, lambda previous: {
+                "candidates": configs, "chosen": result.chosen, "source": result.source, "tuned_at": cache.now(),
+                "step_ms": result.step_ms, "predicted_ms": result.predicted_ms})
 
     @staticmethod
     def _key(sig: AttentionInputs, exact: bool, model: str, block: str, keys: tuple = ()) -> tuple:
@@ -276,7 +371,13 @@ class Tuner:
                 {"gpu": DEFAULT_BUDGET_S, "cpu": CPU_BUDGET_S}, "max_signatures": self.max_signatures,
                 "timed_signatures": self._timed, "total_seconds": round(sum(r.seconds for r in records), 4),
                 "cache_path": str(self.cache_path) if self.cache_path else None,
-                "machine": machine_fingerprint(), "signatures": [r.as_dict() for r in records]}
+                "machine": machine_fingerprint(), "signatures": [r.as_dict() for r in records],
+                "steps": [s.as_dict() for s in self.steps()]}
+
+    def steps(self) -> list[step.StepRecord]:
+        """The model-level decisions made in this process (step.py)."""
+        with self._lock:
+            return list(self._steps.values())
 
     def explain(self) -> str:
         records = self.records()
@@ -298,6 +399,7 @@ class Tuner:
                 error = f"err {c.rel_error:.1e}" if c.rel_error is not None else "err -"
                 lines.append(f"       {c.name:30} {c.status:9} {timing:>12}  {error}"
                              + (f"  ({c.reason})" if c.reason else ""))
+        lines += [f"  {s.text()}" for s in self.steps()]
         return "\n".join(lines)
 
     def forget_choices(self) -> None:
@@ -305,6 +407,8 @@ class Tuner:
         from stay (the records, the timings and verdicts in memory and on disk): choosing again reads them."""
         with self._lock:
             self._choices.clear()
+            self._pending.clear()  # made among candidates that may have changed: resolved again
+            self._sequences.clear()
 
     def clear_cache(self, disk: bool = True) -> None:
         """Forget every decision (and the disk cache file, with disk=True)."""
@@ -314,6 +418,9 @@ class Tuner:
             self._timings.clear()
             self._exact_verdicts.clear()
             self._spent.clear()
+            self._pending.clear()
+            self._sequences.clear()
+            self._steps.clear()
             self._timed = 0
             if disk:
                 cache.remove(self.cache_path)
