@@ -123,17 +123,11 @@ def step_pick(step_ms: dict[str, float], samples: dict[str, list[float]], tie_ma
     fastest = min(step_ms, key=step_ms.get)
     preference = sorted((n for n in step_ms if n != MIX), key=registry_rank) + [MIX]
     for name in preference:
-        noise = min(tie_margin, max(STEP_FLOOR, _spread(samples.get(name, [])), _spread(samples.get(fastest, []))))
+        noise = min(tie_margin, max(STEP_FLOOR, measure.spread(samples.get(name, [])),
+                                      measure.spread(samples.get(fastest, []))))
         if step_ms[name] <= step_ms[fastest] * (1 + noise):
             return name
     return fastest
-
-
-def _spread(times: list[float]) -> float:
-    if len(times) < 4:
-        return 0.0
-    low, _, high = statistics.quantiles(times, n=4)
-    return (high - low) / max(statistics.median(times), 1e-12)
 
 
 def replay(order: list, records: dict, configs: list[str], inputs, device: torch.device, budget_s: float,

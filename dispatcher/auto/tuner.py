@@ -19,7 +19,7 @@ from ..execute import run
 from ..inputs import AttentionInputs, describe_call
 from . import cache, hooks, measure, step
 from .fingerprint import fingerprint_key, machine_fingerprint
-from .measure import random_inputs, shrink, sync, time_calls, time_rounds, validate
+from .measure import random_inputs, shrink, spread, sync, time_calls, time_rounds, validate
 from ..reference import exact_attention, first_line, sample_rows
 from ..log import logger
 
@@ -65,15 +65,7 @@ def pick(valid: list, tie_margin: float):
     to run, and in a real SDXL step the less preferred ones lost (measured on the H200: bench/results)."""
     fastest = min(valid, key=lambda c: c.median_ms)
     return next(c for c in valid if c.median_ms <= fastest.median_ms * (
-        1 + min(tie_margin, max(_spread(c.times_ms), _spread(fastest.times_ms)))))
-
-
-def _spread(times_ms: list[float]) -> float:
-    """Relative interquartile range of timing samples (their noise)."""
-    if len(times_ms) < 2:
-        return 0.0
-    low, _, high = statistics.quantiles(times_ms, n=4) if len(times_ms) >= 4 else (min(times_ms), 0, max(times_ms))
-    return (high - low) / max(statistics.median(times_ms), 1e-12)
+        1 + min(tie_margin, max(spread(c.times_ms), spread(fastest.times_ms)))))
 
 
 @dataclass
