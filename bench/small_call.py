@@ -10,7 +10,9 @@ shuffled order every round, each time `calls` back-to-back calls (CUDA events ar
 - bare: `F.scaled_dot_product_attention` on the (B, H, L, D) views (what ComfyUI's own path ends in);
 - dispatcher: `dispatch_attention_fn` on the (B, L, H, D) views, the default backend;
 - override: the ComfyUI override (nodes/adapter.py) as ComfyUI calls it, backend "native";
-- comfy: ComfyUI's own `attention_pytorch` on the same (B, L, H*D) tensors, when COMFYUI_PATH names a ComfyUI.
+- comfy: ComfyUI's own `attention_pytorch` on the same (B, L, H*D) tensors, when COMFYUI_PATH names a ComfyUI;
+- comfy_optimized: ComfyUI's `optimized_attention` (the function its models call, chosen at import for this
+  machine, with its override check) on the same call: the fair anchor for the override's host time.
 The ratio bare/x is the fraction of the bare call's speed the pack reaches (1.0 = no cost). `host_us` is each
 one's host time per call measured while the GPU is kept busy (so the host never waits): when it exceeds the
 kernel's GPU time, the host, not the kernel, sets the pace.
@@ -86,8 +88,11 @@ def measure(args) -> int:
         "override": lambda: override(comfy_func, q3, k3, v3, h, transformer_options={}),
     }
     comfy = comfy_attention()
+    optimized = None
     if comfy is not None:  # what ComfyUI runs without the pack, on the same (B, L, H*D) tensors
+        comfy, optimized = comfy
         fns["comfy"] = lambda: comfy(q3, k3, v3, h)
+        fns["comfy_optimized"] = lambda: optimized(q3, k3, v3, h, transformer_options={})
     # Where the host time goes, layer by layer (host_us only): the pack's SDPA runner alone, and SDPA with the
     # cuDNN-first priority the runner sets (flipped per call, as the runner does, and held for the whole loop).
     native = sys.modules[f"{dispatcher.__name__}.backends.native"]
@@ -112,6 +117,7 @@ def measure(args) -> int:
     torch.testing.assert_close(fns["override"](), ref, rtol=0, atol=0)
     if "comfy" in fns:
         torch.testing.assert_close(fns["comfy"](), ref, rtol=2e-2, atol=2e-2)  # its own kernel choice
+        torch.testing.assert_close(fns["comfy_optimized"](), ref, rtol=2e-2, atol=2e-2)
     for name in BREAKDOWN + ("override_model",) if args.breakdown else ():
         out = layers[name]()
         exact = name != "views"  # bare SDPA on the views: its own kernel under --order, like "bare"
@@ -137,10 +143,14 @@ def measure(args) -> int:
               "median_us": {k: round(v, 3) for k, v in med.items()},
               "sdpa_priority_order": torch._C._get_sdp_priority_order(), "order_set": args.order,
               "inference_mode": torch.is_inference_mode_enabled(),
+              **({"comfy_optimized_is": getattr(optimized, "__name__", "?")} if optimized is not None else {}),
               **({"kernels": {name: gpu_kernels(fn) for name, fn in fns.items()}} if cuda else {}),
               "bare_over_dispatcher": round(med["bare"] / med["dispatcher"], 4),
               "bare_over_override": round(med["bare"] / med["override"], 4),
-              **({"comfy_over_override": round(med["comfy"] / med["override"], 4)} if "comfy" in med else {}),
+              **({"comfy_over_override": round(med["comfy"] / med["override"], 4),
+                  "override_minus_comfy_optimized_host_us": round(host["override"] - host["comfy_optimized"], 3),
+                  "dispatcher_minus_bare_host_us": round(host["dispatcher"] - host["bare"], 3)}
+                 if "comfy" in med else {"dispatcher_minus_bare_host_us": round(host["dispatcher"] - host["bare"], 3)}),
               "host_us": {k: round(v, 3) for k, v in host.items()},
               "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__, "rounds": args.rounds,
               "calls": args.calls, "pack": str(args.pack), **extra}
@@ -262,7 +272,7 @@ def gpu_kernels(fn) -> list[str]:
 
 
 def comfy_attention():
-    """ComfyUI's `attention_pytorch` from COMFYUI_PATH, or None."""
+    """(ComfyUI's `attention_pytorch`, its `optimized_attention`) from COMFYUI_PATH, or None."""
     path = os.environ.get("COMFYUI_PATH")
     if not path:
         return None
@@ -270,8 +280,10 @@ def comfy_attention():
     sys.path.insert(0, path)
     import comfy.options
     comfy.options.enable_args_parsing()
-    from comfy.ldm.modules.attention import attention_pytorch
-    return attention_pytorch
+    if not torch.cuda.is_available() and "--cpu" not in sys.argv:
+        sys.argv.append("--cpu")  # ComfyUI's device setup, as main.py parses it
+    from comfy.ldm.modules.attention import attention_pytorch, optimized_attention
+    return attention_pytorch, optimized_attention
 
 
 if __name__ == "__main__":

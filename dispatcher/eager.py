@@ -199,7 +199,7 @@ def _first_call(fast_key, requested, policy, model, quality_guard, call: Attenti
             exact, twin_sensitive, twin_settled = registry.resolver(twin)(inputs, call, model=model, timing=True)
             sensitive, settled = sensitive or twin_sensitive, settled and twin_settled
     decision = decisions.decision_for(name, policy, inputs, call.layout, model, quality_guard, exact)
-    if fast_key is not None and settled:  # an unsettled pick (the tuning was cut short) is asked again next call
+    if fast_key is not None and settled:  # an unsettled pick (made on noise or in a trace) is asked again next call
         if sensitive or decision.trust_sensitive:
             _fast[fast_key] = _TRUST_SENSITIVE
             _fast[(fast_key, trust.scope_key())] = decision

@@ -95,12 +95,13 @@ def for_auto(name: str, inputs: AttentionInputs, *, exact_only: bool, attention_
     only, `auto` never downloads code, so a Hub kernel that could run is a candidate only once its repo is
     `fetched` (fetched or loaded: `hub.fetched_repos()`), and an approximate kernel serves `model` only as its
     prediction-level verdict allows (dispatcher/prediction.py)."""
-    why = why_not(name, inputs, attention_kwargs=attention_kwargs)
     spec = registry.get(name)
+    if exact_only and not spec.exact:  # decided by the spec alone: its package is not even imported (comfy_kitchen's
+        # import took 4-8 s of a CPU's first auto_exact call, for a kernel auto_exact never runs)
+        return WhyNot(policy=(f"a{'n' if spec.precision == 'approximate' else ''} {spec.precision} kernel: "
+                              "auto_exact runs exact kernels only",))
+    why = why_not(name, inputs, attention_kwargs=attention_kwargs)
     policy = []
-    if exact_only and not spec.exact:
-        policy.append(f"a{'n' if spec.precision == 'approximate' else ''} {spec.precision} kernel: auto_exact runs "
-                      "exact kernels only")
     if spec.hub is not None and why.runs and spec.hub.repo_id not in fetched:
         policy.append(f"Hub kernel '{spec.hub.repo_id}' is not fetched or loaded yet; auto never downloads code: "
                       f"select '{name}' once (or run install.py) to make it a candidate")

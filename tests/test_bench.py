@@ -311,3 +311,25 @@ def test_guard_bench_one_bad_block_of_many_counts_spoiled_calls(tmp_path, bad_fr
     assert {f["site"] for f in result["guard_failures"]} == {"self #2"}
     assert result["served"] == {"self #2": "native"} if bad_from_step == 0 else "self #2" in result["served"]
     assert result["served_calls"]["bench_int8_sim"] >= 5 * 8  # the five good blocks keep it
+
+
+def test_the_step_table_rates_the_autos_against_the_best_pinned_kernel_and_fills_the_readme_slot(tmp_path):
+    import comfy_model_step
+    import step_table
+    measured = [{"attention": "comfy default", "ms": 12.0}, {"attention": "native", "ms": 10.0, "served": ["native"]},
+                {"attention": "_native_flash", "ms": 8.0, "served": ["_native_flash"]},
+                {"attention": "auto_exact", "ms": 8.08, "served": ["_native_flash"]}]
+    rows = comfy_model_step.table_rows("sdxl", "eager", measured, ["native", "_native_flash"])
+    by = {r["attention"]: r for r in rows}
+    assert by["auto_exact"]["vs_best_pinned"] == pytest.approx(8.0 / 8.08)
+    assert by["native"]["vs_comfy"] == pytest.approx(1.2) and "vs_best_pinned" not in by["native"]
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{step_table.START}\nnot measured yet\n{step_table.END}\n## More\n")
+    data = {"table": rows, "device": "NVIDIA H200", "torch": "2.11", "runs": 20}
+    step_table.fill_readme(readme, data, "bench/results/x-step-table.png", "x.json")
+    text = readme.read_text()
+    assert "not measured yet" not in text and "![Step time per model and attention](bench/results/x-step-table.png)" in text
+    assert "| sdxl | eager | auto_exact | 8.08 | 1.485 | 0.990 | _native_flash |" in text and text.endswith("## More\n")
+    if HAVE_MPL:
+        step_table.write_png(data, str(tmp_path / "chart.png"))
+        assert (tmp_path / "chart.png").stat().st_size > 1000

@@ -17,6 +17,9 @@ For a call signature met for the first time, the tuner
   with the reason. A verdict belongs to the model it was made on (`model=` / `model_scope`);
 - times the valid ones on the same tensors (warm-up, then the median of a few runs; CUDA events on GPUs)
   within a time budget per signature, and keeps the fastest (a preferred one within timing noise wins ties).
+A model's live calls then wait for its first forward (`step.py`): the forward's calls are replayed in their order
+for the mix of per-signature picks and for the best few single kernels, and one kernel serves every call unless
+the mix beats it by more than the noise (a kernel fastest alone can lose the step to its host time and switches).
 Decisions live in memory (the hot path never comes back here once decided) and on disk (SQLite, cache.py:
 `ATTN_DISPATCH_TUNE_CACHE` or ~/.cache/attention_dispatch/tune.sqlite3), keyed by the machine (GPU or CPU
 model, torch and attention package versions) and the set of candidates. On disk, timings are shared by

@@ -3,6 +3,7 @@ its error against exact attention."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import replace
 
@@ -15,6 +16,14 @@ from ..reference import non_finite, relative_error, to_bhsd
 # events). A test replaces it (tests/helpers/fake_clock.py) with a clock whose kernels take fixed times, so what
 # it asserts on timings holds exactly however loaded the machine is; nothing else in the tuner measures time.
 now = time.perf_counter
+
+
+def spread(times_ms: list[float]) -> float:
+    """Relative interquartile range of timing samples (their noise)."""
+    if len(times_ms) < 2:
+        return 0.0
+    low, _, high = statistics.quantiles(times_ms, n=4) if len(times_ms) >= 4 else (min(times_ms), 0, max(times_ms))
+    return (high - low) / max(statistics.median(times_ms), 1e-12)
 
 
 def sync(device: torch.device) -> None:

@@ -17,9 +17,9 @@ from ..call import AttentionCall
 from ..checks import check_shapes, check_structure
 from ..execute import run
 from ..inputs import AttentionInputs, describe_call
-from . import cache, hooks, measure, tune_log
+from . import cache, hooks, measure, step, tune_log
 from .fingerprint import fingerprint_key, machine_fingerprint
-from .measure import random_inputs, shrink, sync, time_calls, time_rounds, validate
+from .measure import random_inputs, shrink, spread, sync, time_calls, time_rounds, validate
 from ..reference import exact_attention, first_line, sample_rows
 from ..log import logger
 
@@ -32,6 +32,13 @@ DEFAULT_BUDGET_S = 2.0  # on a GPU
 # a GPU: 2 s each made a tiny model's first prompt on a CPU 36 s instead of 9 s.
 CPU_BUDGET_S = 0.5
 DEFAULT_MAX_SIGNATURES = 32
+# On a CPU flex_attention runs eagerly through torch.compile's tracer: its first call of each signature took 4.4 s
+# and its calls 640 ms against SDPA's 24 ms (tiny SD1.5's self-attention, 2 x 256 x 8 x 40, torch 2.13 on this
+# CI's CPU): it never wins there, and its first call alone was 9x a CPU's whole budget. `auto` leaves it out on a
+# CPU where another kernel can run the call (a BlockMask still gets it), with this reason.
+CPU_UNTIMED_FAMILIES = ("flex",)
+CPU_UNTIMED_REASON = ("auto leaves flex out on a CPU: it runs eagerly there, its first call per signature traces "
+                      "for seconds and its calls were 25x SDPA's; select 'flex' by name to run it")
 DEFAULT_TIE_MARGIN = 0.03  # at most: how much a later backend in priority order must beat an earlier one by
 # `auto_fast` admits a quantised kernel whose relative error on the model's own activations (sampled query rows
 # against float64 exact attention) is at most this; see docs/auto.md for the measurements behind it.
@@ -58,15 +65,7 @@ def pick(valid: list, tie_margin: float):
     to run, and in a real SDXL step the less preferred ones lost (measured on the H200: bench/results)."""
     fastest = min(valid, key=lambda c: c.median_ms)
     return next(c for c in valid if c.median_ms <= fastest.median_ms * (
-        1 + min(tie_margin, max(_spread(c.times_ms), _spread(fastest.times_ms)))))
-
-
-def _spread(times_ms: list[float]) -> float:
-    """Relative interquartile range of timing samples (their noise)."""
-    if len(times_ms) < 2:
-        return 0.0
-    low, _, high = statistics.quantiles(times_ms, n=4) if len(times_ms) >= 4 else (min(times_ms), 0, max(times_ms))
-    return (high - low) / max(statistics.median(times_ms), 1e-12)
+        1 + min(tie_margin, max(spread(c.times_ms), spread(fastest.times_ms)))))
 
 
 @dataclass
@@ -100,7 +99,8 @@ class TuneRecord:
     judged_on: str = ""  # live values | noise (provisional, judged again on the first live call) | disk
     attention_kwargs: tuple[str, ...] = ()  # the call's attention_kwargs keys: only backends honouring them compete
     # The budget ran out before every candidate was judged and timed (first calls that load or compile a kernel
-    # count): the choice serves this call only, and the block's next call goes on from where this one stopped.
+    # count): those left are listed with the reason, and the choice is kept all the same (the budget is per
+    # signature, every call of it included: going on at later calls tuned one signature 5 times, 11 s on a CPU).
     cut_short: bool = False
 
     @property
@@ -127,14 +127,16 @@ class Tuner:
 
     def __init__(self, *, cache_path=_DEFAULT_PATH, time_budget_s: float | None = None,
                  max_signatures: int | None = None, warmup: int = 1, runs: int = 5, validation_rows: int = 64,
-                 memory_cap_bytes: int | None = None, backends=None, tie_margin: float = DEFAULT_TIE_MARGIN):
+                 memory_cap_bytes: int | None = None, backends=None, tie_margin: float = DEFAULT_TIE_MARGIN,
+                 step_check: bool = True):
         """cache_path: the cache file (SQLite; None: memory only; default: `cache.default_cache_path()`);
         time_budget_s: seconds per signature, everything included (ATTN_DISPATCH_TUNE_BUDGET; default 2 on a GPU,
         0.5 on a CPU); max_signatures: timed per process
         (ATTN_DISPATCH_TUNE_MAX_SIGNATURES, 32); warmup/runs: calls per candidate; validation_rows: query
         rows checked against exact attention; memory_cap_bytes: for the tuning inputs (default: a quarter
         of free GPU memory up to 8 GiB, 512 MiB on a CPU); backends: consider only these names; tie_margin:
-        how much faster than a preferred backend another must be to win (timings carry host noise)."""
+        how much faster than a preferred backend another must be to win (timings carry host noise); step_check:
+        check the picks of a model's forward against single kernels in the model's own call order (step.py)."""
         self._cache_path = cache_path
         self.backends = None if backends is None else tuple(backends)
         budget = time_budget_s if time_budget_s is not None else env.value(ENV_BUDGET)
@@ -144,6 +146,7 @@ class Tuner:
         self.warmup, self.runs, self.validation_rows = int(warmup), max(1, int(runs)), int(validation_rows)
         self.memory_cap_bytes = memory_cap_bytes
         self.tie_margin = float(tie_margin)
+        self.step_check = bool(step_check)
         self._lock = threading.RLock()
         # Tuner._key (signature, exact, model, block, trust scope, machine) -> (name, trust-sensitive); forgotten
         # with the dispatcher's decisions (caches.on_forget, auto/__init__.py), which are made from these choices.
@@ -153,6 +156,13 @@ class Tuner:
         # (disk key -> (candidates, {name: (median_ms, times_ms)})) and the exact kernels' verdicts per model.
         self._timings: dict[str, tuple] = {}
         self._exact_verdicts: dict[tuple, dict] = {}
+        self._spent: dict[str, float] = {}  # disk key -> seconds of tuning it has had in this process, every block
+        # The model's step (step.py): per-signature choices of live calls wait in _pending (key -> record) while
+        # the forward they belong to is recorded (_sequences: (model, exact, trust scope, machine) -> Sequence);
+        # once it is complete, the step decision settles them all. _steps: sequence key -> StepRecord.
+        self._pending: dict[tuple, TuneRecord] = {}
+        self._sequences: dict[tuple, step.Sequence] = {}
+        self._steps: dict[str, step.StepRecord] = {}
         self._timed = 0
         self.timing_calls = 0  # candidate timings actually run (tests: a disk hit runs none)
 
@@ -196,8 +206,8 @@ class Tuner:
         """(backend name, whether the choice depends on trust settings, whether it holds for the later calls of
         this block) for these inputs of `model`; live: the call itself (its tensors judge accuracy); exact=True:
         never a quantised kernel; block: which block of the model the call comes from (auto_fast judges quantised
-        kernels on each block's own activations). A choice that does not hold (made on noise or in a trace, or cut
-        short by the budget) is made again on the next call."""
+        kernels on each block's own activations). A choice that does not hold (made on noise or in a trace) is made
+        again on the next call."""
         block = "" if exact else block
         keys = tuple(sorted(live.attention_kwargs)) if live is not None and live.attention_kwargs else ()
         key = self._key(inputs, exact, model, block, keys)
@@ -208,13 +218,99 @@ class Tuner:
             hit = self._choices.get(key)
             if hit is not None:
                 return (*hit, True)
-            record = self._resolve(inputs, exact, layout=layout, live=live, timing=timing, model=model, block=block,
-                                   keys=keys)
-            hit = (record.chosen, record.trust_sensitive)
-            settled = _settled(record)
-            if settled:
-                self._choices[key] = hit
-        return (*hit, settled)
+            record = self._pending.get(key)
+            if record is None:
+                record = self._resolve(inputs, exact, layout=layout, live=live, timing=timing, model=model,
+                                       block=block, keys=keys)
+                hit = (record.chosen, record.trust_sensitive)
+                if not _settled(record):
+                    return (*hit, False)
+                if live is None or not self.step_check or record.source in ("only-candidate", "none"):
+                    self._choices[key] = hit
+                    return (*hit, True)
+                self._pending[key] = record
+            return self._in_step(key, record, live.call_site if live is not None else DEFAULT_BLOCK, exact, model)
+
+    # -- the model's step (step.py)
+    def _in_step(self, key: tuple, record: TuneRecord, site: str, exact: bool, model: str) -> tuple[str, bool, bool]:
+        """Record this call in its model's forward; once the forward is complete, decide the step and settle every
+        choice of it. Until then a call is served by its signature's own pick, provisionally."""
+        forward = (model, exact) + key[-2:]  # trust scope and machine, as the key's
+        sequence = self._sequences.setdefault(forward, step.Sequence())
+        if not sequence.add(site, key):
+            return record.chosen, record.trust_sensitive, False
+        del self._sequences[forward]
+        records = {k: self._pending[k] for k in sequence.keys()}
+        result = self._decide_step([k for _, k in sequence.calls], records, exact, model)
+        for k, rec in records.items():
+            del self._pending[k]
+            self._choices[k] = (rec.chosen if result.chosen == step.MIX else result.chosen, rec.trust_sensitive)
+        hit = self._choices.get(key) or (record.chosen, record.trust_sensitive)
+        return (*hit, True)
+
+    def _decide_step(self, order: list, records: dict, exact: bool, model: str) -> step.StepRecord:
+        """One kernel for every call of the forward, or the mix of per-signature picks: see step.py."""
+        start = measure.now()
+        disk_keys = [_disk_key(records[k]) for k in order]
+        result = step.StepRecord(model, exact, step.sequence_key(disk_keys, exact, model), len(order), len(records),
+                                 step.MIX, "agree")
+        top, result.predicted_ms = step.singles(order, records)
+        picks = {r.chosen for r in records.values()}
+        if len(records) == 1 or len(picks) == 1:
+            result.chosen = next(iter(picks))
+            result.source, result.reason = ("one-signature", "its own tuning compared the kernels on it") if len(
+                records) == 1 else ("agree", "every signature picked it")
+        elif not top:
+            result.reason = "no kernel is valid for every call: each call keeps its own pick"
+        else:
+            self._replay_step(result, order, records, top)
+        result.seconds = measure.now() - start
+        self._steps[result.key] = result
+        logger.info("auto: %s", result.text())
+        return result
+
+    def _replay_step(self, result: step.StepRecord, order: list, records: dict, top: list[str]) -> None:
+        configs = top + [step.MIX]
+        earlier = self._steps.get(result.key)  # decided in this process (before the choices were forgotten)
+        chosen = earlier.chosen if earlier is not None else None
+        if chosen is None and result.model != state.UNSCOPED_MODEL:  # timings are the machine's, the order the model's
+            saved = cache.lookup(self.cache_path, result.key)
+            chosen = saved.get("chosen") if saved is not None else None
+        if chosen in configs:
+            result.chosen = chosen
+            result.source, result.reason = "disk" if earlier is None else "memory", "decided earlier for this forward"
+            return
+        device = torch.device(next(iter(records.values())).signature.device)
+        cap = self._memory_cap(device)
+        made: dict[tuple, tuple] = {}
+
+        def inputs(key):
+            if key not in made:
+                rec = records[key]
+                made[key] = self._inputs(rec.signature, rec.layout, None, cap)[:2]
+            return made[key]
+
+        self.timing_calls += 1
+        try:
+            step_ms, samples, why = step.replay(order, records, configs, inputs, device, self.budget(device),
+                                                self.runs, self.tie_margin)
+        except hooks.TuningInterrupted as stop:
+            raise stop.original from None
+        except Exception as exc:  # a kernel that fails here keeps each call's own pick (it ran them alone)
+            result.reason = f"replaying the forward failed ({type(exc).__name__}: {exc}): each call keeps its pick"
+            return
+        finally:
+            made.clear()
+        if why:
+            result.source, result.reason = "predicted", why + ": from the per-signature timings"
+            result.chosen = step.step_pick({c: result.predicted_ms[c] for c in configs}, {}, self.tie_margin)
+        else:
+            result.source, result.step_ms, result.samples_ms = "timed", step_ms, samples
+            result.chosen = step.step_pick(step_ms, samples, self.tie_margin)
+        if result.model != state.UNSCOPED_MODEL:
+            cache.update(self.cache_path, result.key, lambda previous: {
+                "candidates": configs, "chosen": result.chosen, "source": result.source, "tuned_at": cache.now(),
+                "step_ms": result.step_ms, "predicted_ms": result.predicted_ms})
 
     @staticmethod
     def _key(sig: AttentionInputs, exact: bool, model: str, block: str, keys: tuple = ()) -> tuple:
@@ -267,7 +363,13 @@ class Tuner:
                 {"gpu": DEFAULT_BUDGET_S, "cpu": CPU_BUDGET_S}, "max_signatures": self.max_signatures,
                 "timed_signatures": self._timed, "total_seconds": round(sum(r.seconds for r in records), 4),
                 "cache_path": str(self.cache_path) if self.cache_path else None,
-                "machine": machine_fingerprint(), "signatures": [r.as_dict() for r in records]}
+                "machine": machine_fingerprint(), "signatures": [r.as_dict() for r in records],
+                "steps": [s.as_dict() for s in self.steps()]}
+
+    def steps(self) -> list[step.StepRecord]:
+        """The model-level decisions made in this process (step.py)."""
+        with self._lock:
+            return list(self._steps.values())
 
     def explain(self) -> str:
         records = self.records()
@@ -289,6 +391,7 @@ class Tuner:
                 error = f"err {c.rel_error:.1e}" if c.rel_error is not None else "err -"
                 lines.append(f"       {c.name:30} {c.status:9} {timing:>12}  {error}"
                              + (f"  ({c.reason})" if c.reason else ""))
+        lines += [f"  {s.text()}" for s in self.steps()]
         return "\n".join(lines)
 
     def forget_choices(self) -> None:
@@ -296,6 +399,8 @@ class Tuner:
         from stay (the records, the timings and verdicts in memory and on disk): choosing again reads them."""
         with self._lock:
             self._choices.clear()
+            self._pending.clear()  # made among candidates that may have changed: resolved again
+            self._sequences.clear()
 
     def clear_cache(self, disk: bool = True) -> None:
         """Forget every decision (and the disk cache file, with disk=True)."""
@@ -304,6 +409,10 @@ class Tuner:
             self._records.clear()
             self._timings.clear()
             self._exact_verdicts.clear()
+            self._spent.clear()
+            self._pending.clear()
+            self._sequences.clear()
+            self._steps.clear()
             self._timed = 0
             if disk:
                 cache.remove(self.cache_path)
@@ -332,6 +441,11 @@ class Tuner:
                 names.append(name)
             else:
                 skipped.append((name, why.reasons))
+        if torch.device(inputs.device).type == "cpu":
+            slow = [n for n in names if registry.get(n).family in CPU_UNTIMED_FAMILIES]
+            if len(slow) < len(names):  # another can run it: a kernel that cannot win is not worth its first call
+                names = [n for n in names if n not in slow]
+                skipped += [(n, [CPU_UNTIMED_REASON]) for n in slow]
         return names, skipped, sensitive  # registry.names() is the priority order
 
     # -- deciding
@@ -343,12 +457,11 @@ class Tuner:
                             trust_sensitive=sensitive, exact=exact, model=model, block=block, attention_kwargs=keys)
         record.candidates = [CandidateResult(n, "untimed", i, admission_bound(registry.get(n)))
                              for i, n in enumerate(names)]
-        from_disk = from_memory = resumed = False
+        from_disk = from_memory = False
         if use_disk and len(names) > 1:
             from_disk = self._from_disk(record, names)
             from_memory = self._from_memory(record)
-            resumed = self._resume(record)
-        known = from_disk or from_memory or resumed
+        known = from_disk or from_memory
         judged = known and all(c.status in ("valid", "rejected") for c in record.candidates)
         timed = known and all(c.median_ms is not None for c in record.candidates if c.status == "valid")
         if not names:
@@ -375,11 +488,13 @@ class Tuner:
         elif self.budget(sig.device) <= 0 and not (timed and live is not None):
             record.reason = f"the time budget is {self.budget(sig.device):g} s ({ENV_BUDGET}): preference order"
         else:
-            counted = not known  # a signature measured before in this process (or cut short) is not counted again
+            counted = not known  # a signature measured before in this process is not counted again
             if counted:
                 self._timed += 1
-            try:
-                self._measure(sig, record, names, layout, live, start)
+            spent_key = _disk_key(record)
+            spent_before = self._spent.get(spent_key, 0.0)
+            try:  # the budget is the signature's, over every block and call that tunes it
+                self._measure(sig, record, names, layout, live, start - spent_before)
             except hooks.TuningInterrupted as stop:  # the host's own interrupt: nothing is decided or saved
                 if counted:
                     self._timed -= 1
@@ -389,6 +504,8 @@ class Tuner:
                                type(exc).__name__, exc)
                 record.source, record.judged_on = "preference", ""
                 record.reason = f"tuning failed ({type(exc).__name__}: {exc}): preference order"
+            finally:
+                self._spent[spent_key] = spent_before + measure.now() - start
             if record.source in ("timed", "judged"):
                 self._to_memory(record)
                 self._to_disk(record, names)
@@ -454,7 +571,8 @@ class Tuner:
                     and any(c.status == "valid" and c.median_ms is not None for c in record.candidates))
 
         def cut_short(result, what: str) -> None:
-            result.reason = f"not {what}: the {budget:g} s budget for this signature was spent (the next call goes on)"
+            result.reason = (f"not {what}: the {budget:g} s budget for this signature was spent ({ENV_BUDGET} "
+                             f"raises it)")
             record.cut_short = True
 
         for position, name in enumerate(names):
@@ -467,7 +585,7 @@ class Tuner:
                 result.reason = (f"not run: it materialises the {score_bytes >> 20} MiB score matrix, over the "
                                  f"tuning memory cap")
                 continue
-            if spent():
+            if spent() and result.median_ms is None:  # one timed already (another block): judged on this block's values
                 cut_short(result, "timed" if known else "tried")
                 continue
             self._progress(record, "candidate", position, len(names), start, candidate=name)
@@ -620,22 +738,6 @@ class Tuner:
                 c.status, c.rel_error, c.reason = verdicts[c.name]
         return True
 
-    def _resume(self, record: TuneRecord) -> bool:
-        """Carry this block's own verdicts from its record that the budget cut short (its timings went to memory
-        with it: `_from_memory`): the next call judges and times only what is left. False when there is none."""
-        previous = self._records.get((record.signature, record.exact, record.model, record.block,
-                                      record.attention_kwargs))
-        if previous is None or not previous.cut_short:
-            return False
-        before = {c.name: c for c in previous.candidates}
-        for c in record.candidates:
-            old = before.get(c.name)
-            if old is not None and c.status not in ("valid", "rejected") and old.status in ("chosen", "valid",
-                                                                                                "rejected"):
-                c.status = "valid" if old.status == "chosen" else old.status
-                c.rel_error, c.reason = old.rel_error, old.reason
-        return True
-
     def _to_memory(self, record: TuneRecord) -> None:
         key = record.signature.key()
         self._timings.setdefault(key, {}).update(
@@ -686,10 +788,9 @@ class Tuner:
 
 
 def _settled(record: TuneRecord) -> bool:
-    """Whether a choice may be remembered: judged on live values (now or on disk) and not cut short by the budget,
-    or there was nothing to judge. A provisional one (noise, a trace, a preference, a cut-short tuning) is made
-    again on the next call, with its live values."""
-    return (record.judged_on in (LIVE, DISK) and not record.cut_short) or record.source in ("only-candidate", "none")
+    """Whether a choice may be remembered: judged on live values (now or on disk), or there was nothing to judge.
+    A provisional one (noise, a trace, a preference) is made again on the next call, with its live values."""
+    return record.judged_on in (LIVE, DISK) or record.source in ("only-candidate", "none")
 
 
 def _reject(result: CandidateResult, reason: str, device: torch.device) -> None:
