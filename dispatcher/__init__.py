@@ -5,6 +5,14 @@
         out = dispatch_attention_fn(q, k, v)          # (B, S, H, D)
 """
 
+import torch as _torch
+
+from .versions import TORCH_FLOOR as _TORCH_FLOOR, at_least as _at_least
+
+if not _at_least(_torch.__version__, _TORCH_FLOOR):  # said plainly, not as the AttributeError an old torch gives
+    raise ImportError(f"attention dispatch needs torch>={_TORCH_FLOOR}; this Python has torch {_torch.__version__}. "
+                      "Update torch in this environment (for ComfyUI: its Python, the build for your GPU)")
+
 from . import backends as _backends  # noqa: F401  (registers the built-in backends)
 from . import auto  # noqa: F401  (registers auto_exact / auto_fast / auto: auto.tune / report / explain / clear_cache)
 from . import guard  # noqa: F401  (the quality guard's modes and bounds)

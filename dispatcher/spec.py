@@ -184,8 +184,8 @@ class BackendSpec:
             reasons.append(f"attn_mask is {MASK_NAMES.get(inputs.mask_kind, inputs.mask_kind)}{hint}")
         if inputs.is_causal:
             if inputs.mask_kind != "none" and not mask_refused and not self.mask_with_causal:
-                reasons.append("attn_mask with is_causal=True is not supported (SDPA applies both, the mask and its "
-                               "top-left causal diagonal, as 'native' does)")
+                reasons.append("attn_mask with is_causal=True is not supported (the pair means both, the mask and "
+                               "SDPA's top-left causal diagonal, as 'native' applies them)")
             if not self.causal:
                 reasons.append("is_causal=True is not supported")
             elif inputs.len_q != inputs.len_kv and self.causal_alignment != "top_left":

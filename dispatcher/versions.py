@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from packaging.version import InvalidVersion, Version
 
+# The oldest torch the pack runs on, as pyproject.toml claims it (CI tests it): 2.5 lacks SDPA's kernel priority
+# order (torch._C._get_sdp_priority_order), which the SDPA backends use.
+TORCH_FLOOR = "2.6"
+
 
 def _parse(version: str) -> Version | None:
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,9 @@ _DISPATCHER_ENV = ("DIFFUSERS_ATTN_BACKEND", "DIFFUSERS_ATTN_CHECKS", "DIFFUSERS
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (tests under tests/gpu/); skipped without one")
     config.addinivalue_line("markers", "slow: slow but run by default (torch.compile on the CPU)")
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")  # under pytest-xdist (-n): the cores shared out
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 def pytest_collection_modifyitems(config, items):

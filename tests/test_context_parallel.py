@@ -19,7 +19,7 @@ import torch
 
 import dispatcher
 from dispatcher import parallel
-from helpers.gloo_ranks import join_gloo, spawn_ranks
+from helpers.gloo_ranks import join_gloo, leave_gloo, spawn_ranks
 
 from dispatcher.parallel import ContextParallelConfig, ContextParallelError, context_parallel, head_plan
 
@@ -199,7 +199,6 @@ def _run_case(c: Case) -> dict:
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
     join_gloo(rank, world, init_file)
     results, broken = {}, None
     for case in CASES[world]:
@@ -216,7 +215,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 broken = case.name  # collectives may be out of step now: stop here
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(results, handle)
-    dist.destroy_process_group()
+    _configs.clear()  # they hold the process groups: kept, the groups outlive the interpreter (leave_gloo says)
+    leave_gloo()
 
 
 # --- the tests ---------------------------------------------------------------------------------

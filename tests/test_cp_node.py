@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from helpers.gloo_ranks import join_gloo, spawn_ranks
+from helpers.gloo_ranks import join_gloo, leave_gloo, spawn_ranks
 from helpers.pack import PACK, comfy_func, load_pack
 
 adapter, dispatcher, _ = load_pack()
@@ -230,7 +230,6 @@ def _run_case(c: Case, rank: int) -> dict:
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
     join_gloo(rank, world, init_file)
     results, broken = {}, None
     for case in CASES[world]:
@@ -248,7 +247,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     # The cached configs hold the process group: dropped first, destroy_process_group frees it and gloo's worker
     # threads end with it (kept, the group outlived the interpreter and a rank could abort at exit)
     _configs.clear()
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 _spawned: dict = {}

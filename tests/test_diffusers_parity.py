@@ -2,8 +2,8 @@
 match it (bit for bit on `native`), where it misreads or drops an argument we refuse with the fix (issue #15).
 SDPA's and diffusers' conventions (issue #33): a 2-D (B, Lk) key-padding mask, a 3-D (H, Lq, Lk) mask, attn_mask
 with is_causal, empty inputs and a 0-d tensor scale run as diffusers runs them, bit for bit on `native`; where
-diffusers raises (its math backend on a mask with is_causal: SDPA's math kernel refuses both) we give what its
-`native` gives."""
+diffusers raises (its math backend on a mask with is_causal: SDPA's math kernel refuses both; from torch 2.14 its
+`native` too) we give what its `native` gives on torch 2.13, the mask and the causal diagonal both."""
 
 from __future__ import annotations
 
@@ -48,6 +48,23 @@ def theirs(q, k, v, backend="native", **kwargs):
     return ad.dispatch_attention_fn(q, k, v, backend=ad.AttentionBackendName(backend), **kwargs)
 
 
+def theirs_or_folded(q, k, v, **kwargs):
+    """diffusers' `native` on the call. For attn_mask with is_causal=True it hands both to SDPA, which runs the pair
+    up to torch 2.13 (mask and top-left diagonal) and refuses it from 2.14: there, the same call with the diagonal
+    folded into the mask, the meaning the pack serves on every torch (docs/python.md)."""
+    try:
+        return theirs(q, k, v, **kwargs)
+    except RuntimeError as refusal:
+        if not (kwargs.get("is_causal") and kwargs.get("attn_mask") is not None):
+            raise
+        assert "attn_mask should not be set when is_causal=True" in str(refusal)
+    mask = kwargs["attn_mask"]
+    if mask.shape == (q.shape[0], k.shape[1]):  # (B, Lk): key padding, as diffusers' native reads it
+        mask = mask[:, None, None, :]
+    folded = tensors.causal_folded(mask, q.shape[1], k.shape[1])
+    return theirs(q, k, v, **(kwargs | dict(attn_mask=folded, is_causal=False)))
+
+
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
@@ -88,7 +105,7 @@ CASES = {
 def test_native_is_bit_identical_to_diffusers(case):
     shape, kwargs = CASES[case]
     q, k, v = qkv(**shape)
-    expected = theirs(q, k, v, **kwargs)
+    expected = theirs_or_folded(q, k, v, **kwargs)
     got = dispatch_attention_fn(q, k, v, backend="native", policy="strict", **kwargs)
     assert torch.equal(got, expected), (got - expected).abs().max()
 
@@ -108,13 +125,14 @@ def test_math_matches_diffusers_native_math(case):
 @pytest.mark.parametrize("case", ["mask_causal", "additive_mask_causal_cross", "key_padding_causal_gqa"])
 def test_mask_with_causal_where_diffusers_math_raises_we_give_its_native_result(case):
     """diffusers' `_native_math` pins SDPA's math kernel, which refuses attn_mask with is_causal; SDPA itself runs
-    such a call (its CPU flash kernel), and so does our math backend, with diffusers' `native` result."""
+    such a call up to torch 2.13 (its CPU flash kernel), and so does our math backend on every torch, with
+    diffusers' `native` result (from 2.14: on the mask with the diagonal folded in)."""
     shape, kwargs = CASES[case]
     q, k, v = qkv(**shape)
     with pytest.raises(RuntimeError, match="attn_mask should not be set when is_causal=True"):
         theirs(q, k, v, backend="_native_math", **kwargs)
     got = dispatch_attention_fn(q, k, v, backend="_native_math", policy="strict", **kwargs)
-    torch.testing.assert_close(got, theirs(q, k, v, **kwargs), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, theirs_or_folded(q, k, v, **kwargs), atol=1e-5, rtol=1e-5)
 
 
 def test_batch_by_key_mask_is_key_padding_and_the_ambiguous_one_is_refused():
@@ -140,7 +158,7 @@ def test_flex_with_mask_and_causal_diffusers_drops_the_mask_we_skip_flex_with_th
     the pair (`mask_with_causal`): strict names why, fallback serves it with SDPA's result."""
     shape, kwargs = CASES["mask_causal"]
     q, k, v = qkv(**shape)
-    sdpa_result = theirs(q, k, v, **kwargs)
+    sdpa_result = theirs_or_folded(q, k, v, **kwargs)
     causal_only = theirs(q, k, v, is_causal=True)
     torch.testing.assert_close(theirs(q, k, v, backend="flex", **kwargs), causal_only, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(causal_only, sdpa_result, atol=1e-3)

@@ -318,8 +318,14 @@ MASK_WITH_CAUSAL_CASES = [(backend, case) for backend in ("native", "_native_mat
                           if case != "return_lse" or registry.get(backend).lse]  # an LSE only where it has one
 
 
+def causal_reference(q, k, v, mask, **kwargs):
+    """attn_mask with is_causal=True, the convention (docs/python.md): the mask and SDPA's top-left diagonal, run
+    by SDPA as one explicit mask, which every torch the pack claims accepts (2.14 and later refuse the pair)."""
+    return sdpa(q, k, v, attn_mask=tensors.causal_folded(mask, q.shape[1], k.shape[1]), **kwargs)
+
+
 @pytest.mark.parametrize("backend, case", MASK_WITH_CAUSAL_CASES)
-def test_mask_with_causal_applies_both_as_sdpa_does(backend, case):
+def test_mask_with_causal_applies_both(backend, case):
     lq, lk = {"cross_longer_keys": (8, 20), "cross_longer_queries": (20, 8)}.get(case, (16, 16))
     q, k, v = qkv(b=2, lq=lq, lk=lk, h=4, hk=2 if case == "gqa" else None,
                   dtype=torch.bfloat16 if case == "half" else torch.float32)
@@ -330,39 +336,57 @@ def test_mask_with_causal_applies_both_as_sdpa_does(backend, case):
         mask = _padding(2, lk)[:, None, None, :]
     else:
         mask = torch.rand(2, 1, lq, lk, generator=gen) > 0.3
-    kwargs = dict(attn_mask=mask, is_causal=True, enable_gqa=case == "gqa")
-    expected = sdpa(q, k, v, **kwargs)  # SDPA runs it on the CPU (its flash kernel): mask and top-left diagonal
-    got = dispatch_attention_fn(q, k, v, backend=backend, policy="strict", return_lse=case == "return_lse", **kwargs)
+    gqa = case == "gqa"
+    expected = causal_reference(q, k, v, mask, enable_gqa=gqa)
+    got = dispatch_attention_fn(q, k, v, attn_mask=mask, is_causal=True, enable_gqa=gqa, backend=backend,
+                                policy="strict", return_lse=case == "return_lse")
     if case == "return_lse":
         got = got[0]
     tolerance = 2e-2 if case == "half" else 2e-5
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance, equal_nan=True)
 
 
+@pytest.mark.parametrize("additive", [False, True])
+def test_sdpa_on_this_torch_applies_mask_and_causal_as_the_pack_does_or_refuses_the_pair(additive):
+    """The convention's origin, checked on whichever torch runs the suite: SDPA up to 2.13 runs the pair on the
+    CPU (its flash kernel) with exactly this meaning; 2.14 and later refuse it. Should a torch give the pair
+    another meaning, this fails and the convention needs a look."""
+    q, k, v = qkv(b=2, lq=12, lk=16, h=4)
+    gen = torch.Generator().manual_seed(6)
+    mask = torch.randn(12, 16, generator=gen) if additive else torch.rand(2, 1, 12, 16, generator=gen) > 0.3
+    try:
+        theirs = sdpa(q, k, v, attn_mask=mask, is_causal=True)
+    except RuntimeError as refusal:
+        assert "attn_mask should not be set when is_causal=True" in str(refusal)
+    else:
+        torch.testing.assert_close(theirs, causal_reference(q, k, v, mask), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(dispatch_attention_fn(q, k, v, attn_mask=mask, is_causal=True),
+                               causal_reference(q, k, v, mask), atol=2e-5, rtol=1e-4)
+
+
 def test_mask_with_causal_where_sdpa_picks_its_math_kernel():
-    """SDPA raises on both where it picks its math kernel (a strided view on the CPU); the library folds the
-    diagonal into the mask and gives SDPA's own result for the same call on dense tensors."""
+    """SDPA raises on both where it picks its math kernel (a strided view on the CPU; on every call from 2.14);
+    the library folds the diagonal into the mask and runs it."""
     q, k, v = qkv(b=2, lq=16, lk=16, h=4, d=64)
     strided = [x[..., ::2] for x in (q, k, v)]
     mask = torch.rand(16, 16, generator=torch.Generator().manual_seed(4)) > 0.3
     with pytest.raises(RuntimeError, match="attn_mask should not be set when is_causal=True"):
         sdpa(*strided, attn_mask=mask, is_causal=True)
     got = dispatch_attention_fn(*strided, attn_mask=mask, is_causal=True)
-    torch.testing.assert_close(got, sdpa(*(x.contiguous() for x in strided), attn_mask=mask, is_causal=True),
-                               atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got, causal_reference(*(x.contiguous() for x in strided), mask), atol=2e-5, rtol=1e-4)
 
 
 def test_mask_with_causal_skips_backends_that_do_not_declare_it_and_says_so():
     q, k, v = qkv(b=2, lq=16, lk=16, h=4)
     mask = torch.rand(16, 16, generator=torch.Generator().manual_seed(5)) > 0.3
-    with pytest.raises(BackendNotSupportedError, match=r"attn_mask with is_causal=True is not supported \(SDPA "
-                                                       r"applies both.*'native' does\)"):
+    with pytest.raises(BackendNotSupportedError, match=r"attn_mask with is_causal=True is not supported \(the pair "
+                                                       r"means both.*'native' applies them\)"):
         dispatch_attention_fn(q, k, v, attn_mask=mask, is_causal=True, backend="flex", policy="strict")
     rec = dispatcher.Recorder()
     with dispatcher.recording(rec):
         out = dispatch_attention_fn(q, k, v, attn_mask=mask, is_causal=True, backend="flex")
     assert rec.served_by("native") == 1
-    torch.testing.assert_close(out, sdpa(q, k, v, attn_mask=mask, is_causal=True), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out, causal_reference(q, k, v, mask), atol=2e-5, rtol=1e-4)
     assert registry.get("native").constraints()["supports"]["mask_with_causal"] is True
     assert registry.get("flex").constraints()["supports"]["mask_with_causal"] is False
 
@@ -393,7 +417,7 @@ def test_empty_inputs_with_mask_causal_lse_and_gradients(case):
     q, k, v = (x.requires_grad_() for x in qkv(**shape))
     mask = torch.ones(shape["lq"], shape["lk"], dtype=torch.bool)
     out, lse = dispatch_attention_fn(q, k, v, attn_mask=mask, is_causal=True, return_lse=True, scale=0.5)
-    expected = sdpa(q, k, v, attn_mask=mask, is_causal=True, scale=0.5)
+    expected = causal_reference(q, k, v, mask, scale=0.5)
     assert torch.equal(out, expected)
     assert lse.shape == q.shape[:-1] and lse.dtype == torch.float32 and bool((lse == float("-inf")).all())
     out.sum().backward()  # SDPA's result carries the inputs' graph: so does ours

@@ -44,11 +44,11 @@ def _gqa_expand(q, k, v, enable_gqa):
 
 
 def _causal_as_mask(q, k, attn_mask, is_causal, scale):
-    """(attn_mask, is_causal) for SDPA and its kernels. With a mask, is_causal=True is folded into it (SDPA's CPU
-    flash kernel applies both so, bit for bit; its math kernel raises on both, and SDPA picks math on the CPU for
-    dropout or a strided view, on GPUs for what its fused kernels refuse). SDPA's CPU flash kernel returns NaN for
-    is_causal=True with a scale <= 0 or one that is 0 in float32 (it scales the -inf it masks with): pass the same
-    top-left causal mask as a bool mask then, which it computes right."""
+    """(attn_mask, is_causal) for SDPA and its kernels. With a mask, is_causal=True is folded into it: the pack's
+    meaning of the pair on every torch (docs/python.md), what torch up to 2.13's CPU flash kernel computes, bit for
+    bit; its math kernel raises on the pair, and so does SDPA on the CPU from torch 2.14. SDPA's CPU flash kernel
+    returns NaN for is_causal=True with a scale <= 0 or one that is 0 in float32 (it scales the -inf it masks
+    with): pass the same top-left causal mask as a bool mask then, which it computes right."""
     if not is_causal:
         return attn_mask, False
     if attn_mask is not None:

@@ -26,3 +26,11 @@ def qkv(b=2, lq=16, lk=None, h=2, d=32, *, dv=None, bk=None, hk=None, dtype=torc
 def sdpa(q, k, v, **_):
     """Exact attention on (B, S, H, D) tensors, in and out: the reference kernel test backends wrap or break."""
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+def causal_folded(mask, lq, lk):
+    """attn_mask with is_causal=True as one explicit mask: `mask` (bool, True = attend, or additive) and SDPA's
+    top-left diagonal (query i attends to keys 0..i). The reference for mask + causal on every torch: SDPA up to
+    2.13 applied both so on the CPU, 2.14 and later refuse the pair; an explicit mask runs on all of them."""
+    keep = torch.ones(lq, lk, dtype=torch.bool).tril()
+    return mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))
