@@ -115,16 +115,16 @@ class Recorder:
         snap = self.snapshot()
         if not snap["rows"]:
             return f"{self.label or 'attention'}: no attention calls recorded"
-        lines = [f"{self.label or 'attention'}: {snap['calls']} attention calls"]
+        lines = [f"{self.label or 'attention'}: {counted(snap['calls'], 'attention call')}"]
         for row in snap["rows"]:
-            line = f"  {row['site']}: {row['served']} served {row['calls']} calls"
+            line = f"  {row['site']}: {row['served']} served {counted(row['calls'], 'call')}"
             if row["fell_back"]:
                 line += f" (asked for {row['requested']}: {'; '.join(row['reasons']) or 'fell back'})"
             lines.append(line)
         for err in snap["errors"]:
             lines.append(f"  {err['site']}: {err['backend']} failed: {err['error']}")
         for g in snap["guard"]:
-            line = f"  {g['site']}: quality guard checked {g['backend']} {g['checks']} times"
+            line = f"  {g['site']}: quality guard checked {g['backend']} {counted(g['checks'], 'time')}"
             if g["max_error"] is not None:
                 line += f", max error {g['max_error']:.1e}"
             if g["every"]:
@@ -134,6 +134,11 @@ class Recorder:
                                                               if failure["replacement"] else "no exact backend left"))
             lines.append(line)
         return "\n".join(lines)
+
+
+def counted(n: int, noun: str) -> str:
+    """'1 call', '2 calls': a count in the words a report prints (issue #41: "1 calls")."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def rotation_text(every: int) -> str:

@@ -12,7 +12,8 @@ import dispatcher
 from dispatcher import (BackendUnavailableError, Recorder, UnknownBackendError, active_backend, active_checks,
                         active_policy, attention_backend, attention_checks, dispatch_attention_fn, fallback_policy,
                         recording, set_attention_backend, set_checks)
-from dispatcher import state
+from dispatcher import report, state
+from helpers import tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -274,3 +275,14 @@ def test_env_checks_raise_on_nan(monkeypatch):
     monkeypatch.setenv("DIFFUSERS_ATTN_CHECKS", "yes")
     with pytest.raises(dispatcher.AttentionInputError, match="query"):
         dispatch_attention_fn(q, k, v)
+
+
+def test_a_report_counts_one_call_in_the_singular():
+    """Issue #41: the report said "1 calls"."""
+    recorder = Recorder("one")
+    q, k, v = tensors.qkv(b=1, lq=4, lk=4, h=1, d=8)
+    with recording(recorder):
+        dispatcher.dispatch_attention_fn(q, k, v, backend="native")
+    text = recorder.summary()
+    assert "one: 1 attention call\n" in text and "served 1 call" in text and "1 calls" not in text, text
+    assert report.counted(2, "call") == "2 calls" and report.counted(0, "call") == "0 calls"

@@ -20,6 +20,7 @@ import torch
 
 from .. import decisions, registry
 from ..execute import run
+from ..report import counted
 from . import hooks, measure
 
 MIX = "mix"  # the per-signature picks, each call its own
@@ -58,7 +59,7 @@ class StepRecord:
         kind = "auto_exact" if self.exact else "auto_fast"
         what = "each call's own pick (mix)" if self.chosen == MIX else f"{self.chosen} for every call"
         times = ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(self.step_ms.items(), key=lambda kv: kv[1]))
-        return (f"{kind} step of model {self.model} ({self.calls} calls, {self.signatures} signatures) -> {what} "
+        return (f"{kind} step of model {self.model} ({counted(self.calls, 'call')}, {counted(self.signatures, 'signature')}) -> {what} "
                 f"({self.source}{': ' + self.reason if self.reason else ''}{'; ' + times if times else ''}; "
                 f"{self.seconds:.2f} s)")
 
