@@ -156,7 +156,10 @@ class Tuner:
         # (disk key -> (candidates, {name: (median_ms, times_ms)})) and the exact kernels' verdicts per model.
         self._timings: dict[str, tuple] = {}
         self._exact_verdicts: dict[tuple, dict] = {}
-        self._spent: dict[str, float] = {}  # disk key -> seconds of tuning it has had in this process, every block
+        # (disk key, candidates) -> seconds of tuning it has had in this process, every block. A new candidate set
+        # (an approximate kernel admitted to a model's trial forward, a Hub kernel fetched) gets a budget of its own:
+        # its new candidates were never tried, and the timings already made are reused.
+        self._spent: dict[tuple[str, tuple[str, ...]], float] = {}
         # The model's step (step.py): per-signature choices of live calls wait in _pending (key -> record) while
         # the forward they belong to is recorded (_sequences: (model, exact, trust scope, machine) -> Sequence);
         # once it is complete, the step decision settles them all. _steps: sequence key -> StepRecord.
@@ -491,7 +494,7 @@ class Tuner:
             counted = not known  # a signature measured before in this process is not counted again
             if counted:
                 self._timed += 1
-            spent_key = _disk_key(record)
+            spent_key = (_disk_key(record), tuple(names))
             spent_before = self._spent.get(spent_key, 0.0)
             try:  # the budget is the signature's, over every block and call that tunes it
                 self._measure(sig, record, names, layout, live, start - spent_before)
