@@ -11,12 +11,11 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from ..log import logger
+from ..log import warn_once
 
 _hooks_lock = threading.Lock()
 _progress: Callable[["TuningProgress"], None] | None = None
 _interrupt: Callable[[], None] | None = None
-_failed_progress_hooks: set[int] = set()
 
 
 @dataclass(frozen=True)
@@ -79,10 +78,8 @@ def progress(event: TuningProgress) -> None:
     try:
         hook(event)
     except Exception as exc:  # a display must never break the call; said once per hook
-        if id(hook) not in _failed_progress_hooks:
-            _failed_progress_hooks.add(id(hook))
-            logger.warning("the tuning progress hook %r raised %s: %s (its further failures are not logged)",
-                           hook, type(exc).__name__, exc)
+        warn_once(("progress-hook", id(hook)), "the tuning progress hook %r raised %s: %s (its further failures "
+                  "are not logged)", hook, type(exc).__name__, exc)
 
 
 def check_interrupt() -> None:
