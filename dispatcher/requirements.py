@@ -19,7 +19,8 @@ from .machine import Machine
 from .versions import at_least
 
 _import_errors: dict[str, str | None] = {}
-_import_lock = threading.Lock()
+# Re-entrant: a Probe runs under it, and a probe's call may import through import_error (FA3's FP8 probe does).
+_import_lock = threading.RLock()
 
 
 def import_error(module: str) -> str | None:

@@ -9,6 +9,7 @@ unchanged, its original untouched.
 
 from __future__ import annotations
 
+import threading
 import copy
 import functools
 import importlib
@@ -603,3 +604,27 @@ def test_checks_see_the_kernels_own_output_before_the_guard_replaces_it(nodes, m
     if mode == "warn":
         logged = [r.getMessage() for r in caplog.records if "output of attention backend 'faulty'" in r.getMessage()]
         assert len(logged) == 1, logged  # once, not once by the dispatcher and once by the node
+
+
+def test_a_probe_whose_call_imports_a_package_does_not_deadlock(monkeypatch, tmp_path):
+    """FlashAttention-3's FP8 probe imports FA3 through import_error while the probe holds the import lock: on the
+    H100 (2026-12-05) availability_reasons('flash_3_fp8') hung for ever, and with it every `auto` in that process."""
+    (tmp_path / "fake_probe_pkg").mkdir()
+    (tmp_path / "fake_probe_pkg" / "__init__.py").write_text("def attn():\n    return 'ran'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    forget_imports()
+
+    def probe():
+        from dispatcher.requirements import import_error
+        assert import_error("fake_probe_pkg") is None  # what flash.py's _fa3_module does inside the FP8 probe
+
+    register_backend("probe_imports", Faulty(every=False), devices=("cpu",),
+                     requires=(Probe("probe-imports-x", probe),))
+    done = []
+    worker = threading.Thread(target=lambda: done.append(dispatcher.availability_reasons("probe_imports")),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    # before forget_imports, which takes the same lock: a deadlocked worker would hang the test instead of failing it
+    assert done == [[]], "availability_reasons deadlocked on a probe that imports"
+    forget_imports()
