@@ -81,6 +81,7 @@ def test_auto_fast_refuses_a_sparse_kernel_that_ruins_the_prediction(nodes):
     first, second = outer(lambda: sample())
     verdict = prediction.verdict(override.model)
     assert verdict.status == prediction.REFUSED and verdict.rel_error > 0.5
+    assert (verdict.served, verdict.calls) == (BLOCKS, BLOCKS)  # counted by the node's recorder
     # the reference prediction came back, and the next step ran without the sparse kernel
     with dispatcher.model_scope("reference"):
         reference = model_function(_exact_override(nodes, exact), weights, comfy_attention)(x, None)
@@ -93,6 +94,7 @@ def test_auto_fast_refuses_a_sparse_kernel_that_ruins_the_prediction(nodes):
     assert report["sparse_verdict"]["status"] == "refused"
     assert any(n.startswith("sparse refused: prediction off by") for n in report["notes"]), report["notes"]
     assert "sparse refused: prediction off by" in report["summary"]
+    assert f"over {BLOCKS} of {BLOCKS} calls" in report["summary"]
 
 
 def _exact_override(nodes, exact):
