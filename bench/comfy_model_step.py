@@ -232,10 +232,11 @@ def eager_step(runs: int, warmup: int, forward_args, configs: dict, device: str,
             return model(*args_, **kwargs, transformer_options=dict(transformer_options))
 
     outputs, failed, verdicts = {}, {}, {}
-    for name, (options, _) in list(configs.items()):
+    for name, (options, recorder) in list(configs.items()):
         try:
             if name in judged:  # the first forward: the model with approximate kernels refused, then allowed
-                verdict, out = prediction.judge(judged[name], lambda: forward(options), lambda: forward(options))
+                verdict, out = prediction.judge(judged[name], lambda: forward(options), lambda: forward(options),
+                                                recorder=recorder)  # it counts what the trial's calls ran on
                 outputs[name], verdicts[name] = out.float(), verdict.as_dict()
                 print(f"{name}: {verdict.text}")
             else:

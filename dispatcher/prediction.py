@@ -7,28 +7,37 @@ apply-model wrapper, nodes/prediction_check.py) asks for a verdict before an app
 under `auto_fast`:
 
     prediction.require(model)                 # approximate kernels wait for the verdict (support.for_auto says so)
-    verdict, out = prediction.judge(model, forward, forward)
+    verdict, out = prediction.judge(model, forward, forward, recorder=the_models_recorder)
         # 1. the forward with approximate kernels refused: the reference prediction
-        # 2. the same forward, same input, with them allowed (auto_fast picks per block as usual)
-        # 3. admitted when the relative L2 difference of the two predictions is within `bound` (MODEL_BOUND);
-        #    the prediction returned is the candidate's when admitted, the reference's when refused
+        # 2. the same forward, same input, with them allowed: the trial. `auto_fast` puts an approximate kernel on
+        #    every block whose per-call verdict admits it, whatever the timings and the step's choice say
+        #    (auto/tuner.py), so the trial is the most the kernel could serve; the recorder counts what it served
+        # 3. no approximate call served: nothing was judged, the verdict stays pending (judged again at the next
+        #    model call, at most MAX_TRIALS times); else admitted when the relative L2 difference of the two
+        #    predictions is within `bound` (MODEL_BOUND). The prediction returned is the candidate's when
+        #    admitted, the reference's otherwise
 
 After the verdict, a refused model's calls never get an approximate kernel from `auto_fast` (the reason names the
-prediction's error); an admitted one keeps the per-block choices, and the per-call bound stays as the quality
-guard's tripwire. A model no host asked a verdict for keeps the per-call rule (the library without a model forward).
-Verdicts are kept per model for the process, like `auto_fast`'s per-block verdicts.
+prediction's error); an admitted one keeps the per-block choices on the blocks (call sites) an approximate kernel
+served in the trial, and only there: a block the trial ran exactly (its per-call verdict, the guard, a fallback)
+was not judged, so it stays exact. The per-call bound stays as the quality guard's tripwire. A model no host asked a
+verdict for keeps the per-call rule (the library without a model forward). Verdicts are kept per model for the
+process, like `auto_fast`'s per-block verdicts.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections import Counter
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 
 from . import caches, registry
+from .report import Recorder, counted, recording
 
 # The largest relative L2 difference (float64, over the whole prediction) between the model's prediction with the
 # approximate kernels `auto_fast` picks and with them refused, on the same input at the first step they would serve.
@@ -37,26 +46,39 @@ from . import caches, registry
 # `auto_exact` on the WAN 1.3B step is what the H200 run checks it against (docs/performance.md).
 MODEL_BOUND = 2e-2
 
+# Trials of one model whose candidate forward no approximate kernel served (its per-call verdicts rejected it on
+# every block, say) before the host stops asking: each costs a second forward, and the kernels keep waiting.
+MAX_TRIALS = 3
+
 PENDING, TRIAL, ADMITTED, REFUSED = "pending", "trial", "admitted", "refused"
 
 
 @dataclass(frozen=True)
 class Verdict:
     model: str
-    status: str  # admitted | refused
+    status: str  # admitted | refused | pending (the trial served no approximate call: nothing was judged)
     rel_error: float  # the prediction's relative L2 difference to the reference (inf for NaN/Inf)
     bound: float
+    served: int = 0  # attention calls of the trial forward an approximate kernel served
+    calls: int = 0  # attention calls of the trial forward
+    sites: tuple[str, ...] = ()  # the call sites (blocks) it served there: an admission covers these only
+    trials: int = 1  # trial forwards run for this model so far
 
     @property
     def text(self) -> str:
-        """The badge's words: "sparse: prediction off by 3.1e-03" (refused: "... > bound, kept exact")."""
-        off = f"prediction off by {self.rel_error:.1e}"
+        """The badge's words: "sparse: prediction off by 3.1e-03 over 30 of 60 calls (within 2e-02)"."""
+        if self.status == PENDING:
+            again = ("judged again at the next step" if self.trials < MAX_TRIALS else
+                     f"not tried again after {counted(self.trials, 'trial')}: approximate kernels stay off")
+            return (f"sparse: no verdict yet: the trial forward's {counted(self.calls, 'attention call')} got no "
+                    f"approximate kernel; {again}")
+        off = f"prediction off by {self.rel_error:.1e} over {self.served} of {counted(self.calls, 'call')}"
         if self.status == ADMITTED:
             return f"sparse: {off} (within {self.bound:.0e})"
         return f"sparse refused: {off} > {self.bound:.0e}; its blocks run without approximate kernels"
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "text": self.text}
+        return {**asdict(self), "sites": list(self.sites), "text": self.text}
 
 
 _lock = threading.Lock()
@@ -87,14 +109,25 @@ def require(model: str) -> None:
         _set(model, PENDING)
 
 
-def refusal(model: str) -> str | None:
-    """Why an approximate kernel may not serve `model` now, or None (support.for_auto's policy reason)."""
+def due(model: str) -> bool:
+    """Whether a host should run a trial for `model` now: pending, and fewer than MAX_TRIALS served nothing."""
+    made = _verdicts.get(model)
+    return status(model) == PENDING and (made is None or made.trials < MAX_TRIALS)
+
+
+def refusal(model: str, block: str | None = None) -> str | None:
+    """Why an approximate kernel may not serve `model` (at call site `block`, when given) now, or None
+    (support.for_auto's policy reason)."""
     now = _status.get(model)
     if now == PENDING:
         return ("an approximate kernel: waits for this model's prediction-level verdict (its first step, judged with "
                 "and without approximate kernels)")
     if now == REFUSED:
         return f"an approximate kernel: refused for this model by its {_verdicts[model].text.split(': ', 1)[1]}"
+    made = _verdicts.get(model)
+    if now == ADMITTED and block is not None and made is not None and block not in made.sites:
+        return (f"an approximate kernel: block {block} ran exactly in this model's prediction-level trial, so its "
+                f"admission ({made.text.split(': ', 1)[1]}) does not cover it")
     return None
 
 
@@ -112,20 +145,45 @@ def relative_difference(candidate: torch.Tensor, reference: torch.Tensor) -> flo
     return float((c - r).norm() / r.norm().clamp_min(1e-30))
 
 
+def _served_calls(recorder: Recorder) -> Counter:
+    """(call site, served backend) -> calls recorded so far."""
+    out: Counter = Counter()
+    for row in recorder.snapshot()["rows"]:
+        out[(row["site"], row["served"])] += row["calls"]
+    return out
+
+
+def _approximate(name: str) -> bool:
+    return registry.is_known(name) and registry.get(name).approximate
+
+
 def judge(model: str, reference: Callable[[], torch.Tensor], candidate: Callable[[], torch.Tensor], *,
-          bound: float = MODEL_BOUND) -> tuple[Verdict, torch.Tensor]:
+          bound: float = MODEL_BOUND, recorder: Recorder | None = None) -> tuple[Verdict, torch.Tensor]:
     """(the verdict, the prediction to use): `reference()` runs the model's forward with approximate kernels refused,
-    `candidate()` the same forward on the same input with them allowed (see the module's docstring)."""
+    `candidate()` the same forward on the same input with them allowed (see the module's docstring). recorder: the
+    one the model's calls record into (a host's); None: the calls name none, and the judge records them itself.
+    A trial whose forward no approximate kernel served judges nothing: the verdict returned is PENDING (status
+    stays pending, `due` says whether to try again) with the reference prediction."""
+    counter = recorder if recorder is not None else Recorder("prediction trial")
     _set(model, PENDING)
     try:
         expected = reference()
         _set(model, TRIAL)
-        got = candidate()
+        before = _served_calls(counter)
+        with recording(counter) if recorder is None else nullcontext():
+            got = candidate()
+        trial = _served_calls(counter) - before
     except BaseException:
         _set(model, PENDING)  # an interrupted or failing forward decides nothing
         raise
+    approximate = {key: n for key, n in trial.items() if _approximate(key[1])}
+    served = sum(approximate.values())
     error = relative_difference(got, expected)
-    result = Verdict(model, ADMITTED if error <= bound else REFUSED, error, bound)
+    previous = _verdicts.get(model)
+    trials = previous.trials + 1 if previous is not None and previous.status == PENDING else 1
+    status_now = PENDING if not served else ADMITTED if error <= bound else REFUSED
+    result = Verdict(model, status_now, error, bound, served, sum(trial.values()),
+                     tuple(sorted({site for site, _ in approximate})), trials)
     with _lock:
         _verdicts[model] = result
     _set(model, result.status)
@@ -133,7 +191,7 @@ def judge(model: str, reference: Callable[[], torch.Tensor], candidate: Callable
 
 
 def forget(model: str | None = None) -> None:
-    """Drop the verdicts (of one model, or all): the next `require` asks again."""
+    """Drop the verdicts (of one model, or all): the next `require` asks again, with MAX_TRIALS trials."""
     with _lock:
         for name in [model] if model is not None else list(_status):
             _status.pop(name, None)

@@ -90,11 +90,12 @@ def availability_reasons(name: str, machine: Machine | None = None) -> list[str]
 # ---- auto's own rules, on top ------------------------------------------------------------------------------------
 
 def for_auto(name: str, inputs: AttentionInputs, *, exact_only: bool, attention_kwargs=None,
-             fetched: frozenset[str] | set[str] = frozenset(), model: str | None = None) -> WhyNot:
+             fetched: frozenset[str] | set[str] = frozenset(), model: str | None = None,
+             block: str | None = None) -> WhyNot:
     """`why_not` for a call, plus `auto`'s own rules as `policy`: `auto_exact` (exact_only) times exact kernels
     only, `auto` never downloads code, so a Hub kernel that could run is a candidate only once its repo is
     `fetched` (fetched or loaded: `hub.fetched_repos()`), and an approximate kernel serves `model` only as its
-    prediction-level verdict allows (dispatcher/prediction.py)."""
+    prediction-level verdict allows at call site `block` (dispatcher/prediction.py)."""
     spec = registry.get(name)
     if exact_only and not spec.exact:  # decided by the spec alone: its package is not even imported (comfy_kitchen's
         # import took 4-8 s of a CPU's first auto_exact call, for a kernel auto_exact never runs)
@@ -106,7 +107,7 @@ def for_auto(name: str, inputs: AttentionInputs, *, exact_only: bool, attention_
         policy.append(f"Hub kernel '{spec.hub.repo_id}' is not fetched or loaded yet; auto never downloads code: "
                       f"select '{name}' once (or run install.py) to make it a candidate")
     if spec.approximate and not exact_only and model is not None:
-        refused = prediction.refusal(model)
+        refused = prediction.refusal(model, block)
         if refused:
             policy.append(refused)
     return why._replace(policy=tuple(policy))

@@ -541,7 +541,7 @@ class SetAttentionBackend(io.ComfyNode):
         _add_outer_sample_wrapper(m, _run_wrapper("model", node_id, recorder, info=info, block_notes=block_notes,
                                                   override=override, precision_notes=precision_notes))
         if backend == AUTO_FAST:  # approximate kernels wait for the model's prediction-level verdict
-            prediction_check.require(m, key, window, WRAPPER_KEY)
+            prediction_check.require(m, key, window, WRAPPER_KEY, recorder)
         return io.NodeOutput(m)
 
 

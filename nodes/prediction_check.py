@@ -1,6 +1,8 @@
 """The prediction-level verdict on approximate kernels (dispatcher/prediction.py) in ComfyUI: an APPLY_MODEL wrapper
-that, at the first model call inside the node's step window while the verdict is pending, runs the denoiser twice on
-the same input (approximate kernels refused, then allowed) and returns the prediction the verdict keeps.
+that, at the first model call inside the node's step window while the verdict is due, runs the denoiser twice on
+the same input (approximate kernels refused, then allowed) and returns the prediction the verdict keeps. The node's
+recorder counts what the trial's calls were served by: a trial no approximate kernel served decides nothing, and
+the next model call tries again (at most prediction.MAX_TRIALS).
 
 Only Set Attention Backend with `auto_fast` installs it, and only a machine that can run an approximate kernel
 (sol_attn) pays the second forward, once per model. Each forward gets its own copy of transformer_options with a new
@@ -27,11 +29,12 @@ def _with_options(args: tuple, kwargs: dict, options: dict) -> tuple[tuple, dict
     return args, {**kwargs, "transformer_options": options}
 
 
-def apply_model_wrapper(model: str, window):
-    """WrappersMP.APPLY_MODEL for a model served by `auto_fast` (model: its identity, the dispatcher's model scope)."""
+def apply_model_wrapper(model: str, window, recorder=None):
+    """WrappersMP.APPLY_MODEL for a model served by `auto_fast` (model: its identity, the dispatcher's model scope;
+    recorder: the one its attention calls record into, the node's)."""
     def wrapper(executor, *args, **kwargs):
         options = _options(args, kwargs)
-        if prediction.status(model) != prediction.PENDING or not in_window(options, window) \
+        if not prediction.due(model) or not in_window(options, window) \
                 or not prediction.available_here():
             return executor(*args, **kwargs)
 
@@ -41,15 +44,17 @@ def apply_model_wrapper(model: str, window):
                 fresh["cond_or_uncond"] = list(fresh["cond_or_uncond"])  # a new forward: block ordinals from 0
             call_args, call_kwargs = _with_options(args, kwargs, fresh)
             return executor(*call_args, **call_kwargs)
-        return prediction.judge(model, forward, forward)[1]
+        return prediction.judge(model, forward, forward, recorder=recorder)[1]
     return wrapper
 
 
-def require(patched, model: str, window, key: str) -> None:
-    """Ask for `model`'s verdict and install the wrapper that makes it on the clone `patched` (under wrapper `key`)."""
+def require(patched, model: str, window, key: str, recorder) -> None:
+    """Ask for `model`'s verdict and install the wrapper that makes it on the clone `patched` (under wrapper `key`;
+    recorder: the one the override records `model`'s calls into)."""
     import comfy.patcher_extension  # ComfyUI's own module, imported only when a node runs
     prediction.require(model)
-    patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, key, apply_model_wrapper(model, window))
+    patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, key,
+                                 apply_model_wrapper(model, window, recorder))
 
 
 def report(model: str) -> dict:

@@ -60,19 +60,25 @@ def comfy_attention(q, k, v, heads, **kwargs):
     raise AssertionError("the override served every call itself")
 
 
-def test_auto_fast_refuses_a_sparse_kernel_that_ruins_the_prediction(nodes):
-    nodes, (sparse, exact) = nodes
+def auto_fast_node(nodes):
+    """Set Attention Backend with auto_fast on a six-block model: (the patched model, its apply_model wrapper, the
+    model's weights, an input)."""
     (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "auto_fast", "fallback", 0.0, 1.0).result
-    override = m.override
     (wrapper,) = m.model_options["transformer_options"]["wrappers"]["apply_model"]["attention_dispatch"]
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(3, HEADS * DIM, HEADS * DIM, generator=gen) / (HEADS * DIM) ** 0.5 for _ in range(BLOCKS)]
-    x = torch.randn(1, TOKENS, HEADS * DIM, generator=gen)
+    assert prediction.status(m.override.model) == prediction.PENDING
+    reports.clear()
+    return m, wrapper, weights, torch.randn(1, TOKENS, HEADS * DIM, generator=gen)
+
+
+def test_auto_fast_refuses_a_sparse_kernel_that_ruins_the_prediction(nodes):
+    nodes, (sparse, exact) = nodes
+    m, wrapper, weights, x = auto_fast_node(nodes)
+    override = m.override
     apply_model = model_function(override, weights, comfy_attention)
     options = {"cond_or_uncond": [0]}
-    assert prediction.status(override.model) == prediction.PENDING
     (outer,) = m.outer_wrappers()
-    reports.clear()
 
     def sample():
         first = wrapper(apply_model, x, torch.tensor([1.0]), None, None, None, options)
@@ -81,6 +87,7 @@ def test_auto_fast_refuses_a_sparse_kernel_that_ruins_the_prediction(nodes):
     first, second = outer(lambda: sample())
     verdict = prediction.verdict(override.model)
     assert verdict.status == prediction.REFUSED and verdict.rel_error > 0.5
+    assert (verdict.served, verdict.calls) == (BLOCKS, BLOCKS)  # counted by the node's recorder
     # the reference prediction came back, and the next step ran without the sparse kernel
     with dispatcher.model_scope("reference"):
         reference = model_function(_exact_override(nodes, exact), weights, comfy_attention)(x, None)
@@ -93,6 +100,35 @@ def test_auto_fast_refuses_a_sparse_kernel_that_ruins_the_prediction(nodes):
     assert report["sparse_verdict"]["status"] == "refused"
     assert any(n.startswith("sparse refused: prediction off by") for n in report["notes"]), report["notes"]
     assert "sparse refused: prediction off by" in report["summary"]
+    assert f"over {BLOCKS} of {BLOCKS} calls" in report["summary"]
+
+
+def test_a_trial_the_sparse_kernel_served_no_call_of_decides_nothing_and_is_tried_again(nodes, tmp_path):
+    """Tuning off (budget 0): no block's verdict admits the sparse kernel, so the trial forward runs exactly. That
+    decides nothing: each model call runs a trial again, MAX_TRIALS at most, and the report says why."""
+    nodes, names = nodes
+    with auto.using(auto.Tuner(cache_path=tmp_path / "off.json", backends=names, time_budget_s=0)):
+        m, wrapper, weights, x = auto_fast_node(nodes)
+        forwards = []
+        model = model_function(m.override, weights, comfy_attention)
+
+        def apply_model(*args, **kwargs):
+            forwards.append(1)
+            return model(*args, **kwargs)
+
+        def sample():
+            for step in range(prediction.MAX_TRIALS + 1):
+                wrapper(apply_model, x, torch.tensor([1.0 - step / 10]), None, None, None, {"cond_or_uncond": [0]})
+        m.outer_wrappers()[0](sample)
+    verdict = prediction.verdict(m.override.model)
+    assert len(forwards) == 2 * prediction.MAX_TRIALS + 1  # a reference and a trial per call, then one forward
+    assert verdict.status == prediction.PENDING == prediction.status(m.override.model)
+    assert (verdict.served, verdict.calls, verdict.trials) == (0, BLOCKS, prediction.MAX_TRIALS)
+    report = reports.latest()["reports"][-1]
+    assert report["sparse_verdict"]["status"] == "pending"
+    assert f"sparse: no verdict yet: the trial forward's {BLOCKS} attention calls got no approximate kernel; not " \
+           f"tried again after {prediction.MAX_TRIALS} trials" in report["summary"]
+    assert {row["served"] for row in m.override.recorder.snapshot()["rows"]} == {names[1]}
 
 
 def _exact_override(nodes, exact):

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .. import caches, decisions, env, hub, registry, state, support, trust
+from .. import caches, decisions, env, hub, prediction, registry, state, support, trust
 from ..call import AttentionCall
 from ..checks import check_shapes, check_structure
 from ..execute import run
@@ -228,7 +228,8 @@ class Tuner:
                 hit = (record.chosen, record.trust_sensitive)
                 if not _settled(record):
                     return (*hit, False)
-                if live is None or not self.step_check or record.source in ("only-candidate", "none"):
+                if live is None or not self.step_check or record.source in ("only-candidate", "none") \
+                        or record.source == TRIAL_SOURCE:  # the trial's pick is no timing pick: no step to decide
                     self._choices[key] = hit
                     return (*hit, True)
                 self._pending[key] = record
@@ -422,11 +423,12 @@ class Tuner:
         caches.forget()
 
     # -- candidates
-    def candidates(self, inputs: AttentionInputs, exact: bool = False, attention_kwargs=(), model: str | None = None
-                   ) -> tuple[list[str], list[tuple[str, list[str]]], bool]:
+    def candidates(self, inputs: AttentionInputs, exact: bool = False, attention_kwargs=(), model: str | None = None,
+                   block: str | None = None) -> tuple[list[str], list[tuple[str, list[str]]], bool]:
         """(names in priority order, [(skipped name, reasons)], trust-sensitive): every backend `support.for_auto`
         finds nothing against (the decision's own reasons for these inputs and attention_kwargs keys, then auto's
-        rules: exact kernels only for auto_exact, Hub kernels only once fetched)."""
+        rules: exact kernels only for auto_exact, Hub kernels only once fetched, approximate ones as the model's
+        prediction-level verdict allows at `block`)."""
         names, skipped, sensitive = [], [], False
         fetched = None
         for name in registry.names():
@@ -436,7 +438,7 @@ class Tuner:
                 if fetched is None and registry.get(name).hub is not None:
                     fetched = hub.fetched_repos()
                 why = support.for_auto(name, inputs, exact_only=exact, attention_kwargs=attention_kwargs,
-                                       fetched=fetched or frozenset(), model=model)
+                                       fetched=fetched or frozenset(), model=model, block=block)
                 sensitive = sensitive or support.trust_decides(name, why, exact_only=exact)
             except registry.UnknownBackendError:  # removed by another thread
                 continue
@@ -455,7 +457,7 @@ class Tuner:
     def _resolve(self, sig: AttentionInputs, exact: bool, *, layout: str, live, timing: bool, model: str,
                  block: str = "", use_disk: bool = True, keys: tuple = ()) -> TuneRecord:
         start = measure.now()
-        names, skipped, sensitive = self.candidates(sig, exact, keys, model)
+        names, skipped, sensitive = self.candidates(sig, exact, keys, model, block or None)
         record = TuneRecord(sig, names[0] if names else "native", "preference", skipped=skipped, layout=layout,
                             trust_sensitive=sensitive, exact=exact, model=model, block=block, attention_kwargs=keys)
         record.candidates = [CandidateResult(n, "untimed", i, admission_bound(registry.get(n)))
@@ -513,6 +515,8 @@ class Tuner:
                 self._to_memory(record)
                 self._to_disk(record, names)
         record.seconds = measure.now() - start
+        if not exact and prediction.status(model) == prediction.TRIAL:
+            _trial_pick(record)
         if record.source == "preference" and names:
             # Without a verdict on this model's values, never a kernel that is not exact.
             record.chosen = next((c.name for c in record.candidates if c.status != "rejected"
@@ -521,7 +525,7 @@ class Tuner:
             if c.name == record.chosen and c.status in ("valid", "untimed", "unjudged"):
                 c.status = "chosen"
         self._records[(sig, exact, model, block, keys)] = record
-        if record.source in ("timed", "judged"):
+        if record.source in ("timed", "judged", TRIAL_SOURCE):
             where = f"model {model}" + (f", {block}" if block else "")
             self._progress(record, "done", len(names), len(names), start, chosen=record.chosen)
             tune_log.decided(record, where)  # once per group of blocks with the same outcome
@@ -565,6 +569,7 @@ class Tuner:
             ref_out, ref_lse = exact_attention(q, k, v, mask, run_sig.is_causal, attention_call.scale, layout, rows)
         score_bytes = run_sig.batch * run_sig.heads_q * run_sig.len_q * run_sig.len_kv * 4
         by_name = {c.name: c for c in record.candidates}
+        trial = not record.exact and prediction.status(record.model) == prediction.TRIAL
         calls = {}  # name -> its call on these inputs, for the final round
         timed_any = False
         self._progress(record, "start", 0, len(names), start)
@@ -588,7 +593,9 @@ class Tuner:
                 result.reason = (f"not run: it materialises the {score_bytes >> 20} MiB score matrix, over the "
                                  f"tuning memory cap")
                 continue
-            if spent() and result.median_ms is None:  # one timed already (another block): judged on this block's values
+            if spent() and result.median_ms is None and not (trial and registry.get(name).approximate):
+                # one timed already (another block): judged on this block's values. In a prediction-level trial an
+                # approximate kernel is judged all the same (one call): the trial must run it wherever it may serve
                 cut_short(result, "timed" if known else "tried")
                 continue
             self._progress(record, "candidate", position, len(names), start, candidate=name)
@@ -788,6 +795,23 @@ class Tuner:
                     "timings": timings, "verdicts": verdicts}
 
         cache.update(self.cache_path, _disk_key(record), merged)
+
+
+TRIAL_SOURCE = "prediction trial"
+
+
+def _trial_pick(record: TuneRecord) -> None:
+    """In the model's prediction-level trial (dispatcher/prediction.py): an approximate kernel this block's per-call
+    verdict admits serves it, whatever the timings (the fastest timed one, else the first in priority order), so
+    the trial judges every block it could serve later; a block with none keeps its pick."""
+    admitted = [c for c in record.candidates
+                if c.status in ("valid", "chosen") and registry.get(c.name).approximate]
+    if not admitted or record.judged_on not in (LIVE, DISK):
+        return
+    best = min(admitted, key=lambda c: (c.median_ms is None, c.median_ms or 0.0, c.priority))
+    record.chosen, record.source = best.name, TRIAL_SOURCE
+    record.reason = ("the model's prediction-level trial: an approximate kernel serves every block its per-call "
+                     "verdict admits it on, whatever the timings")
 
 
 def _settled(record: TuneRecord) -> bool:

@@ -2,10 +2,13 @@
 what it does to the model's prediction before it serves the model.
 
 The test-only node `TestSparseKernel` registers `test_sparse_mean` with the pack's dispatcher: an approximate CPU
-kernel that returns twice the mean of the values (no scores at all: faster than any exact kernel, so `auto_fast`
-picks it wherever its verdicts admit it). It declares a per-call bound of 2.0, so the per-block verdicts on the
-model's own activations admit it (about 1.0 off per call on a random-weight model, whose attention is nearly
-uniform); what it does to the prediction is what the node's verdict sees.
+kernel that returns four times the mean of the values (no scores at all). It declares a per-call bound of 10, so the
+per-block verdicts on the model's own activations admit it on every block (about 3 off per call on a random-weight
+model, whose attention is nearly uniform); what it does to the prediction is what the node's verdict sees. Whether
+it is also the fastest kernel of a block does not matter: the trial runs it on every block its per-call verdict
+admits (issue 42: when timing decided, the trial ran it on some blocks or none, and 2.3e-3 or 0.0 was "admitted").
+With twice the mean (1.0 off per call) the prediction moved 4.3e-2 against the bound of 2e-2; four times is far
+past it whatever the seed.
 """
 
 from __future__ import annotations
@@ -27,14 +30,14 @@ NAME = "test_sparse_mean"
 
 
 def kernel(q, k, v, *, attn_mask=None, scale=None, **_):
-    """(B, H, L, D): every query gets twice the mean of the values."""
-    return (2.0 * v.mean(dim=2, keepdim=True)).expand(*q.shape[:3], v.shape[-1]).contiguous()
+    """(B, H, L, D): every query gets four times the mean of the values."""
+    return (4.0 * v.mean(dim=2, keepdim=True)).expand(*q.shape[:3], v.shape[-1]).contiguous()
 
 
 def register():
     d = _dispatcher()
     if d is not None and NAME not in d.backend_names():
-        d.register_backend(NAME, kernel, layout="BHSD", devices=("cpu",), approximate=True, error_bound=2.0,
+        d.register_backend(NAME, kernel, layout="BHSD", devices=("cpu",), approximate=True, error_bound=10.0,
                            fallback=("native",), description="test: approximate, fine by its own per-call bound")
 
 
@@ -62,9 +65,9 @@ def comfy():
 
     def command(base, port):
         write_test_node(base, "attn_dispatch_test_sparse", SPARSE_NODE)
-        # A budget every block's verdict fits in: the tuning budget is a signature's over all its blocks, and a
-        # loaded CPU can spend the default 0.5 s on block 0 alone, leaving the other blocks exact (what then serves,
-        # and so what the prediction-level verdict judges, is one block of sparse attention, not the model's all).
+        # The trial judges the approximate kernel on every block past the tuning budget (a signature's over all its
+        # blocks); a budget that fits every block keeps the rest of the tuning (the exact kernels' timings) whole
+        # too, so a loaded CPU runs the same prompt as an idle one.
         return ["env", "ATTN_DISPATCH_TUNE_BUDGET=20", *main_py(base, port)]
 
     def ready(server):
@@ -88,12 +91,16 @@ def test_auto_fast_refuses_an_approximate_kernel_that_moves_the_prediction(comfy
     entry = comfy.run(sparse_wan("auto_fast", seed))
     report = model_report(comfy, entry, "10")
     verdict = report["sparse_verdict"]
-    assert verdict["status"] == "refused" and verdict["rel_error"] > verdict["bound"], verdict
-    assert any(n.startswith("sparse refused: prediction off by") for n in report["notes"]), report["notes"]
+    assert verdict["status"] == "refused" and verdict["rel_error"] > 5 * verdict["bound"], verdict
+    # the trial ran it on every call of the judged forward (2 blocks x self and cross attention): all were judged
+    assert verdict["served"] == verdict["calls"] == 4 and verdict["trials"] == 1, verdict
+    assert verdict["sites"] == ["cross #0", "cross #1", "self #0", "self #1"], verdict
+    assert any(n.startswith("sparse refused: prediction off by") and " over 4 of 4 calls > 2e-02" in n
+               for n in report["notes"]), report["notes"]
     assert "sparse refused" in report["summary"]
-    # it served the judged forward's self-attention only; every later call went to exact kernels
+    # it served the judged forward only; every later call went to exact kernels
     calls = served(report)
-    assert 0 < calls.get(SPARSE, 0) < sum(calls.values()) // 3, calls
+    assert calls.get(SPARSE, 0) == 4 and sum(calls.values()) == 16, calls
     # the reference prediction was kept: the run ends where auto_exact's does
     a, b = latent(comfy, entry, "12"), latent(comfy, exact, "12")
     assert float((a - b).abs().max()) <= 1e-3 * max(1.0, float(b.abs().max()))
