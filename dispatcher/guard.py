@@ -256,8 +256,7 @@ class Watch:
 
     def _failed(self, decision, candidate, call, why, recorder, policy):
         site = call.call_site
-        replacement = next((c for c in decision.candidates if c.name != candidate.name and c.spec.exact
-                            and (not c.guard or self.serves(c, site))), None)
+        replacement = decision.stand_in(lambda c: c.name != candidate.name and (not c.guard or self.serves(c, site)))
         if recorder is not None and hasattr(recorder, "record_guard_failure"):
             recorder.record_guard_failure(site, candidate.name, why, replacement.name if replacement else "")
         if policy == "strict" or replacement is None:

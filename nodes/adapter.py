@@ -13,7 +13,8 @@ Decisions, documented once:
   compute softmax in fp32. We keep that promise by running the dispatcher on fp32 copies and casting
   the output back; a backend without fp32 support then falls back (policy "fallback") or fails ("strict").
 - `low_precision_attention=False` (newer ComfyUI, e.g. WAN I2V image cross-attention) with a quantised or
-  approximate backend (not `spec.exact`): the first exact backend in that backend's fallback chain runs instead;
+  approximate backend (not `spec.exact`): its exact stand-in runs instead (`decisions.exact_stand_in`: the first
+  exact backend of its fallback chain that can run the call, the one the quality guard would recompute with);
   `auto_fast` becomes `auto_exact` there. Every such call is counted in `precision_notes` (site, what kept it
   exact) for the node's report; a call passed on keeps the flag, and the count says where it went.
 - Two call forms (docs/comfyui-versions.md): `__call__(func, q, k, v, ...)` with tensors (ComfyUI 0.3.64, and
@@ -46,17 +47,20 @@ Decisions, documented once:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 
 import torch
 
 from ..dispatcher import (PreparedAttention, attention_checks, availability_reasons, dispatch_attention_fn,
-                          fallback_order, get_backend_spec, trusted_publishers)
+                          get_backend_spec, trusted_publishers)
 from ..dispatcher import checks as _checks
 from ..dispatcher.auto import AUTO, AUTO_EXACT, AUTO_FAST
 from ..dispatcher.backends.kitchen import SOL_ATTN_NAME as SOL_ATTN
 from ..dispatcher.backends.kitchen import SolAttnOptions, sol_attn_options
 from ..dispatcher.auto import PSEUDO_BACKENDS as AUTOS  # "auto" is auto_exact (older workflows)
+from ..dispatcher.decisions import exact_stand_in
+from ..dispatcher.inputs import describe_call
 from ..dispatcher.guard import settings as guard_settings
 from ..dispatcher.report import register as register_recorder
 from .blocks import Ordinals, block_name, block_position, blocks_text, in_blocks, is_default
@@ -186,11 +190,20 @@ def _to_bhsd(out: torch.Tensor, skip_output_reshape: bool, heads: int) -> torch.
     return out.unflatten(-1, (heads, -1)).transpose(1, 2)
 
 
-def _exact_fallback(name: str) -> str:
-    for candidate in fallback_order(name):
-        if get_backend_spec(candidate).exact:
-            return candidate
-    return "native"
+def _described(q, k, v, heads, mask, skip_reshape, plan):
+    """A planned call as the dispatcher will describe it (its views, ComfyUI's mask as the library reads it, float32
+    where it is upcast): what the exact stand-in is chosen for."""
+    if skip_reshape:
+        qs, ks, vs, layout = q, k, v, "BHSD"
+    else:
+        _check_heads(q, k, v, heads)
+        dim = q.shape[-1] // heads
+        qs, ks = q.unflatten(-1, (heads, dim)), k.unflatten(-1, (-1, dim))
+        vs, layout = v.unflatten(-1, (ks.shape[2], -1)), "BSHD"
+    inputs = describe_call(qs, ks, vs, comfy_mask(mask), 0.0, False, plan.scale, plan.gqa, False, layout)
+    if plan.upcast:
+        inputs = dataclasses.replace(inputs, dtype=torch.float32, key_dtype=torch.float32, value_dtype=torch.float32)
+    return inputs
 
 
 def comfy_mask(mask):
@@ -584,8 +597,10 @@ class AttentionOverride:
                 plan.name, plan.exact = AUTO_EXACT, f"{backend} kept to exact kernels (auto_exact)"
             elif backend == AUTO_EXACT:
                 plan.exact = "auto_exact picks exact kernels only"
-            elif not get_backend_spec(backend).exact:
-                replacement = _exact_fallback(backend)
+            elif not get_backend_spec(backend).exact:  # the exact backend the dispatcher would put in its place
+                # (none that runs these inputs: the chain's first, whose refusal the dispatcher then says)
+                replacement = (exact_stand_in(backend, _described(q, k, v, heads, mask, skip_reshape, plan))
+                               or exact_stand_in(backend))
                 plan.exact = f"{get_backend_spec(backend).precision} '{backend}' replaced by '{replacement}'"
                 plan.notes = (f"low_precision_attention=False: {plan.exact}",)
                 plan.name = replacement
