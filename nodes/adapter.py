@@ -34,8 +34,8 @@ Decisions, documented once:
   code: Hub kernels count once fetched and trusted.
 - model: the model's identity (nodes/model_identity.py), passed with every call: `auto_fast`'s verdicts and the
   quality guard's demotions are kept per model. guard: (mode, every) for the quality guard, worked out once here.
-- block identity: each call's call site names its block ("self #5", nodes/blocks.py `block_name`), so `auto_fast`
-  judges and the quality guard checks and demotes per block.
+- block identity: each call's call site names its block ("self #5": the text of nodes/blocks.py's `BlockId`, made
+  once per call by `block_id`), so `auto_fast` judges and the quality guard checks and demotes per block.
 - blocks: (start, end) of the block range (nodes/blocks.py); calls from other blocks are delegated like calls
   outside the step window. When a call says no usable block position, the backend serves it and the site is
   noted once (in `block_notes`, which the node's report reads).
@@ -63,7 +63,7 @@ from ..dispatcher.decisions import exact_stand_in
 from ..dispatcher.inputs import describe_call
 from ..dispatcher.guard import settings as guard_settings
 from ..dispatcher.report import register as register_recorder
-from .blocks import Ordinals, block_name, block_position, blocks_text, in_blocks, is_default
+from .blocks import Ordinals, block_id, block_position, blocks_text, in_blocks, is_default
 from .overrides import OverrideChainError, chain, comfy_default_attention, describe
 from .window import in_window, window_text
 
@@ -74,20 +74,11 @@ _Tensor = torch.Tensor  # bound once, as is the next: read on every call
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
-def call_site(transformer_options: dict | None, len_q: int, len_k: int) -> str:
-    """'self'/'cross' from the lengths, prefixed by the block type when the model says it."""
-    to = transformer_options or {}
-    kind = "self" if len_q == len_k else "cross"
-    block = to.get("block_type")
-    if block is None and isinstance(to.get("block"), (tuple, list)) and to["block"]:
-        block = to["block"][0]  # SD/SDXL UNet: ("input", 1)
-    return f"{block}.{kind}" if block else kind
-
-
-def _site(transformer_options, q, k, skip_reshape: bool) -> str:
-    """`call_site` of a call in either of ComfyUI's layouts ((B, H, L, D) with skip_reshape, else (B, L, H*D))."""
+def _unnumbered(transformer_options, q, k, skip_reshape: bool):
+    """The `BlockId` of a call without its block number, in either of ComfyUI's layouts ((B, H, L, D) with
+    skip_reshape, else (B, L, H*D)): 'self'/'cross' from the lengths, with the model's block type."""
     axis = 2 if skip_reshape else 1
-    return call_site(transformer_options, q.shape[axis], k.shape[axis])
+    return block_id(transformer_options, None, None, q.shape[axis] == k.shape[axis])
 
 
 class _Relabel:
@@ -277,7 +268,7 @@ class AttentionOverride:
 
     Per call signature (shapes, dtype, mask kind, flags, block) the first call validates and plans; repeat
     calls cost a dict lookup, the views and the dispatcher's own lookup (see `_Plan`). The block (nodes/blocks.py
-    `block_name`: the position ComfyUI passes, else the call's ordinal in the forward) names the call site the
+    `block_id`: the position ComfyUI passes, else the call's ordinal in the forward) names the call site the
     dispatcher gets ("self #5"): `auto_fast` judges and the quality guard checks and demotes per block.
     """
 
@@ -355,21 +346,21 @@ class AttentionOverride:
         backend = self.backend
         if backend == COMFY_DEFAULT or backend == PASS_THROUGH:
             _check_call(q, k, v, mask, skip_reshape)
-            return _Plan("", site=_site(to, q, k, skip_reshape)), ""
+            return _Plan("", site=_unnumbered(to, q, k, skip_reshape).text), ""
         block = signature = plan = q_shape = k_shape = None
+        position = block_position(to)  # read once: it names the block, places it in the range and sparse's dense ones
         compiling = _dynamo_compiling()
         try:  # the block first: every call is counted, passed on or not, so ordinals stay block numbers
             q_shape, k_shape = q.shape, k.shape  # read once for both uses: each read builds a torch.Size
             axis = 2 if skip_reshape else 1
-            block = block_name(to, None if compiling else self._ordinals, q_shape[axis] == k_shape[axis])
+            block = block_id(to, position, None if compiling else self._ordinals, q_shape[axis] == k_shape[axis])
         except (AttributeError, IndexError, TypeError):  # not tensors: _plan says why
             pass
         if not compiling and q_shape is not None:  # traced once per graph: hashing symbolic sizes would specialise them
             try:  # everything a plan depends on; not tensors or unhashable options: no plan (_plan says why)
                 signature = (q_shape, k_shape, v.shape, q.dtype, heads, None if mask is None else mask.dtype,
                              attn_precision, skip_reshape, skip_output_reshape, kwargs.get("scale"),
-                             kwargs.get("enable_gqa", False), kwargs.get("low_precision_attention", True),
-                             to.get("block_type"), to.get("block"), block)
+                             kwargs.get("enable_gqa", False), kwargs.get("low_precision_attention", True), block)
                 plan = self._plans.get(signature)
             except (AttributeError, TypeError):
                 signature = plan = None
@@ -384,14 +375,13 @@ class AttentionOverride:
         if window is not None and not in_window(to, window):
             return plan, f"outside the step window {window_text(*window)}"
         if self.blocks is not None:
-            inside = in_blocks(to, self.blocks)
+            inside = in_blocks(position, self.blocks)
             if inside is False:
                 return plan, self._outside_blocks
             if inside is not True and plan.kind not in self.block_notes:  # the range cannot apply: noted once
                 self.block_notes[plan.kind] = inside
         if plan.reason is None and self.sparse is not None:
             # ComfyUI's sparse node decides these before attention: dense means passed on
-            position = block_position(to)
             dense = self.sparse.dense_reason(q.shape[2] if skip_reshape else q.shape[1],
                                              None if position is None else position[0])
             if dense is not None:
@@ -581,8 +571,9 @@ class AttentionOverride:
               block=None) -> _Plan:
         """The first call of a signature (of a block): validate, then decide the delegation or the dispatch."""
         _check_call(q, k, v, mask, skip_reshape)
-        kind = _site(to, q, k, skip_reshape)
-        site = f"{kind} {block}" if block else kind
+        if block is None:
+            block = _unnumbered(to, q, k, skip_reshape)
+        site, kind = block.text, block.unnumbered.text
         if mask is not None and not (mask.dtype == torch.bool or mask.is_floating_point()):
             return _Plan(f"attn_mask has dtype {str(mask.dtype).replace('torch.', '')}, which ComfyUI's own "
                          "backend interprets; passed through unchanged", site=site, kind=kind)

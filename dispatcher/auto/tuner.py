@@ -93,7 +93,9 @@ class TuneRecord:
     trust_sensitive: bool = False
     exact: bool = False  # decided for auto_exact (no quantised kernel)
     model: str = state.UNSCOPED_MODEL  # whose activations the verdicts were made on
-    block: str = ""  # which block's (auto_fast: its call site); "" for auto_exact, whose verdicts hold for every block
+    # which block's: auto_fast's call site as the caller wrote it (ComfyUI's "double.self #3", nodes/blocks.py), the
+    # key its verdicts are saved under on disk; "" for auto_exact, whose verdicts hold for every block
+    block: str = ""
     judged_on: str = ""  # live values | noise (provisional, judged again on the first live call) | disk
     attention_kwargs: tuple[str, ...] = ()  # the call's attention_kwargs keys: only backends honouring them compete
     # The budget ran out before every candidate was judged and timed (first calls that load or compile a kernel
