@@ -72,7 +72,6 @@ class Decision:
                 if name in order and order.index(name) < limit for r in reasons)
         return cached
 
-
     def stand_in(self, usable: Callable[[Candidate], bool]) -> Candidate | None:
         """The exact candidate that serves instead of one that went wrong (the quality guard's replacement):
         `exact_stand_in` among this decision's candidates that `usable` accepts."""
