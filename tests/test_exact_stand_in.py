@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import tensors
+from helpers import fake_clock, tensors
 from helpers.pack import comfy_func, load_pack
 
 adapter, dispatcher, _ = load_pack()
@@ -93,3 +93,45 @@ def test_the_adapter_and_the_guard_choose_the_same_stand_in(backend, masked, exp
     assert (failure["replacement"], row["served"], decision.candidates[1].name,
             decisions.exact_stand_in(backend, inputs)) == (expected,) * 4
     assert any(f"replaced by '{expected}'" in r for r in row["reasons"]), row["reasons"]
+
+
+def test_auto_fasts_exact_pick_is_the_stand_in_of_every_caller(monkeypatch):
+    """`auto_fast` picked a quantised kernel (exact while judged, off by 50% later): the eager path hands the decision
+    `auto_exact`'s pick, and that one kernel recomputes the call the guard caught, serves the model's full-precision
+    calls through the adapter, and is what `exact_stand_in` says given the pick (the chain alone says another)."""
+    clock = fake_clock.FakeClock()  # the tuner's clock moves only by the kernels' declared times: no load noise
+    monkeypatch.setattr(dispatcher.auto.measure, "now", clock)
+    wrong = []
+
+    def drifting(q, k, v, attn_mask=None, **_):
+        clock.advance(1)
+        out = sdpa(q, k, v, attn_mask)
+        return out * 1.5 if wrong else out
+
+    names = ("t_si_q_auto", "t_si_exact_slow", "t_si_exact_fast")
+    dispatcher.register_backend(names[0], drifting, devices=("cpu",), quantised=True, fallback=(names[1], "native"))
+    dispatcher.register_backend(names[1], clock.kernel(30, sdpa), devices=("cpu",))
+    dispatcher.register_backend(names[2], clock.kernel(10, sdpa), devices=("cpu",))
+    try:
+        q, k, v, _ = _call(False)
+        caught, kept = dispatcher.Recorder(), dispatcher.Recorder()
+        with dispatcher.auto.using(dispatcher.auto.Tuner(cache_path=None, backends=names)):
+            for _ in range(2):
+                dispatcher.dispatch_attention_fn(q, k, v, backend="auto_fast", call_site="self", recorder=caught,
+                                                 model="m", guard="quantised", guard_every=1)
+                wrong.append(True)
+            flat = [t.flatten(2) for t in (q, k, v)]
+            adapter.make_override("auto_fast", policy="strict", recorder=kept, model="m")(
+                comfy_func, *flat, 2, low_precision_attention=False,
+                transformer_options={"optimized_attention_override": None}, _inside_attn_wrapper=True)
+        served = [(r["served"], r["calls"]) for r in caught.snapshot()["rows"]]
+        assert (names[0], 1) in served, served  # auto_fast's pick served the first call
+        failure, = [f for g in caught.snapshot()["guard"] for f in g["failures"]]
+        row, = kept.snapshot()["rows"]
+        inputs = dispatcher.inputs.describe_call(q, k, v, None, 0.0, False, None, False, False, "BSHD")
+        assert (failure["replacement"], row["served"], decisions.exact_stand_in(names[0], inputs, exact=names[2])) \
+            == (names[2],) * 3
+        assert decisions.exact_stand_in(names[0], inputs) == names[1]
+    finally:
+        for name in names:
+            dispatcher.registry.remove(name)
