@@ -75,29 +75,35 @@ def block_id(transformer_options: dict | None, position, ordinals: "Ordinals | N
     block type, and `position` (`block_position` of the same options) or else the call's ordinal within this forward
     among calls of its kind (ordinals None: no counting, inside a torch.compile trace). Without transformer_options
     no block (nothing tells one forward from the next)."""
-    to = transformer_options or {}
-    stream = to.get("block_type")
-    if stream is None and isinstance(to.get("block"), (tuple, list)) and to["block"]:
-        stream = to["block"][0]  # SD/SDXL UNet: ("input", 1)
+    to = transformer_options
+    if not to:
+        return _SELF if is_self else _CROSS
+    block_type = stream = to.get("block_type")
+    if stream is None:
+        block = to.get("block")
+        if type(block) in (tuple, list) and block:
+            stream = block[0]  # SD/SDXL UNet: ("input", 1)
     if stream is not None and type(stream) is not str:
         stream = str(stream)
-    kind = "self" if is_self else "cross"
-    index = inner = None
     if position is not None:
         index, _, inner = position
-    elif to and ordinals is not None:
-        n = ordinals.next(to, (to.get("block_type"), is_self))
-        index = n if n < MAX_ORDINAL else None
-    key = (kind, stream, index, inner)
+    elif ordinals is not None:
+        index, inner = ordinals.next(to, (block_type, is_self)), None
+        if index >= MAX_ORDINAL:
+            index = None
+    else:
+        index = inner = None
+    key = (is_self, stream, index, inner)
     made = _MADE.get(key)
     if made is None:
         if len(_MADE) > MAX_ORDINAL * 8:  # block types are few and indices bounded; a runaway caller is not kept
             _MADE.clear()
-        made = _MADE[key] = BlockId(kind, stream, index, inner)
+        made = _MADE[key] = BlockId("self" if is_self else "cross", stream, index, inner)
     return made
 
 
-_MADE: dict = {}  # (kind, stream, index, inner) -> BlockId: most calls' identity costs a lookup, not a construction
+_MADE: dict = {}  # (is self, stream, index, inner) -> BlockId: most calls' identity costs a lookup, not a construction
+_SELF, _CROSS = BlockId("self"), BlockId("cross")
 # Past this many calls of one kind in one "forward", the options that mark forwards are not new for each one (a
 # caller that keeps one dict): the calls are no longer numbered (a plan and a verdict per call would pile up).
 MAX_ORDINAL = 1024
@@ -144,7 +150,9 @@ def block_position(transformer_options: dict | None) -> tuple[int, int | None, i
     one reader of the position, which both names the block (`block_id`) and places it in a range (`in_blocks`).
     A DiT's `block_index` with its `total_blocks` (a count below 1 is no count); else the UNet's `transformer_index`
     (no count; its `block_index` is the block inside that transformer: inner)."""
-    to = transformer_options or {}
+    to = transformer_options
+    if not to:
+        return None
     index, total = to.get("block_index"), to.get("total_blocks")
     if type(index) is int and type(total) is int:
         return index, (total if total > 0 else None), None
