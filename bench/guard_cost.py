@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--bad-block", type=int, default=7)
     parser.add_argument("--bad-from-step", type=int, default=0)
     parser.add_argument("--outlier", type=float, default=100.0)
-    parser.add_argument("--spoiled-at", type=float, default=dispatcher.guard.QUANTISED_BOUND)
+    parser.add_argument("--spoiled-at", type=float, default=dispatcher.guard.GUARD_MARGIN * dispatcher.guard.FAST_BOUND)
     parser.add_argument("--tokens", type=int, default=32760)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--head-dim", type=int, default=128)

@@ -57,6 +57,7 @@ class Decision:
     trust_sensitive: bool = False  # a Hub backend in the chain: the decision depends on trust settings
     shapes_only: bool = False  # every backend in the chain is `universal`: dtypes, devices, grad cannot change it
     lane: Any = None  # the first candidate when it is the requested one: what eager.py's fast lane runs
+    exact: str | None = None  # the caller's exact pick (`decide`'s exact): where `exact_stand_in` looks first
     watch: guard.Watch = field(default_factory=guard.Watch, repr=False, compare=False)  # the guard's counts, per block
     _reasons: dict = field(default_factory=dict, repr=False, compare=False)  # served -> reasons_for(served)
 
@@ -70,6 +71,31 @@ class Decision:
                 _labelled(name, r) for name, reasons in self.skipped
                 if name in order and order.index(name) < limit for r in reasons)
         return cached
+
+    def stand_in(self, usable: Callable[[Candidate], bool]) -> Candidate | None:
+        """The exact candidate that serves instead of one that went wrong (the quality guard's replacement):
+        `exact_stand_in` among this decision's candidates that `usable` accepts."""
+        by_name = {c.name: c for c in self.candidates}
+        name = exact_stand_in(self.requested, exact=self.exact,
+                              usable=lambda n: n in by_name and usable(by_name[n]))
+        return None if name is None else by_name[name]
+
+
+def exact_stand_in(name: str, inputs: AttentionInputs | None = None, *, exact: str | None = None,
+                   usable: Callable[[str], bool] | None = None) -> str | None:
+    """The one choice of which exact backend serves instead of `name` (a quantised or approximate kernel where the
+    model asks for full precision, a kernel the quality guard caught): `exact` (the caller's own pick, `auto_fast`'s
+    fastest exact backend for these inputs) when given, then `name`'s fallback chain in order, the first that is
+    exact, can run `inputs` here (support.reasons; not checked without inputs) and that `usable` accepts. `name`
+    itself when it is exact and so; None when no exact backend is left."""
+    for stand_in in ([exact] if exact is not None else []) + fallback_order(name):
+        if not registry.is_known(stand_in) or registry.resolver(stand_in) is not None:
+            continue
+        if not registry.get(stand_in).exact or (usable is not None and not usable(stand_in)):
+            continue
+        if inputs is None or not support.reasons(stand_in, inputs):
+            return stand_in
+    return None
 
 
 def _labelled(name: str, reason: str) -> str:
@@ -138,11 +164,13 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, qu
     if inputs.empty:
         return _empty_decision(requested, layout)
     chain = fallback_order(requested) if policy == "fallback" else [requested]
-    if exact is not None and policy == "fallback" and exact != requested and registry.is_known(exact):
-        chain = [requested, exact] + [n for n in chain[1:] if n != exact]
+    if exact is not None and policy == "fallback":  # the exact stand-in comes second: what replaces the kernel
+        exact = exact_stand_in(requested, inputs, exact=exact, usable=lambda n: n != requested)
+        if exact is not None:
+            chain = [requested, exact] + [n for n in chain[1:] if n != exact]
     specs = [registry.get(n) for n in chain]
     decision = Decision(requested, [], trust_sensitive=any(s.hub is not None for s in specs),
-                        shapes_only=all(s.universal for s in specs))
+                        shapes_only=all(s.universal for s in specs), exact=exact)
     for name, spec in zip(chain, specs):
         reasons = support.reasons(name, inputs)  # machine, trust, these inputs' limits, semantics
         if not reasons:

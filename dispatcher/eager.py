@@ -195,7 +195,8 @@ def _first_call(fast_key, requested, policy, model, quality_guard, call: Attenti
         checks.check_structure(inputs)
         name, sensitive, settled = resolve(inputs, call, model=model, timing=True)
         twin = registry.exact_twin(requested)
-        if twin is not None and not registry.get(name).exact:  # what replaces it where it fails: the fastest exact
+        # What replaces it where it fails: the fastest exact pick, which the decision's `exact_stand_in` puts first
+        if twin is not None and not registry.get(name).exact:
             exact, twin_sensitive, twin_settled = registry.resolver(twin)(inputs, call, model=model, timing=True)
             sensitive, settled = sensitive or twin_sensitive, settled and twin_settled
     decision = decisions.decision_for(name, policy, inputs, call.layout, model, quality_guard, exact)

@@ -13,7 +13,8 @@ Decisions, documented once:
   compute softmax in fp32. We keep that promise by running the dispatcher on fp32 copies and casting
   the output back; a backend without fp32 support then falls back (policy "fallback") or fails ("strict").
 - `low_precision_attention=False` (newer ComfyUI, e.g. WAN I2V image cross-attention) with a quantised or
-  approximate backend (not `spec.exact`): the first exact backend in that backend's fallback chain runs instead;
+  approximate backend (not `spec.exact`): its exact stand-in runs instead (`decisions.exact_stand_in`: the first
+  exact backend of its fallback chain that can run the call, the one the quality guard would recompute with);
   `auto_fast` becomes `auto_exact` there. Every such call is counted in `precision_notes` (site, what kept it
   exact) for the node's report; a call passed on keeps the flag, and the count says where it went.
 - Two call forms (docs/comfyui-versions.md): `__call__(func, q, k, v, ...)` with tensors (ComfyUI 0.3.64, and
@@ -33,8 +34,8 @@ Decisions, documented once:
   code: Hub kernels count once fetched and trusted.
 - model: the model's identity (nodes/model_identity.py), passed with every call: `auto_fast`'s verdicts and the
   quality guard's demotions are kept per model. guard: (mode, every) for the quality guard, worked out once here.
-- block identity: each call's call site names its block ("self #5", nodes/blocks.py `block_name`), so `auto_fast`
-  judges and the quality guard checks and demotes per block.
+- block identity: each call's call site names its block ("self #5": the text of nodes/blocks.py's `BlockId`, made
+  once per call by `block_id`), so `auto_fast` judges and the quality guard checks and demotes per block.
 - blocks: (start, end) of the block range (nodes/blocks.py); calls from other blocks are delegated like calls
   outside the step window. When a call says no usable block position, the backend serves it and the site is
   noted once (in `block_notes`, which the node's report reads).
@@ -46,20 +47,23 @@ Decisions, documented once:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 
 import torch
 
 from ..dispatcher import (PreparedAttention, attention_checks, availability_reasons, dispatch_attention_fn,
-                          fallback_order, get_backend_spec, trusted_publishers)
+                          get_backend_spec, trusted_publishers)
 from ..dispatcher import checks as _checks
 from ..dispatcher.auto import AUTO, AUTO_EXACT, AUTO_FAST
 from ..dispatcher.backends.kitchen import SOL_ATTN_NAME as SOL_ATTN
 from ..dispatcher.backends.kitchen import SolAttnOptions, sol_attn_options
 from ..dispatcher.auto import PSEUDO_BACKENDS as AUTOS  # "auto" is auto_exact (older workflows)
+from ..dispatcher.decisions import exact_stand_in
+from ..dispatcher.inputs import describe_call
 from ..dispatcher.guard import settings as guard_settings
 from ..dispatcher.report import register as register_recorder
-from .blocks import Ordinals, block_name, block_position, blocks_text, in_blocks, is_default
+from .blocks import Ordinals, block_id, block_position, blocks_text, in_blocks, is_default
 from .overrides import OverrideChainError, chain, comfy_default_attention, describe
 from .window import in_window, window_text
 
@@ -70,20 +74,11 @@ _Tensor = torch.Tensor  # bound once, as is the next: read on every call
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
-def call_site(transformer_options: dict | None, len_q: int, len_k: int) -> str:
-    """'self'/'cross' from the lengths, prefixed by the block type when the model says it."""
-    to = transformer_options or {}
-    kind = "self" if len_q == len_k else "cross"
-    block = to.get("block_type")
-    if block is None and isinstance(to.get("block"), (tuple, list)) and to["block"]:
-        block = to["block"][0]  # SD/SDXL UNet: ("input", 1)
-    return f"{block}.{kind}" if block else kind
-
-
-def _site(transformer_options, q, k, skip_reshape: bool) -> str:
-    """`call_site` of a call in either of ComfyUI's layouts ((B, H, L, D) with skip_reshape, else (B, L, H*D))."""
+def _unnumbered(transformer_options, q, k, skip_reshape: bool):
+    """The `BlockId` of a call without its block number, in either of ComfyUI's layouts ((B, H, L, D) with
+    skip_reshape, else (B, L, H*D)): 'self'/'cross' from the lengths, with the model's block type."""
     axis = 2 if skip_reshape else 1
-    return call_site(transformer_options, q.shape[axis], k.shape[axis])
+    return block_id(transformer_options, None, None, q.shape[axis] == k.shape[axis])
 
 
 class _Relabel:
@@ -186,11 +181,20 @@ def _to_bhsd(out: torch.Tensor, skip_output_reshape: bool, heads: int) -> torch.
     return out.unflatten(-1, (heads, -1)).transpose(1, 2)
 
 
-def _exact_fallback(name: str) -> str:
-    for candidate in fallback_order(name):
-        if get_backend_spec(candidate).exact:
-            return candidate
-    return "native"
+def _described(q, k, v, heads, mask, skip_reshape, plan):
+    """A planned call as the dispatcher will describe it (its views, ComfyUI's mask as the library reads it, float32
+    where it is upcast): what the exact stand-in is chosen for."""
+    if skip_reshape:
+        qs, ks, vs, layout = q, k, v, "BHSD"
+    else:
+        _check_heads(q, k, v, heads)
+        dim = q.shape[-1] // heads
+        qs, ks = q.unflatten(-1, (heads, dim)), k.unflatten(-1, (-1, dim))
+        vs, layout = v.unflatten(-1, (ks.shape[2], -1)), "BSHD"
+    inputs = describe_call(qs, ks, vs, comfy_mask(mask), 0.0, False, plan.scale, plan.gqa, False, layout)
+    if plan.upcast:
+        inputs = dataclasses.replace(inputs, dtype=torch.float32, key_dtype=torch.float32, value_dtype=torch.float32)
+    return inputs
 
 
 def comfy_mask(mask):
@@ -264,7 +268,7 @@ class AttentionOverride:
 
     Per call signature (shapes, dtype, mask kind, flags, block) the first call validates and plans; repeat
     calls cost a dict lookup, the views and the dispatcher's own lookup (see `_Plan`). The block (nodes/blocks.py
-    `block_name`: the position ComfyUI passes, else the call's ordinal in the forward) names the call site the
+    `block_id`: the position ComfyUI passes, else the call's ordinal in the forward) names the call site the
     dispatcher gets ("self #5"): `auto_fast` judges and the quality guard checks and demotes per block.
     """
 
@@ -342,21 +346,21 @@ class AttentionOverride:
         backend = self.backend
         if backend == COMFY_DEFAULT or backend == PASS_THROUGH:
             _check_call(q, k, v, mask, skip_reshape)
-            return _Plan("", site=_site(to, q, k, skip_reshape)), ""
+            return _Plan("", site=_unnumbered(to, q, k, skip_reshape).text), ""
         block = signature = plan = q_shape = k_shape = None
+        position = block_position(to)  # read once: it names the block, places it in the range and sparse's dense ones
         compiling = _dynamo_compiling()
         try:  # the block first: every call is counted, passed on or not, so ordinals stay block numbers
             q_shape, k_shape = q.shape, k.shape  # read once for both uses: each read builds a torch.Size
             axis = 2 if skip_reshape else 1
-            block = block_name(to, None if compiling else self._ordinals, q_shape[axis] == k_shape[axis])
+            block = block_id(to, position, None if compiling else self._ordinals, q_shape[axis] == k_shape[axis])
         except (AttributeError, IndexError, TypeError):  # not tensors: _plan says why
             pass
         if not compiling and q_shape is not None:  # traced once per graph: hashing symbolic sizes would specialise them
             try:  # everything a plan depends on; not tensors or unhashable options: no plan (_plan says why)
                 signature = (q_shape, k_shape, v.shape, q.dtype, heads, None if mask is None else mask.dtype,
                              attn_precision, skip_reshape, skip_output_reshape, kwargs.get("scale"),
-                             kwargs.get("enable_gqa", False), kwargs.get("low_precision_attention", True),
-                             to.get("block_type"), to.get("block"), block)
+                             kwargs.get("enable_gqa", False), kwargs.get("low_precision_attention", True), block)
                 plan = self._plans.get(signature)
             except (AttributeError, TypeError):
                 signature = plan = None
@@ -371,14 +375,13 @@ class AttentionOverride:
         if window is not None and not in_window(to, window):
             return plan, f"outside the step window {window_text(*window)}"
         if self.blocks is not None:
-            inside = in_blocks(to, self.blocks)
+            inside = in_blocks(position, self.blocks)
             if inside is False:
                 return plan, self._outside_blocks
             if inside is not True and plan.kind not in self.block_notes:  # the range cannot apply: noted once
                 self.block_notes[plan.kind] = inside
         if plan.reason is None and self.sparse is not None:
             # ComfyUI's sparse node decides these before attention: dense means passed on
-            position = block_position(to)
             dense = self.sparse.dense_reason(q.shape[2] if skip_reshape else q.shape[1],
                                              None if position is None else position[0])
             if dense is not None:
@@ -568,8 +571,9 @@ class AttentionOverride:
               block=None) -> _Plan:
         """The first call of a signature (of a block): validate, then decide the delegation or the dispatch."""
         _check_call(q, k, v, mask, skip_reshape)
-        kind = _site(to, q, k, skip_reshape)
-        site = f"{kind} {block}" if block else kind
+        if block is None:
+            block = _unnumbered(to, q, k, skip_reshape)
+        site, kind = block.text, block.unnumbered.text
         if mask is not None and not (mask.dtype == torch.bool or mask.is_floating_point()):
             return _Plan(f"attn_mask has dtype {str(mask.dtype).replace('torch.', '')}, which ComfyUI's own "
                          "backend interprets; passed through unchanged", site=site, kind=kind)
@@ -584,8 +588,10 @@ class AttentionOverride:
                 plan.name, plan.exact = AUTO_EXACT, f"{backend} kept to exact kernels (auto_exact)"
             elif backend == AUTO_EXACT:
                 plan.exact = "auto_exact picks exact kernels only"
-            elif not get_backend_spec(backend).exact:
-                replacement = _exact_fallback(backend)
+            elif not get_backend_spec(backend).exact:  # the exact backend the dispatcher would put in its place
+                # (none that runs these inputs: the chain's first, whose refusal the dispatcher then says)
+                replacement = (exact_stand_in(backend, _described(q, k, v, heads, mask, skip_reshape, plan))
+                               or exact_stand_in(backend))
                 plan.exact = f"{get_backend_spec(backend).precision} '{backend}' replaced by '{replacement}'"
                 plan.notes = (f"low_precision_attention=False: {plan.exact}",)
                 plan.name = replacement

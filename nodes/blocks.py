@@ -8,14 +8,20 @@ Why from transformer_options: it is the only block position the attention overri
   negative bound other than block_end = -1 ("to the last block") cannot resolve.
 - ComfyUI 0.3.64's WAN and Flux: nothing. The range then cannot apply and every block uses the backend.
 
-The same options name the block in call sites ("self #5", `block_name`); where they say nothing, the call's
-ordinal within the forward does (`Ordinals`).
+`block_position` is the one reader of that position: it names the block (`block_id`) and places it in a block range
+(`in_blocks`), so a call is always judged by the block it is named after. Where the options say nothing, the call's
+ordinal within the forward names it (`Ordinals`). A call's block identity is one value, `BlockId`, made here
+(`block_id`); its text ("double.self #5") is the call site the dispatcher, `auto_fast`'s verdicts on disk and the
+node's reports key by, written by `BlockId.text` and read back only by `BlockId.parse`.
 
 The range is inclusive, negative bounds count from the end (-1 = the last block); (0, -1) = every block, the default,
 which the override never looks at (no per-call cost).
 """
 
 from __future__ import annotations
+
+import re
+from typing import NamedTuple
 
 DEFAULT_RANGE = (0, -1)
 RANGE_RULE = ("the block range needs block_start <= block_end when both count from the same end "
@@ -27,30 +33,81 @@ NO_COUNT = ("this model tells attention its block position but not the number of
             "count from 0 instead")
 
 
-def block_name(transformer_options: dict, ordinals: "Ordinals | None", is_self: bool) -> str | None:
-    """The block a call comes from, as its call site names it ("#5"; the UNet's "#4.1" = spatial transformer 4,
-    its block 1): the position ComfyUI passes, else the call's ordinal within this forward among calls of its kind
-    (`Ordinals`; ordinals None: no counting, inside a torch.compile trace); None without transformer_options
-    (nothing tells one forward from the next)."""
+class BlockId(NamedTuple):
+    """Which block of the model an attention call comes from, and what kind of call it is. The identity a verdict,
+    a guard demotion and a report row are kept by; the model's block count is not part of it (`block_position`)."""
+    kind: str  # "self" | "cross" (a call site written by a library caller: all of its text)
+    stream: str | None = None  # the model's kind of block as it names it: Flux's "double"/"single", the UNet's "input"
+    index: int | None = None  # the block's position (`block_position`), else the call's ordinal in the forward
+    inner: int | None = None  # the UNet: the block inside spatial transformer `index` ("#4.1")
+
+    @property
+    def text(self) -> str:
+        """The one serialisation: "self", "double.self #5", "input.cross #4.1" (the call site; `parse` reads it)."""
+        head = f"{self.stream}.{self.kind}" if self.stream else self.kind
+        if self.index is None:
+            return head
+        return f"{head} {_number(self.index)}" if self.inner is None else f"{head} #{self.index}.{self.inner}"
+
+    @property
+    def unnumbered(self) -> "BlockId":
+        """The kind of site without its block ("self #5" -> "self"): what reports fold blocks by."""
+        return BlockId(self.kind, self.stream)
+
+    @classmethod
+    def parse(cls, text: str) -> "BlockId":
+        """The value `text` wrote; any other call site (a library caller's) reads as a kind of its own, so
+        `parse(site).text == site` for every string."""
+        match = _TEXT.fullmatch(text)
+        if match is None:
+            return cls(text)
+        stream, kind, index, inner = match.group("stream", "kind", "index", "inner")
+        return cls(kind, stream, None if index is None else int(index), None if inner is None else int(inner))
+
+
+# BlockId.text's grammar: [stream.]kind[ #index[.inner]] (integers as str(int) writes them).
+_INT = r"0|-?[1-9][0-9]*"
+_TEXT = re.compile(rf"(?:(?P<stream>[^.\s#]+)\.)?(?P<kind>.*?)(?: #(?P<index>{_INT})(?:\.(?P<inner>{_INT}))?)?", re.DOTALL)
+
+
+def block_id(transformer_options: dict | None, position, ordinals: "Ordinals | None", is_self: bool) -> BlockId:
+    """The block a call comes from, made once per call: its kind (self/cross, from the call's lengths), the model's
+    block type, and `position` (`block_position` of the same options) or else the call's ordinal within this forward
+    among calls of its kind (ordinals None: no counting, inside a torch.compile trace). Without transformer_options
+    no block (nothing tells one forward from the next)."""
     to = transformer_options
     if not to:
-        return None
-    index = to.get("block_index")
-    if type(index) is int and type(to.get("total_blocks")) is int:
-        return _number(index)
-    unet = to.get("transformer_index")
-    if type(unet) is int:
-        return f"#{unet}.{index}" if type(index) is int else _number(unet)
-    if ordinals is None:
-        return None
-    n = ordinals.next(to, (to.get("block_type"), is_self))
-    return _number(n) if n < MAX_ORDINAL else None
+        return _SELF if is_self else _CROSS
+    block_type = stream = to.get("block_type")
+    if stream is None:
+        block = to.get("block")
+        if type(block) in (tuple, list) and block:
+            stream = block[0]  # SD/SDXL UNet: ("input", 1)
+    if stream is not None and type(stream) is not str:
+        stream = str(stream)
+    if position is not None:
+        index, _, inner = position
+    elif ordinals is not None:
+        index, inner = ordinals.next(to, (block_type, is_self)), None
+        if index >= MAX_ORDINAL:
+            index = None
+    else:
+        index = inner = None
+    key = (is_self, stream, index, inner)
+    made = _MADE.get(key)
+    if made is None:
+        if len(_MADE) > MAX_ORDINAL * 8:  # block types are few and indices bounded; a runaway caller is not kept
+            _MADE.clear()
+        made = _MADE[key] = BlockId("self" if is_self else "cross", stream, index, inner)
+    return made
 
 
+_MADE: dict = {}  # (is self, stream, index, inner) -> BlockId: most calls' identity costs a lookup, not a construction
+_SELF, _CROSS = BlockId("self"), BlockId("cross")
 # Past this many calls of one kind in one "forward", the options that mark forwards are not new for each one (a
 # caller that keeps one dict): the calls are no longer numbered (a plan and a verdict per call would pile up).
 MAX_ORDINAL = 1024
-_NUMBERS = tuple(f"#{n}" for n in range(256))  # made once: most calls' block names cost no formatting
+_NUMBERS = tuple(f"#{n}" for n in range(256))  # made once: most blocks' texts cost no formatting
 
 
 def _number(n: int) -> str:
@@ -88,25 +145,29 @@ def blocks_text(blocks: tuple[int, int]) -> str:
     return f"{blocks[0]}..{blocks[1]}"
 
 
-def block_position(transformer_options: dict | None) -> tuple[int, int | None] | None:
-    """(index, total or None) of the block making this call; None when the options do not say."""
-    to = transformer_options or {}
+def block_position(transformer_options: dict | None) -> tuple[int, int | None, int | None] | None:
+    """(index, total or None, inner or None) of the block making this call, None when the options do not say: the
+    one reader of the position, which both names the block (`block_id`) and places it in a range (`in_blocks`).
+    A DiT's `block_index` with its `total_blocks` (a count below 1 is no count); else the UNet's `transformer_index`
+    (no count; its `block_index` is the block inside that transformer: inner)."""
+    to = transformer_options
+    if not to:
+        return None
     index, total = to.get("block_index"), to.get("total_blocks")
-    if type(index) is int and type(total) is int and total > 0:
-        return index, total
-    index = to.get("transformer_index")
-    if type(index) is int:
-        return index, None
+    if type(index) is int and type(total) is int:
+        return index, (total if total > 0 else None), None
+    unet = to.get("transformer_index")
+    if type(unet) is int:
+        return unet, None, (index if type(index) is int else None)
     return None
 
 
-def in_blocks(transformer_options: dict | None, blocks: tuple[int, int]):
+def in_blocks(position, blocks: tuple[int, int]):
     """True inside the range, False outside, or a str saying why the range cannot apply to this call (the call
-    then uses the backend, as if the range were the default)."""
-    position = block_position(transformer_options)
+    then uses the backend, as if the range were the default). position: `block_position` of the call's options."""
     if position is None:
         return NO_POSITION
-    index, total = position
+    index, total, _ = position
     start, end = blocks
     if total is None:
         if start < 0 or end < -1:

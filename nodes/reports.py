@@ -14,6 +14,7 @@ from collections import deque
 
 from ..dispatcher.log import echo
 from ..dispatcher.report import rotation_text
+from .blocks import BlockId
 
 EVENT = "attention_dispatch.report"
 _lock = threading.Lock()
@@ -129,8 +130,8 @@ def _folded(sites, all_sites) -> list:
 
 
 def site_kind(site) -> str:
-    """A call site without its block: "self #5" -> "self" (nodes/blocks.py names blocks "#N" or "#N.M")."""
-    return re.sub(r" #[\d.]+$", "", site) if isinstance(site, str) else str(site)
+    """A call site without its block: "self #5" -> "self" (read by nodes/blocks.py's `BlockId`, which wrote it)."""
+    return BlockId.parse(site).unnumbered.text if isinstance(site, str) else str(site)
 
 
 def guard_results(snapshot: dict) -> list[dict]:

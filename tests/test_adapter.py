@@ -204,9 +204,10 @@ def test_sampling_percent():
 
 
 def test_call_site_labels():
-    assert adapter.call_site({"block": ("input", 1)}, 4, 77) == "input.cross"
-    assert adapter.call_site({"block_type": "double"}, 4, 4) == "double.self"
-    assert adapter.call_site(None, 4, 4) == "self"
+    blocks = importlib.import_module(f"{PACK}.nodes.blocks")
+    assert blocks.block_id({"block": ("input", 1)}, None, None, False).text == "input.cross"
+    assert blocks.block_id({"block_type": "double"}, None, None, True).text == "double.self"
+    assert blocks.block_id(None, None, None, True).text == "self"
 
 
 def test_containers_are_unwrapped():

@@ -201,8 +201,9 @@ def test_guard_off_never_checks(custom_backend):
 
 
 @pytest.mark.parametrize("to, expected", [
-    ({"block_index": 3, "total_blocks": 10}, (3, 10)),
-    ({"transformer_index": 2, "block_index": 0, "block": ("input", 1)}, (2, None)),  # the UNet: inner index ignored
+    ({"block_index": 3, "total_blocks": 10}, (3, 10, None)),
+    ({"transformer_index": 2, "block_index": 0, "block": ("input", 1)}, (2, None, 0)),  # the UNet: inner = block_index
+    ({"block_index": 3, "total_blocks": 0, "transformer_index": 7}, (3, None, None)),  # a DiT's index, no count
     ({"block_index": 3}, None),  # no count and no transformer index: unusable
     ({}, None),
     (None, None),
@@ -220,14 +221,14 @@ def test_block_position(to, expected):
 ])
 def test_in_blocks(rng, index, total, expected):
     to = {"block_index": index, "total_blocks": total} if total else {"transformer_index": index}
-    assert blocks.in_blocks(to, rng) is expected
+    assert blocks.in_blocks(blocks.block_position(to), rng) is expected
 
 
 def test_in_blocks_says_why_the_range_cannot_apply():
-    assert blocks.in_blocks({}, (2, -1)) == blocks.NO_POSITION
+    assert blocks.in_blocks(blocks.block_position({}), (2, -1)) == blocks.NO_POSITION
     assert "ComfyUI 0.3.64's WAN and Flux do not" in blocks.NO_POSITION
-    assert blocks.in_blocks({"transformer_index": 3}, (-2, -1)) == blocks.NO_COUNT
-    assert blocks.in_blocks({"transformer_index": 3}, (0, -2)) == blocks.NO_COUNT
+    assert blocks.in_blocks(blocks.block_position({"transformer_index": 3}), (-2, -1)) == blocks.NO_COUNT
+    assert blocks.in_blocks(blocks.block_position({"transformer_index": 3}), (0, -2)) == blocks.NO_COUNT
 
 
 def test_range_problem_at_queue_time():

@@ -186,7 +186,7 @@ def cuda_machine(capability=(9, 0), **packages) -> Machine:
 def test_it_is_quantised_and_only_auto_fast_and_the_guard_see_it():
     spec = get_backend_spec("flash_3_fp8")
     assert spec.quantised and not spec.approximate and not spec.exact and spec.precision == "quantised"
-    assert auto.tuner.admission_bound(spec) == auto.FAST_BOUND and guard.bound_for(spec) == guard.QUANTISED_BOUND
+    assert auto.tuner.admission_bound(spec) == auto.FAST_BOUND and guard.bound_for(spec) == 2 * auto.FAST_BOUND == 0.1
     inputs = dispatcher.AttentionInputs.of(1, 40, 32760, 128)
     assert guard.rules_for(spec, guard.DEFAULT, inputs)[0] >= 1  # watched by default
     h200 = cuda_machine((9, 0), **{"fa3-fwd": "0.0.3"})

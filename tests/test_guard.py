@@ -190,10 +190,10 @@ def test_a_kernel_that_goes_wrong_after_n_calls_is_caught_within_the_rotation_bo
 @pytest.mark.parametrize("off_by, caught", [(0.15, True), (0.105, True), (0.095, False)])
 def test_the_guard_bound_itself_is_pinned(off_by, caught):
     """A quantised kernel off by 0.15 (or just past 0.1) is caught; one just inside 0.1 is not. By value: raising
-    QUANTISED_BOUND to 0.2 fails this test."""
-    assert guard.QUANTISED_BOUND == 0.1
+    FAST_BOUND (or GUARD_MARGIN) so that a quantised kernel's guard bound is 0.2 fails this test."""
     kernel = Scaled(off_by)
     name = register(f"t_bound_{int(off_by * 1000)}", kernel)
+    assert guard.bound_for(dispatcher.get_backend_spec(name)) == 0.1
     rec = Recorder()
     outs, refs = forwards(name, blocks_inputs(2), 2, rec, guard_every=1)
     failures = [f for g in rec.snapshot()["guard"] for f in g["failures"]]
@@ -459,3 +459,18 @@ def test_blocks_first_re_checks_are_spread_over_the_interval():
     assert max(per_forward.values()) <= 2
     assert sum(p <= 20 for p in phases) <= 4
     assert all(0 <= guard._phase(n, e) < e for n in range(50) for e in (1, 2, 3, 7))
+
+
+def test_the_guard_bound_is_derived_from_the_admission_bound(monkeypatch):
+    """One owner: auto's admission bound moves the guard's (twice it), for quantised and approximate kernels alike."""
+    import dataclasses
+    from dispatcher import auto
+    quantised = dispatcher.get_backend_spec(register("t_derived_bound", Scaled(0.0)))
+    approximate = dataclasses.replace(dispatcher.get_backend_spec("sol_attn"), error_bound=0.3)
+    for spec in (quantised, approximate):
+        assert guard.bound_for(spec) == guard.GUARD_MARGIN * auto.tuner.admission_bound(spec)
+    assert guard.bound_for(approximate) == 0.6
+    monkeypatch.setattr(guard, "FAST_BOUND", 0.2)
+    assert auto.tuner.admission_bound(quantised) == 0.2 and guard.bound_for(quantised) == 0.4
+    monkeypatch.setattr(guard, "GUARD_MARGIN", 3)
+    assert guard.bound_for(quantised) == pytest.approx(0.6) and guard.bound_for(approximate) == pytest.approx(0.9)

@@ -60,7 +60,7 @@ def test_the_classes():
     assert sol.constraints()["approximate"] and sol.constraints()["precision"] == "approximate"
     # the approximate kernel is judged and guarded by its own declared bound, the quantised one by auto_fast's
     assert auto.tuner.admission_bound(sol) == kitchen.SOL_ATTN_BOUND and guard.bound_for(sol) == 2 * kitchen.SOL_ATTN_BOUND
-    assert auto.tuner.admission_bound(int8) == auto.FAST_BOUND and guard.bound_for(int8) == guard.QUANTISED_BOUND
+    assert auto.tuner.admission_bound(int8) == auto.FAST_BOUND and guard.bound_for(int8) == 2 * auto.FAST_BOUND == 0.1
     inputs = AttentionInputs.of(1, 2, 4096, 128)
     assert guard.rules_for(sol, guard.DEFAULT, inputs)[0] and guard.rules_for(int8, guard.DEFAULT, inputs)[0]
     assert guard.rules_for(fa4, guard.DEFAULT, inputs) is None  # watched by default: the two that are not exact

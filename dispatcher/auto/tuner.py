@@ -16,6 +16,7 @@ from .. import caches, decisions, env, hub, prediction, registry, state, support
 from ..call import AttentionCall
 from ..checks import check_shapes, check_structure
 from ..execute import run
+from ..guard import FAST_BOUND, admission_bound  # noqa: F401  (FAST_BOUND: auto's public name)
 from ..inputs import AttentionInputs, describe_call
 from . import cache, hooks, measure, step, tune_log
 from .fingerprint import fingerprint_key, machine_fingerprint
@@ -40,9 +41,6 @@ CPU_UNTIMED_FAMILIES = ("flex",)
 CPU_UNTIMED_REASON = ("auto leaves flex out on a CPU: it runs eagerly there, its first call per signature traces "
                       "for seconds and its calls were 25x SDPA's; select 'flex' by name to run it")
 DEFAULT_TIE_MARGIN = 0.03  # at most: how much a later backend in priority order must beat an earlier one by
-# `auto_fast` admits a quantised kernel whose relative error on the model's own activations (sampled query rows
-# against float64 exact attention) is at most this; see docs/auto.md for the measurements behind it.
-FAST_BOUND = 5e-2
 # Candidates timed within this of the fastest are timed again side by side (`_final_round`) before the pick:
 # timed one after the other, one kernel drifted 15% within its own runs on the H200 (clocks settling under
 # load), more than the 10% this margin was: drift alone could keep the fastest kernel out of the round.
@@ -95,7 +93,9 @@ class TuneRecord:
     trust_sensitive: bool = False
     exact: bool = False  # decided for auto_exact (no quantised kernel)
     model: str = state.UNSCOPED_MODEL  # whose activations the verdicts were made on
-    block: str = ""  # which block's (auto_fast: its call site); "" for auto_exact, whose verdicts hold for every block
+    # which block's: auto_fast's call site as the caller wrote it (ComfyUI's "double.self #3", nodes/blocks.py), the
+    # key its verdicts are saved under on disk; "" for auto_exact, whose verdicts hold for every block
+    block: str = ""
     judged_on: str = ""  # live values | noise (provisional, judged again on the first live call) | disk
     attention_kwargs: tuple[str, ...] = ()  # the call's attention_kwargs keys: only backends honouring them compete
     # The budget ran out before every candidate was judged and timed (first calls that load or compile a kernel
@@ -831,9 +831,3 @@ def _reject(result: CandidateResult, reason: str, device: torch.device) -> None:
 def _disk_key(record: TuneRecord) -> str:
     kwargs = f"|attention_kwargs={','.join(record.attention_kwargs)}" if record.attention_kwargs else ""
     return record.signature.key() + ("|exact" if record.exact else "") + kwargs
-
-
-def admission_bound(spec) -> float:
-    """A candidate's admission bound: `FAST_BOUND` for quantised kernels, the spec's own for exact and approximate
-    ones (an approximate kernel declares how far from exact attention it may be)."""
-    return FAST_BOUND if spec.quantised and not spec.approximate else spec.error_bound

@@ -1,0 +1,108 @@
+"""A call's block identity is one value (nodes/blocks.py `BlockId`): made once per call from ComfyUI's
+transformer_options, with its position read by one reader (`block_position`) that both names the block and places it
+in a block range; written once as text (the call site the dispatcher, `auto_fast`'s verdicts on disk and the reports
+key by) and read back only by `BlockId.parse`."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import tensors
+from helpers.pack import PACK, comfy_func, load_pack
+
+adapter, dispatcher, _ = load_pack()
+reports = importlib.import_module(f"{PACK}.nodes.reports")
+blocks = importlib.import_module(f"{PACK}.nodes.blocks")
+BlockId = blocks.BlockId
+
+qkv = functools.partial(tensors.qkv, b=1, lq=16, lk=16, h=2, d=16, flat=True)  # ComfyUI's (B, L, H*D)
+
+
+def served_where(block_range, to):
+    """(the call site the call was named by, whether the node's backend served it rather than passing it on)."""
+    rec = dispatcher.Recorder()
+    adapter.make_override("native", recorder=rec, blocks=block_range)(comfy_func, *qkv(), 2, transformer_options=to)
+    row, = rec.snapshot()["rows"]
+    return row["site"], not row["served"].startswith("comfy:")
+
+
+@pytest.mark.parametrize("to, named", [
+    ({"block_index": 3, "total_blocks": 10}, "self #3"),  # a DiT of newer ComfyUI
+    ({"transformer_index": 3, "block_index": 1, "block": ("input", 4)}, "input.self #3.1"),  # the SD/SDXL UNet
+    # the two readers of the position used to differ on these: the name read block_index, the range
+    # transformer_index (or nothing at all, a count below 1 being none)
+    ({"block_index": 3, "total_blocks": 0, "transformer_index": 7}, "self #3"),
+    ({"block_index": 3, "total_blocks": -1}, "self #3"),
+])
+def test_a_call_is_judged_by_the_block_it_is_named_after(to, named):
+    """The block range serves exactly the block the call site names: a range of that block alone serves it, a
+    range of the next block alone passes it on."""
+    assert served_where((3, 3), to) == (named, True)
+    assert served_where((4, 4), to) == (named, False)
+
+
+identities = st.builds(
+    lambda kind, stream, index, inner: (kind, stream, index, None if index is None else inner),
+    st.sampled_from(["self", "cross"]), st.none() | st.sampled_from(["double", "single", "input", "middle", "output"]),
+    st.none() | st.integers(-5, 5000), st.none() | st.integers(-3, 40))
+
+
+@settings(max_examples=300, deadline=None)
+@given(identities)
+def test_the_value_survives_its_text(fields):
+    value = BlockId(*fields)
+    assert BlockId.parse(value.text) == value
+    assert BlockId.parse(value.text).unnumbered.text == reports.site_kind(value.text) == value.unnumbered.text
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=24) | st.from_regex(r"[a-z]{1,6}(\.[a-z]{1,6})? #-?[0-9]{1,3}(\.-?[0-9]{1,2})?", fullmatch=True))
+def test_any_call_site_survives_being_read(site):
+    """A library caller's own call site ("attention", "encoder 3") reads back to the same text."""
+    assert BlockId.parse(site).text == site
+
+
+def test_the_texts_are_the_ones_verdicts_were_saved_under():
+    """The text did not change with the value: verdicts saved by earlier versions (keyed "double.self #3") are read
+    as they are, with no migration."""
+    assert BlockId("self", "double", 3).text == "double.self #3"
+    assert BlockId("self", "input", 4, 1).text == "input.self #4.1" and BlockId("cross").text == "cross"
+    assert BlockId.parse("input.self #4.1") == BlockId("self", "input", 4, 1)
+
+
+def quantised(q, k, v, **_):  # a quantised kernel that is exact here (its verdict: valid)
+    return tensors.sdpa(q, k, v)
+
+
+def test_a_block_identity_round_trips_through_disk_and_report(tmp_path):
+    """auto_fast's verdict for a block is saved under the block's text; a new process reads it back for the block
+    ComfyUI's options name, and the report folds the block's rows by the kind read from the same value."""
+    dispatcher.register_backend("t_bi_quantised", quantised, devices=("cpu",), quantised=True)
+    try:
+        to = {"block_index": 3, "total_blocks": 19, "block_type": "double"}
+        made = blocks.block_id(to, blocks.block_position(to), None, True)
+        assert made == BlockId("self", "double", 3)
+        rec = dispatcher.Recorder()
+        path = tmp_path / "tune.json"
+        with dispatcher.auto.using(dispatcher.auto.Tuner(cache_path=path, backends=("t_bi_quantised", "native"))):
+            fn = adapter.make_override("auto_fast", recorder=rec, model="model-x")
+            q, k, v = qkv(seed=2)
+            fn(comfy_func, q, k, v, 2, transformer_options=to)
+        (entry,) = dispatcher.auto.cache.dump(path)["machines"].values()
+        (decision,) = [d for key, d in entry["decisions"].items() if not key.startswith("step|")]
+        (saved,) = decision["verdicts"]["model-x"]
+        assert saved == made.text and BlockId.parse(saved) == made
+        again = dispatcher.auto.Tuner(cache_path=path, backends=("t_bi_quantised", "native"))
+        heads_first = [t.unflatten(-1, (2, -1)) for t in (q, k, v)]  # the call as the override passes it (BSHD)
+        record = again.tune(*heads_first, model="model-x", block=made.text)
+        assert record.source == "disk" and record.judged_on == "disk"
+        row, = rec.snapshot()["rows"]
+        assert row["site"] == made.text and reports.site_kind(row["site"]) == made.unnumbered.text == "double.self"
+    finally:
+        dispatcher.registry.remove("t_bi_quantised")
