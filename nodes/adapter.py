@@ -59,6 +59,7 @@ from ..dispatcher.backends.kitchen import SolAttnOptions, sol_attn_options
 from ..dispatcher.auto import PSEUDO_BACKENDS as AUTOS  # "auto" is auto_exact (older workflows)
 from ..dispatcher.guard import settings as guard_settings
 from ..dispatcher.report import register as register_recorder
+from ..dispatcher.support import Policy, why_not
 from .blocks import Ordinals, block_name, block_position, blocks_text, in_blocks, is_default
 from .overrides import OverrideChainError, chain, comfy_default_attention, describe
 from .window import in_window, window_text
@@ -184,6 +185,9 @@ def _to_bhsd(out: torch.Tensor, skip_output_reshape: bool, heads: int) -> torch.
     if skip_output_reshape:
         return out
     return out.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+
+_FULL_PRECISION = Policy(low_precision=False)  # a call with low_precision_attention=False
 
 
 def _exact_fallback(name: str) -> str:
@@ -584,10 +588,10 @@ class AttentionOverride:
                 plan.name, plan.exact = AUTO_EXACT, f"{backend} kept to exact kernels (auto_exact)"
             elif backend == AUTO_EXACT:
                 plan.exact = "auto_exact picks exact kernels only"
-            elif not get_backend_spec(backend).exact:
+            elif refused := why_not(backend, policy=_FULL_PRECISION).policy:
                 replacement = _exact_fallback(backend)
-                plan.exact = f"{get_backend_spec(backend).precision} '{backend}' replaced by '{replacement}'"
-                plan.notes = (f"low_precision_attention=False: {plan.exact}",)
+                plan.exact = f"'{backend}' refused, '{replacement}' serves instead: {'; '.join(refused)}"
+                plan.notes = (plan.exact,)
                 plan.name = replacement
             else:
                 plan.exact = f"'{backend}' is exact"
