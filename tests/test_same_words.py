@@ -111,19 +111,24 @@ def the_one(why) -> str:
     return reason
 
 
+def said_by_every_caller(name, said: str, machine) -> None:
+    """A rule of the machine or of trust: the call's callers, the install plan and the doctor all say `said`."""
+    assert said in said_by_dispatch(name)
+    assert f"{name}: {said}" in said_by_override(name)
+    assert said_by_tuner(name, call_inputs()) == [said]
+    reasons, deciding = said_by_install_plan(name, machine)
+    assert reasons == [said] and deciding == [said]
+    listed, group = said_by_doctor(name)
+    assert listed == [said] and group == said
+
+
 # ---- the rules ------------------------------------------------------------------------------------------------------
 
 def test_a_missing_package_in_the_same_words(register):
     name = register("t_words_package", requires=(requirements.Package("attn-dispatch-absent-package", "1.0"),))
     said = the_one(support.why_not(name))
     assert "attn-dispatch-absent-package is not installed: pip install" in said
-    assert said in said_by_dispatch(name)
-    assert f"{name}: {said}" in said_by_override(name)
-    assert said_by_tuner(name, call_inputs()) == [said]
-    reasons, deciding = said_by_install_plan(name, machine_module.current_machine())
-    assert reasons == [said] and deciding == [said]
-    listed, group = said_by_doctor(name)
-    assert listed == [said] and group == said
+    said_by_every_caller(name, said, machine_module.current_machine())
 
 
 def test_a_gpu_generation_in_the_same_words(register):
@@ -133,13 +138,7 @@ def test_a_gpu_generation_in_the_same_words(register):
     with machine_module.use_machine(t4):
         said = the_one(support.why_not(name))
         assert said == "needs compute capability >= 9.0; this GPU is sm_75 (too old)"
-        assert said in said_by_dispatch(name)
-        assert f"{name}: {said}" in said_by_override(name)
-        assert said_by_tuner(name, call_inputs()) == [said]
-        reasons, deciding = said_by_install_plan(name, t4)
-        assert reasons == [said] and deciding == [said]
-        listed, group = said_by_doctor(name)
-        assert listed == [said] and group == said
+        said_by_every_caller(name, said, t4)
 
 
 @pytest.mark.parametrize("rule, fields, mask", [
@@ -161,13 +160,7 @@ def test_trust_in_the_same_words(register):
     why = support.why_not(name)
     said = the_one(why)
     assert why.trust == (said,) and UNTRUSTED_REPO in said
-    assert said in said_by_dispatch(name)
-    assert f"{name}: {said}" in said_by_override(name)
-    assert said_by_tuner(name, call_inputs()) == [said]
-    reasons, deciding = said_by_install_plan(name, machine_module.current_machine())
-    assert reasons == [said] and deciding == [said]
-    listed, group = said_by_doctor(name)
-    assert listed == [said] and group == said
+    said_by_every_caller(name, said, machine_module.current_machine())
     with pytest.raises(dispatcher.KernelLoadError) as refused:  # the loader itself refuses in the same words
         dispatcher.registry.prepare(name)
     assert str(refused.value) == said
