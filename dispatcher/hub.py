@@ -131,12 +131,10 @@ def load(hub: HubKernel) -> tuple[Callable, LoadedKernel]:
     if not decision.allowed:
         raise KernelLoadError(decision.reason)
     machine = current_machine()
+    lacking = hub.requirement.reason(machine)  # the words support.why_not says of the same requirement
+    if lacking:
+        raise KernelLoadError(f"could not load '{hub.repo_id}': {lacking}")
     kernels_version = machine.package_version("kernels")
-    if kernels_version is None:
-        raise KernelLoadError(f"loading '{hub.repo_id}' needs the kernels library: pip install 'kernels>={hub.min_kernels}'")
-    if not at_least(kernels_version, hub.min_kernels):
-        raise KernelLoadError(f"kernels {kernels_version} is older than the required {hub.min_kernels} to load "
-                              f"'{hub.repo_id}': pip install --upgrade 'kernels>={hub.min_kernels}'")
     locked = read_lock().get(hub.repo_id)
     if locked and locked.get("revision") and _version_number(locked.get("version")) != hub.version:
         logger.warning("the kernel lock file %s pins '%s' version %s, but version %s is wanted; not using the pin "

@@ -238,5 +238,5 @@ def register_backend(name: str, fn: Callable[..., Any], *, layout: str = "BSHD",
 
 
 def kernels_requirement(hub_kernel: HubKernel) -> Package:
-    return Package("kernels", hub_kernel.min_kernels)
+    return hub_kernel.requirement
 

@@ -53,6 +53,7 @@ def with_flags(hint: str, flags: str) -> str:
 
 @dataclass(frozen=True)
 class Package:
+    remedy = "install"  # what fixes it when unmet (see Lack): a pip install (or a build) names the command
     dist: str
     min_version: str | None = None
     module: str | None = None  # the import that must work, e.g. "flash_attn.flash_attn_interface"
@@ -129,6 +130,7 @@ class OneOf:
     """Packages that each provide the same kernel (FlashAttention-3 from a source build, or a wheel):
     met when any one is; the reason lists what each one lacks, so every fix is named."""
 
+    remedy = "install"
     packages: tuple[Package, ...]
 
     def describe(self) -> str:
@@ -232,6 +234,7 @@ class RocmArch:
 
 @dataclass(frozen=True)
 class EnvOptIn:
+    remedy = "opt-in"  # setting `var`
     var: str
 
     def describe(self) -> str:
@@ -246,6 +249,8 @@ class Probe:
     """A real tiny call on the real device: catches packages that import but cannot run
     (xformers built for another torch imports fine and then fails every call)."""
 
+    remedy = "repair"  # its package is there but cannot run: reinstall it for this torch/GPU
+    checked_last = True  # a real call: made only once every other requirement is met
     name: str
     run: Callable[[], None]
 
@@ -275,26 +280,40 @@ def _probe_result(probe: Probe) -> str | None:
 
 
 
+class Lack(NamedTuple):
+    """One requirement a machine does not meet: the requirement (its `remedy` and `machine_bound` say what would
+    fix it) and its reason, the words every caller says."""
+    requirement: object
+    reason: str
+
+
 class Unmet(NamedTuple):
     """What a machine lacks of a backend's requirements: `reasons`, and whether the machine itself rules the
-    backend out (`machine_bound`), when no install, opt-in or trust setting would make it run."""
+    backend out (`machine_bound`), when no install, opt-in or trust setting would make it run; `lacks`: the same
+    reasons as records that name their requirement."""
     reasons: tuple[str, ...] = ()
     machine_bound: bool = False
+    lacks: tuple[Lack, ...] = ()
 
 
 def unmet(requirements, machine: Machine) -> Unmet:
     """Every requirement `machine` does not meet, in order. What the machine itself lacks (a device, a GPU
     generation, a torch) comes alone when it fails: a package's install command, an opt-in or a trust setting is
-    no fix without the GPU it needs. A Probe (a real call) runs only once everything else is met."""
-    bound = tuple(reason for req in requirements if getattr(req, "machine_bound", False)
+    no fix without the GPU it needs. A requirement `checked_last` (a Probe: a real call) is checked only once
+    everything else is met."""
+    bound = tuple(Lack(req, reason) for req in requirements if getattr(req, "machine_bound", False)
                   for reason in [req.reason(machine)] if reason)
     if bound:
-        return Unmet(bound, True)
-    found: list[str] = []
+        return _unmet(bound, True)
+    found: list[Lack] = []
     for req in requirements:
-        if found and isinstance(req, Probe):
+        if found and getattr(req, "checked_last", False):
             continue
         reason = req.reason(machine)
         if reason:
-            found.append(reason)
-    return Unmet(tuple(found), False)
+            found.append(Lack(req, reason))
+    return _unmet(tuple(found), False)
+
+
+def _unmet(lacks: tuple[Lack, ...], machine_bound: bool) -> Unmet:
+    return Unmet(tuple(lack.reason for lack in lacks), machine_bound, lacks)

@@ -15,7 +15,7 @@ import torch
 
 from .inputs import AttentionInputs
 from .machine import capability_of
-from .requirements import CudaCapability, RocmArch, TorchVersion
+from .requirements import CudaCapability, Package, RocmArch, TorchVersion
 
 FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 ANY_DEVICE = frozenset({"cpu", "cuda", "rocm", "mps", "xpu", "npu"})
@@ -81,6 +81,12 @@ class HubKernel:
     @property
     def publisher(self) -> str:
         return self.repo_id.split("/", 1)[0]
+
+    @property
+    def requirement(self) -> Package:
+        """The kernels library it loads through, at the version it needs: a requirement of every backend that uses
+        it, and what `hub.load` checks again at load time (in the same words)."""
+        return Package("kernels", self.min_kernels)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,12 @@
 `why_not(name)` answers for the machine alone (the nodes' dropdown and queue-time check, the install plan,
 `validate_backend`, listings); `why_not(name, inputs, attention_kwargs=...)` for one call (the decision, `auto`'s
 tuner). Nothing else combines these producers, so what one of them refuses every other refuses, in the same words.
-`auto`'s own rules (exact kernels only, never a download) sit on top of it: `for_auto`.
+
+A caller's own rules sit on top, as a `Policy` value (`why_not(..., policy=Policy(...))`), and refuse here too, as
+`policy` reasons: exact kernels only (`auto_exact`), full precision (a call with low_precision_attention=False), Hub
+kernels only once fetched (`auto` never downloads), an approximate kernel only as the model's prediction verdict
+allows, a memory cap for kernels that materialise the score matrix (`auto`'s tuning, the bench), and the
+context-parallel mode a kernel is the local kernel of (ring modes need its LSE). No caller words a refusal itself.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any, NamedTuple
 from . import hub, prediction, registry, trust
 from .inputs import AttentionInputs
 from .machine import Machine
+from .requirements import Lack, Unmet
 from .spec import STANDARD_ARGUMENTS
 
 
@@ -30,30 +36,58 @@ class WhyNot(NamedTuple):
     inputs: tuple[str, ...] = ()
     semantics: tuple[str, ...] = ()
     attention_kwargs: tuple[str, ...] = ()
-    policy: tuple[str, ...] = ()  # a caller's own rules on top (`for_auto`); empty from `why_not`
+    policy: tuple[str, ...] = ()  # a caller's own rules on top (its `Policy`)
+    # `machine` as records (requirements.Lack: the requirement, its reason): what a reader that sorts reasons by
+    # their fix reads (the install plan), never a second walk of the requirements
+    lacks: tuple = ()
 
     @property
     def reasons(self) -> list[str]:
-        return [reason for kind in self for reason in kind]
+        return [reason for kind in self[:_KINDS] for reason in kind]
 
     @property
     def runs(self) -> bool:
-        return not any(self)
+        return not any(self[:_KINDS])
+
+
+_KINDS = WhyNot._fields.index("lacks")  # the reason kinds come first, in order
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A caller's own rules on top of what the machine and the call allow; each refuses in `why_not` (as `policy`
+    reasons), in one set of words for every caller. The default refuses nothing."""
+    exact_only: bool = False  # auto_exact: exact kernels only
+    low_precision: bool = True  # False: the call asks for full precision (ComfyUI's low_precision_attention=False)
+    fetched: frozenset[str] | None = None  # Hub kernels only once their repo is here (auto never downloads); None: any
+    model: str | None = None  # an approximate kernel serves this model only as its prediction-level verdict allows
+    block: str | None = None  # ... at this call site (a verdict admits the blocks its trial judged)
+    memory_cap: int | None = None  # bytes: a kernel that materialises the score matrix only where it fits (needs inputs)
+    context_parallel: str | None = None  # the context-parallel mode it would be the local kernel of
+
+
+NO_POLICY = Policy()
 
 
 def why_not(name: str, inputs: AttentionInputs | None = None, *, attention_kwargs=None,
-            machine: Machine | None = None) -> WhyNot:
+            machine: Machine | None = None, policy: Policy = NO_POLICY) -> WhyNot:
     """Why backend `name` cannot run on `machine` (default: this one), and, given `inputs` (a call's signature)
-    and `attention_kwargs` (its keys), why it cannot run that call. Raises UnknownBackendError for an unknown name.
-    A backend's own checks that raise become its reason: they refuse that backend, never the question."""
+    and `attention_kwargs` (its keys), why it cannot run that call; then what `policy` refuses. Raises
+    UnknownBackendError for an unknown name. A backend's own checks that raise become its reason: they refuse that
+    backend, never the question."""
     spec = registry.get(name)
+    precision = _precision_refusal(spec, policy)
+    if precision:  # decided by the spec alone: its package is not even imported (comfy_kitchen's import took 4-8 s
+        # of a CPU's first auto_exact call, for a kernel auto_exact never runs)
+        return WhyNot(policy=precision)
     try:
         check = registry.requirement_check(name, machine)
-        lacks, machine_bound = check.reasons, check.machine_bound
     except registry.UnknownBackendError:
         raise
     except Exception as exc:
-        lacks, machine_bound = (f"its requirement check failed ({type(exc).__name__}: {exc})",), False
+        failed = f"its requirement check failed ({type(exc).__name__}: {exc})"
+        check = Unmet((failed,), False, (Lack(None, failed),))
+    lacks, machine_bound = check.reasons, check.machine_bound
     untrusted = ()
     if spec.hub is not None and not machine_bound:  # trusting a publisher is no fix without the GPU it needs
         verdict = trust.decide(spec.hub.repo_id)
@@ -66,13 +100,59 @@ def why_not(name: str, inputs: AttentionInputs | None = None, *, attention_kwarg
         except Exception as exc:
             limits = (f"its input check failed ({type(exc).__name__}: {exc})",)
     keys = tuple(attention_kwargs_reasons(spec, attention_kwargs)) if attention_kwargs else ()
-    return WhyNot(lacks, untrusted, limits, semantics, keys)
+    why = WhyNot(lacks, untrusted, limits, semantics, keys, lacks=check.lacks)
+    if policy == NO_POLICY:
+        return why
+    return why._replace(policy=tuple(_policy_reasons(name, spec, inputs, policy, why.runs)))
+
+
+def _precision_refusal(spec, policy: Policy) -> tuple[str, ...]:
+    """What `policy` refuses of a kernel that is not exact, by its spec alone."""
+    if spec.exact or not (policy.exact_only or not policy.low_precision):
+        return ()
+    kind = f"a{'n' if spec.precision == 'approximate' else ''} {spec.precision} kernel"
+    if policy.exact_only:
+        return (f"{kind}: auto_exact runs exact kernels only",)
+    return (f"{kind}: the call asks for full precision (low_precision_attention=False)",)
+
+
+def _policy_reasons(name: str, spec, inputs, policy: Policy, runs: bool) -> list[str]:
+    found = []
+    if policy.fetched is not None and spec.hub is not None and runs and spec.hub.repo_id not in policy.fetched:
+        found.append(f"Hub kernel '{spec.hub.repo_id}' is not fetched or loaded yet; auto never downloads code: "
+                     f"select '{name}' once (or run install.py) to make it a candidate")
+    if spec.approximate and policy.model is not None:
+        refused = prediction.refusal(policy.model, policy.block)
+        if refused:
+            found.append(refused)
+    if policy.memory_cap is not None and spec.quadratic_memory and inputs is not None:
+        scores = score_matrix_bytes(inputs)
+        if scores > policy.memory_cap:
+            found.append(f"it materialises the {_size(scores)} score matrix, over the memory cap of "
+                         f"{_size(policy.memory_cap)}")
+    mode = policy.context_parallel
+    if mode not in (None, "none") and mode not in spec.context_parallel_modes:
+        found.append(f"context-parallel mode '{mode}' merges partial attention outputs by their log-sum-exp, which "
+                     "it does not return (its spec has lse=False); Ulysses alone (ring_degree=1) runs any backend")
+    return found
+
+
+def score_matrix_bytes(inputs: AttentionInputs) -> int:
+    """The (B, H, Lq, Lk) score matrix of a call, in float32: what a `quadratic_memory` kernel materialises."""
+    return inputs.batch * inputs.heads_q * inputs.len_q * inputs.len_kv * 4
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} bytes"
 
 
 def reasons(name: str, inputs: AttentionInputs | None = None, *, attention_kwargs=None,
-            machine: Machine | None = None) -> list[str]:
+            machine: Machine | None = None, policy: Policy = NO_POLICY) -> list[str]:
     """`why_not(...).reasons`: every reason, in order (empty when it can run)."""
-    return why_not(name, inputs, attention_kwargs=attention_kwargs, machine=machine).reasons
+    return why_not(name, inputs, attention_kwargs=attention_kwargs, machine=machine, policy=policy).reasons
 
 
 def installing_helps(name: str, machine: Machine | None = None) -> bool:
@@ -92,25 +172,13 @@ def availability_reasons(name: str, machine: Machine | None = None) -> list[str]
 def for_auto(name: str, inputs: AttentionInputs, *, exact_only: bool, attention_kwargs=None,
              fetched: frozenset[str] | set[str] = frozenset(), model: str | None = None,
              block: str | None = None) -> WhyNot:
-    """`why_not` for a call, plus `auto`'s own rules as `policy`: `auto_exact` (exact_only) times exact kernels
-    only, `auto` never downloads code, so a Hub kernel that could run is a candidate only once its repo is
-    `fetched` (fetched or loaded: `hub.fetched_repos()`), and an approximate kernel serves `model` only as its
-    prediction-level verdict allows at call site `block` (dispatcher/prediction.py)."""
-    spec = registry.get(name)
-    if exact_only and not spec.exact:  # decided by the spec alone: its package is not even imported (comfy_kitchen's
-        # import took 4-8 s of a CPU's first auto_exact call, for a kernel auto_exact never runs)
-        return WhyNot(policy=(f"a{'n' if spec.precision == 'approximate' else ''} {spec.precision} kernel: "
-                              "auto_exact runs exact kernels only",))
-    why = why_not(name, inputs, attention_kwargs=attention_kwargs)
-    policy = []
-    if spec.hub is not None and why.runs and spec.hub.repo_id not in fetched:
-        policy.append(f"Hub kernel '{spec.hub.repo_id}' is not fetched or loaded yet; auto never downloads code: "
-                      f"select '{name}' once (or run install.py) to make it a candidate")
-    if spec.approximate and not exact_only and model is not None:
-        refused = prediction.refusal(model, block)
-        if refused:
-            policy.append(refused)
-    return why._replace(policy=tuple(policy))
+    """`why_not` for a call under `auto`'s policy: `auto_exact` (exact_only) times exact kernels only, `auto` never
+    downloads code, so a Hub kernel that could run is a candidate only once its repo is `fetched` (fetched or
+    loaded: `hub.fetched_repos()`), and an approximate kernel serves `model` only as its prediction-level verdict
+    allows at call site `block` (dispatcher/prediction.py)."""
+    return why_not(name, inputs, attention_kwargs=attention_kwargs,
+                   policy=Policy(exact_only=exact_only, fetched=frozenset(fetched), model=model,
+                                 block=block))
 
 
 def trust_decides(name: str, why: WhyNot, *, exact_only: bool) -> bool:

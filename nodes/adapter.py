@@ -63,6 +63,7 @@ from ..dispatcher.decisions import exact_stand_in
 from ..dispatcher.inputs import describe_call
 from ..dispatcher.guard import settings as guard_settings
 from ..dispatcher.report import register as register_recorder
+from ..dispatcher.support import Policy, why_not
 from .blocks import Ordinals, block_id, block_position, blocks_text, in_blocks, is_default
 from .overrides import OverrideChainError, chain, comfy_default_attention, describe
 from .window import in_window, window_text
@@ -195,6 +196,9 @@ def _described(q, k, v, heads, mask, skip_reshape, plan):
     if plan.upcast:
         inputs = dataclasses.replace(inputs, dtype=torch.float32, key_dtype=torch.float32, value_dtype=torch.float32)
     return inputs
+
+
+_FULL_PRECISION = Policy(low_precision=False)  # a call with low_precision_attention=False
 
 
 def comfy_mask(mask):
@@ -588,12 +592,13 @@ class AttentionOverride:
                 plan.name, plan.exact = AUTO_EXACT, f"{backend} kept to exact kernels (auto_exact)"
             elif backend == AUTO_EXACT:
                 plan.exact = "auto_exact picks exact kernels only"
-            elif not get_backend_spec(backend).exact:  # the exact backend the dispatcher would put in its place
-                # (none that runs these inputs: the chain's first, whose refusal the dispatcher then says)
+            elif refused := why_not(backend, policy=_FULL_PRECISION).policy:
+                # the exact backend the dispatcher would put in its place (none that runs these inputs: the chain's
+                # first, whose refusal the dispatcher then says)
                 replacement = (exact_stand_in(backend, _described(q, k, v, heads, mask, skip_reshape, plan))
                                or exact_stand_in(backend))
-                plan.exact = f"{get_backend_spec(backend).precision} '{backend}' replaced by '{replacement}'"
-                plan.notes = (f"low_precision_attention=False: {plan.exact}",)
+                plan.exact = f"'{backend}' refused, '{replacement}' serves instead: {'; '.join(refused)}"
+                plan.notes = (plan.exact,)
                 plan.name = replacement
             else:
                 plan.exact = f"'{backend}' is exact"

@@ -24,6 +24,8 @@ adapter, dispatcher, _ = load_pack()
 overrides = importlib.import_module(f"{PACK}.nodes.overrides")
 comfy_names = importlib.import_module(f"{PACK}.nodes.comfy_names")
 registry = importlib.import_module(f"{PACK}.dispatcher.registry")
+support = importlib.import_module(f"{PACK}.dispatcher.support")
+FULL_PRECISION = support.Policy(low_precision=False)
 
 
 @pytest.fixture(autouse=True)
@@ -115,7 +117,7 @@ def test_preferred_attention_is_popped_and_the_override_wins(as_containers):
 
 @pytest.mark.parametrize("as_containers", [False, True])
 @pytest.mark.parametrize("backend, note", [
-    ("sage", "quantised 'sage' replaced by"),
+    ("sage", "'sage' refused, '"),
     ("auto_fast", "auto_fast kept to exact kernels (auto_exact)"),
     ("native", "'native' is exact"),
     ("auto_exact", "auto_exact picks exact kernels only"),
@@ -131,6 +133,8 @@ def test_low_precision_false_is_kept_exact_and_counted(as_containers, backend, n
     c38.call_site(c38.attention_pytorch, q, k, v, 2, options(fn), as_containers)  # not counted
     (site, what), = fn.precision_notes  # kept per block (each call here is a forward of its own: block 0)
     assert site == "cross #0" and what.startswith(note) and fn.precision_notes[(site, what)] == 3
+    if backend == "sage":  # the refusal in support.why_not's words
+        assert what.endswith(" serves instead: " + support.why_not("sage", policy=FULL_PRECISION).policy[0])
     served_by = set(served(fn.recorder))
     assert not any(registry.get(name).quantised for name in served_by if name in registry.names())
 
@@ -435,7 +439,9 @@ def test_report_counts_the_calls_kept_exact(monkeypatch):
 
     report = _sample(nodes, m, image_cross_attention, image_cross_attention)
     (row,) = report["full_precision"]
-    assert row["site"] == "cross" and row["calls"] == 2 and row["reason"].startswith("quantised 'sage' replaced by")
+    assert row["site"] == "cross" and row["calls"] == 2
+    assert row["reason"].startswith("'sage' refused, '") and row["reason"].endswith(
+        " serves instead: " + support.why_not("sage", policy=FULL_PRECISION).policy[0])
     assert any(n.startswith("Kept exact: 2 calls with low_precision_attention=False") for n in report["notes"])
 
 

@@ -821,7 +821,7 @@ def test_attention_backend_broken_kernel_raises_before_any_call(monkeypatch, tmp
 
 @pytest.mark.parametrize("version, hint", [
     (None, "pip install 'kernels>=0.12'"),
-    ("0.11.0", "pip install --upgrade 'kernels>=0.12'"),
+    ("0.11.0", "pip install 'kernels>=0.12' --upgrade"),
 ])
 def test_kernels_missing_or_too_old(version, hint, monkeypatch, tmp_path, qkv, spy):
     repo = kr.make_local_repo(tmp_path, f"{TRUSTED_ORG}/attn-nolib")
@@ -834,6 +834,7 @@ def test_kernels_missing_or_too_old(version, hint, monkeypatch, tmp_path, qkv, s
         assert hint in str(info.value) and repo.repo_id in str(info.value)
         reasons = dispatcher.availability_reasons("nolib_hub", machine)
         assert any("kernels" in r and "pip install" in r for r in reasons), reasons
+        assert any(r in str(info.value) for r in reasons), (reasons, str(info.value))  # the load says the same words
         with pytest.raises(dispatcher.BackendUnavailableError, match="pip install"):
             dispatcher.validate_backend("nolib_hub")
         recorder = dispatcher.Recorder()

@@ -567,7 +567,7 @@ class Tuner:
         rows = sample_rows(run_sig.len_q, self.validation_rows)
         with torch.no_grad():
             ref_out, ref_lse = exact_attention(q, k, v, mask, run_sig.is_causal, attention_call.scale, layout, rows)
-        score_bytes = run_sig.batch * run_sig.heads_q * run_sig.len_q * run_sig.len_kv * 4
+        within_cap = support.Policy(memory_cap=cap)
         by_name = {c.name: c for c in record.candidates}
         trial = not record.exact and prediction.status(record.model) == prediction.TRIAL
         calls = {}  # name -> its call on these inputs, for the final round
@@ -589,9 +589,9 @@ class Tuner:
             known = result.status in ("valid", "rejected")  # this model's verdict, from disk
             if known and (result.status == "rejected" or result.median_ms is not None):
                 continue
-            if registry.get(name).quadratic_memory and score_bytes > cap:
-                result.reason = (f"not run: it materialises the {score_bytes >> 20} MiB score matrix, over the "
-                                 f"tuning memory cap")
+            over_cap = support.why_not(name, run_sig, policy=within_cap).policy
+            if over_cap:
+                result.reason = "not run: " + "; ".join(over_cap)
                 continue
             if spent() and result.median_ms is None and not (trial and registry.get(name).approximate):
                 # one timed already (another block): judged on this block's values. In a prediction-level trial an

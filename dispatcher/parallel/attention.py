@@ -66,17 +66,17 @@ def backends_for(mode: str) -> list[str]:
 
 
 def check_backend(name: str, config: ContextParallelConfig) -> None:
-    """Raise ContextParallelError when `name` cannot be the local kernel of `config`'s mode."""
-    mode = config.mode
-    if mode in ("none", ULYSSES) or mode in supported_modes(name):
+    """Raise ContextParallelError when `name` cannot be the local kernel of `config`'s mode (`support.why_not`'s
+    context-parallel policy: the ring modes need its LSE)."""
+    refused = support.why_not(name, policy=support.Policy(context_parallel=config.mode)).policy
+    if not refused:
         return
-    able = backends_for(mode)
+    able = backends_for(config.mode)
     here = [n for n in able if not support.availability_reasons(n)]
     raise ContextParallelError(
-        f"context-parallel mode '{mode}' (ring_degree={config.ring_degree}) merges partial attention outputs by "
-        f"their log-sum-exp, and backend '{name}' does not return it (its spec has lse=False). Backends that can "
-        f"be the ring's local kernel: {', '.join(able)} (available on this machine: {', '.join(here) or 'none'}). "
-        f"Or use Ulysses only (ring_degree=1), which runs any backend.")
+        f"backend '{name}' cannot be the local kernel of context-parallel mode '{config.mode}' "
+        f"(ring_degree={config.ring_degree}): {'; '.join(refused)}. Backends that can be the ring's local kernel: "
+        f"{', '.join(able)} (available on this machine: {', '.join(here) or 'none'}).")
 
 
 # --- the context manager and the dispatcher hook ------------------------------------------------

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from .. import auto as tuner
 from ..auto.measure import balanced_order
-from .. import registry
+from .. import registry, support
 from ..dispatch import dispatch_attention_fn
 from ..inputs import AttentionInputs
 from ..machine import current_machine
@@ -283,10 +283,23 @@ def measure_overhead(device="cpu", dtype=torch.float32, calls: int = 2000, repea
 
 # ----------------------------------------------------------------------------------------------- one shape
 
+def _inputs_of(shape: BenchShape, dtype, device) -> AttentionInputs:
+    return AttentionInputs.of(shape.batch, shape.heads, shape.len_q, shape.head_dim, len_kv=shape.lk, dtype=dtype,
+                              device=str(device))
+
+
+def _memory_policy(device, dtype) -> support.Policy | None:
+    """The bench's memory cap: a kernel that materialises the scores holds them in the input dtype about three
+    times over (scores, softmax, a copy), within half the free GPU memory; as a cap on the float32 score matrix
+    (`support.score_matrix_bytes`). None off CUDA (no cap)."""
+    if device.type != "cuda":
+        return None
+    free = torch.cuda.mem_get_info(device)[0]
+    return support.Policy(memory_cap=2 * free // (3 * torch.empty((), dtype=dtype).element_size()))
+
+
 def _backends_for(shape: BenchShape, dtype, device, wanted: list[str] | None):
-    inputs = AttentionInputs.of(shape.batch, shape.heads, shape.len_q, shape.head_dim, len_kv=shape.lk,
-                                dtype=dtype, device=str(device))
-    names, skipped, _ = tuner.default_tuner().candidates(inputs)
+    names, skipped, _ = tuner.default_tuner().candidates(_inputs_of(shape, dtype, device))
     skipped = dict(skipped)
     if wanted is None:
         return names, {}
@@ -315,8 +328,7 @@ def bench_shape(shape: BenchShape, *, dtype, device, backends=None, warmup=2, ru
     names, missing = _backends_for(shape, dtype, device, backends)
     result = {"name": shape.name, "label": shape.label, "B": b, "H": h, "Lq": lq, "Lk": lk, "D": d,
               "flops": shape.flops(), "rows": [], "skipped": missing}
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    score_bytes = b * h * lq * lk * torch.empty((), dtype=dtype).element_size() * 3
+    inputs, memory = _inputs_of(shape, dtype, device), _memory_policy(device, dtype)
     with torch.no_grad():
         for name in names:
             spec = registry.get(name)
@@ -329,8 +341,9 @@ def bench_shape(shape: BenchShape, *, dtype, device, backends=None, warmup=2, ru
                    "valid": False, "peak_mb": None,
                    "ratio_to_best": None, "direct_ms": None, "dispatch_vs_direct": None, "error": None}
             result["rows"].append(row)
-            if spec.quadratic_memory and free is not None and score_bytes > free // 2:
-                row["error"] = f"skipped: it materialises {score_bytes / 2**30:.1f} GiB of scores"
+            over_cap = support.why_not(name, inputs, policy=memory).policy if memory is not None else ()
+            if over_cap:
+                row["error"] = "skipped: " + "; ".join(over_cap)
                 continue
 
             def dispatched(name=name):

@@ -244,23 +244,21 @@ def recommendation(machine, backends: list[dict], plan) -> dict:
 
 def groups(backends: list[dict], plan) -> dict:
     """Backends that run here (in preference order), those one step away, and the rest grouped by the one reason
-    that decides (the device before any package: a pip hint is no use without the GPU it needs)."""
-    from .install_plan import READY, UNSUPPORTED
+    that decides (the device before any package: a pip hint is no use without the GPU it needs): the install plan's
+    own grouping (`install_plan.not_here`), so the doctor and install.py group alike."""
+    from .install_plan import DISABLED, UNSUPPORTED, not_here
     statuses = {b.name: b for b in plan.backends}
     usable = [b["name"] for b in backends if b["available"]]
-    step_away, reasons = [], {}
+    step_away = []
     for b in backends:
-        if b["available"]:
-            continue
         planned = statuses.get(b["name"])
-        why = "; ".join(planned.why) if planned is not None and planned.why else "; ".join(b["reasons"])
-        if planned is not None and planned.status not in (UNSUPPORTED, READY):
-            todo = "; ".join(s.command for s in planned.steps)
-            step_away.append({"name": b["name"], "status": planned.status, "why": why, "todo": todo})
-        else:
-            reasons.setdefault(why or "cannot run here", []).append(b["name"])
+        if b["available"] or planned is None or planned.status in (UNSUPPORTED, DISABLED):
+            continue
+        step_away.append({"name": b["name"], "status": planned.status,
+                          "why": "; ".join(planned.why or b["reasons"]),
+                          "todo": "; ".join(s.command for s in planned.steps)})
     return {"usable": usable, "step_away": step_away,
-            "not_here": [{"reason": r, "backends": names} for r, names in reasons.items()]}
+            "not_here": [{"reason": r, "backends": names} for r, names in not_here(plan)]}
 
 
 # ------------------------------------------------------------------------------------------------ text

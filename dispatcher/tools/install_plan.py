@@ -19,7 +19,7 @@ from packaging.utils import canonicalize_name
 
 from .. import env, hub, registry, support, trust
 from ..machine import Machine, current_machine, use_machine
-from ..requirements import EnvOptIn, OneOf, Package, Probe, with_flags
+from ..requirements import Package, with_flags
 from ..versions import at_least
 
 # Statuses, most usable first.
@@ -214,14 +214,14 @@ class FetchTarget:
 
 
 def _package_step(req: Package, machine: Machine) -> tuple[str, Step | None, str | None]:
-    """(status, step, deciding reason) for an unmet Package requirement."""
+    """(status, step, what install.py adds to its reason) for an unmet Package requirement."""
     version = machine.package_version(req.dist)
     if req.device and version is None:  # the device exists only through its stack: missing means not this machine
-        return UNSUPPORTED, None, req.reason(machine)
+        return UNSUPPORTED, None, None
     if req.dist in PROTECTED:
-        return UNSUPPORTED, None, f"needs {req.describe()}; install.py never installs or changes {req.dist}"
+        return UNSUPPORTED, None, f"install.py never installs or changes {req.dist}"
     if req.torch and not at_least(machine.torch_version, req.torch):  # install.py never changes torch
-        return UNSUPPORTED, None, req.reason(machine)
+        return UNSUPPORTED, None, None
     hint = req.install_hint
     if req.dist == "sageattention" and req.min_version and at_least(req.min_version, "2"):
         # PyPI stops at 1.0.6: SageAttention 2 is built from source, by install.py when asked (minutes of compiling)
@@ -278,29 +278,25 @@ def _protected(word: str) -> bool:
 
 
 def _classify(name: str, machine: Machine, why: support.WhyNot) -> tuple[str, list[Step], list[str]]:
-    """(status, steps that would make it usable, the reasons that decide the status): `why`'s reasons (the machine's
-    and trust's, support.why_not), each sorted by what would fix it."""
+    """(status, steps that would make it usable, the reasons that decide the status): `why`'s reasons (the machine's,
+    as records naming their requirement, and trust's; support.why_not), each sorted by what would fix it (the
+    requirement's declared `remedy`)."""
     spec = registry.get(name)
     found: dict[str, list[str]] = {}
-    steps, explained = [], 0
-    for req in spec.requirements:
-        if isinstance(req, Probe):
-            continue  # real calls only run inside support.why_not, once everything else is met
-        reason = req.reason(machine)
-        if not reason:
-            continue
-        explained += 1
-        if getattr(req, "machine_bound", False) and not isinstance(req, Package):
-            found.setdefault(UNSUPPORTED, []).append(reason)
-        elif isinstance(req, (Package, OneOf)):
-            status, step, deciding = _requirement_step(req, machine)
-            found.setdefault(status, []).append(deciding or reason)
+    steps = []
+    for requirement, reason in why.lacks:
+        remedy = getattr(requirement, "remedy", None)
+        if remedy == "install":  # a package (or one of several): its step, or why install.py cannot install it
+            status, step, note = _requirement_step(requirement, machine)
+            found.setdefault(status, []).append(f"{reason}; {note}" if note else reason)
             if step is not None:
                 steps.append(step)
-        elif isinstance(req, EnvOptIn):
+        elif remedy == "opt-in":
             found.setdefault(OPT_IN, []).append(reason)
-            steps.append(Step("env", f"{req.var}=1"))
-        else:  # a custom requirement type: we cannot fix it, only report it
+            steps.append(Step("env", f"{requirement.var}=1"))
+        elif remedy == "repair":  # the package imports but a real call fails
+            found.setdefault(BROKEN, []).append(reason)
+        else:  # the machine itself (device, GPU generation, torch), or a custom requirement: reported, not fixed
             found.setdefault(UNSUPPORTED, []).append(reason)
     for reason in why.trust:
         if env.flag(env.DISABLE_REMOTE_CODE):
@@ -308,8 +304,6 @@ def _classify(name: str, machine: Machine, why: support.WhyNot) -> tuple[str, li
         else:
             found.setdefault(OPT_IN, []).append(reason)
             steps.append(Step("env", f"{env.TRUST_REMOTE_KERNELS}=true"))
-    if len(why.machine) > explained:  # a Probe failed: the package imports but cannot run
-        found.setdefault(BROKEN, []).extend(why.machine[explained:])
     if not found:
         return (FETCH if spec.hub is not None else READY), steps, []
     status = next(s for s in (UNSUPPORTED, DISABLED, BROKEN, PIP, OPT_IN) if s in found)
