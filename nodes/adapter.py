@@ -38,9 +38,10 @@ Decisions, documented once:
 - blocks: (start, end) of the block range (nodes/blocks.py); calls from other blocks are delegated like calls
   outside the step window. When a call says no usable block position, the backend serves it and the site is
   noted once (in `block_notes`, which the node's report reads).
-- sparse: sol_attn's options (dispatcher/backends/kitchen.py `SolAttnOptions`), only with backend `sol_attn`: calls
-  of fewer than `min_tokens` tokens and calls from `dense_blocks` are delegated (dense, as ComfyUI's Model Sparse
-  Attention node does), and `tau` reaches the kernel through `sol_attn_options` around each call.
+- sparse: the backend's own options, as its spec declares them (`BackendSpec.options`, dispatcher/backend_options.py;
+  sol_attn's tau, dense blocks, minimum tokens), only with a backend that declares options: calls the options keep
+  dense (sol_attn: fewer than `min_tokens` tokens, or from `dense_blocks`) are delegated, as ComfyUI's Model Sparse
+  Attention node does, and the value reaches the kernel through its `applied()` scope around each call.
 """
 
 from __future__ import annotations
@@ -50,12 +51,10 @@ import threading
 
 import torch
 
-from ..dispatcher import (PreparedAttention, attention_checks, availability_reasons, dispatch_attention_fn,
-                          fallback_order, get_backend_spec, trusted_publishers)
+from ..dispatcher import (PreparedAttention, attention_checks, availability_reasons, backend_names,
+                          dispatch_attention_fn, fallback_order, get_backend_spec, trusted_publishers)
 from ..dispatcher import checks as _checks
 from ..dispatcher.auto import AUTO, AUTO_EXACT, AUTO_FAST
-from ..dispatcher.backends.kitchen import SOL_ATTN_NAME as SOL_ATTN
-from ..dispatcher.backends.kitchen import SolAttnOptions, sol_attn_options
 from ..dispatcher.auto import PSEUDO_BACKENDS as AUTOS  # "auto" is auto_exact (older workflows)
 from ..dispatcher.guard import settings as guard_settings
 from ..dispatcher.report import register as register_recorder
@@ -259,8 +258,8 @@ class AttentionOverride:
     returning the attention function for container calls passed on (they come without `func`; by default
     ComfyUI's default attention, `overrides.comfy_default_attention`);
     precision_notes: a dict, (site, what kept it exact) -> calls with low_precision_attention=False (shared like
-    block_notes); sparse: a `SolAttnOptions` for backend `sol_attn` (None: its defaults; ignored for any other
-    backend).
+    block_notes); sparse: the backend's own options value (`declared_options(backend).build`; None: the declared
+    default; ignored for a backend that declares none).
 
     Per call signature (shapes, dtype, mask kind, flags, block) the first call validates and plans; repeat
     calls cost a dict lookup, the views and the dispatcher's own lookup (see `_Plan`). The block (nodes/blocks.py
@@ -273,10 +272,11 @@ class AttentionOverride:
                  guard_every: int | None = None, blocks=None, block_notes: dict | None = None,
                  default_attention=None, precision_notes: dict | None = None, sparse=None, tally=None):
         self.backend, self.policy, self.recorder = backend, policy, recorder
-        self.sparse = (sparse or SolAttnOptions()) if backend == SOL_ATTN else None
-        # A dense call's reason says first that sol_attn cannot run here at all, where so: "32 tokens < min_tokens"
-        # alone read as if sol_attn would serve the longer calls.
-        self._sparse_here = _cannot_run_here(SOL_ATTN) if self.sparse is not None else ""
+        declared = declared_options(backend)
+        self.sparse = None if declared is None else sparse if declared.owns(sparse) else declared.default
+        # A dense call's reason says first that the backend cannot run here at all, where so: "32 tokens <
+        # min_tokens" alone read as if it would serve the longer calls.
+        self._sparse_here = _cannot_run_here(backend) if self.sparse is not None else ""
         self.tally = tally
         self.window = tuple(window) if window is not None else None
         self.trust = frozenset(trust or ())
@@ -414,7 +414,7 @@ class AttentionOverride:
                         found = []
                         stack.enter_context(_checks.reporting(found.append))
                 if sparse is not None:
-                    stack.enter_context(sol_attn_options(sparse.tau))
+                    stack.enter_context(sparse.applied())
                 out = attend(qs, ks, vs, mask)
         else:
             out = attend(qs, ks, vs, mask)
@@ -613,6 +613,12 @@ class AttentionOverride:
                 plan.output = "transpose" if skip_output_reshape else "flatten"
         plan.recorder = self._relabel(plan.name, plan.notes)
         return plan
+
+
+def declared_options(backend: str):
+    """The backend's own options as its spec declares them (dispatcher/backend_options.py), or None: none declared,
+    or not a registered backend (the autos, "comfy default")."""
+    return get_backend_spec(backend).options if backend in backend_names() else None
 
 
 def _cannot_run_here(name: str) -> str:

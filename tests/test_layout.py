@@ -86,3 +86,11 @@ def test_wings_are_reached_only_from_above():
                 name, targets)
         if wing == "auto":
             assert not [t for t in targets if t.startswith("dispatcher.tools")], (name, targets)
+
+
+def test_nodes_reach_kernels_only_through_the_registry():
+    """No module of nodes/ imports a backend's module (dispatcher/backends/*): a backend's own options come from its
+    spec (`BackendSpec.options`), its name from the registry, so a node never special-cases one kernel's code."""
+    for path in (ROOT / "nodes").rglob("*.py"):
+        reached = sorted(name for name in _imports(path) if name.startswith("dispatcher.backends"))
+        assert not reached, (path.name, reached)
