@@ -94,3 +94,30 @@ def test_nodes_reach_kernels_only_through_the_registry():
     for path in (ROOT / "nodes").rglob("*.py"):
         reached = sorted(name for name in _imports(path) if name.startswith("dispatcher.backends"))
         assert not reached, (path.name, reached)
+
+
+def _module_aliases(tree) -> set[str]:
+    """The names a file binds to modules of the package (`from .. import dispatch` -> dispatch)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level and node.module is None:
+            found.update(alias.asname or alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+    return found
+
+
+def test_no_module_writes_another_modules_private_globals():
+    """A module's private globals are written by that module only: a wing that hooks into the core (parallel's
+    router) does it through a function the core owns (dispatch.install_router / route_calls)."""
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        modules = _module_aliases(tree)
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and \
+                        target.value.id in modules and target.attr.startswith("_"):
+                    raise AssertionError(f"{path.relative_to(ROOT)}:{node.lineno} writes "
+                                         f"{target.value.id}.{target.attr}")
