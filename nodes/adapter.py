@@ -59,7 +59,10 @@ from ..dispatcher.auto import PSEUDO_BACKENDS as AUTOS  # "auto" is auto_exact (
 from ..dispatcher.guard import settings as guard_settings
 from ..dispatcher.report import register as register_recorder
 from .blocks import Ordinals, block_name, block_position, blocks_text, in_blocks, is_default
-from .overrides import OverrideChainError, chain, comfy_default_attention, describe
+from .comfy_versions import comfy_default_attention
+from .comfy_versions import peek_containers as _peek_containers
+from .comfy_versions import unwrap as _unwrap
+from .overrides import OverrideChainError, chain, describe
 from .window import in_window, window_text
 
 COMFY_DEFAULT = "comfy default"
@@ -111,53 +114,6 @@ class _Relabel:
 
 
 _passing_on = threading.local()  # ids of the overrides passing a call on in this thread (a loop comes back to one)
-
-
-def _is_container(t) -> bool:
-    """ComfyUI 0.38's AttentionTensorContainer, by what it offers (`take`; `peek` too, which a container call
-    needs): this module imports no ComfyUI."""
-    return not isinstance(t, torch.Tensor) and hasattr(t, "take")
-
-
-def _consumed(name: str) -> _checks.AttentionInputError:
-    return _checks.AttentionInputError(
-        f"the {name} AttentionTensorContainer was already taken (consumed) before this attention override got it: a "
-        "container is single-owner, so the override or node that took it must pass the tensor on, not the empty "
-        "container")
-
-
-def _unwrap(name: str, t):
-    """A plain-form call that still carries a container (an override passing its containers on): take it once."""
-    if not _is_container(t):
-        return t
-    try:
-        return t.take()
-    except RuntimeError as error:
-        raise _consumed(name) from error
-
-
-def _peek_containers(q, k, v) -> tuple:
-    """The tensors inside a container call's q/k/v, not taken: whoever serves the call takes them."""
-    for name, c in (("q", q), ("k", k), ("v", v)):
-        if c is None:
-            raise TypeError(f"the attention override's container_function got no {name}: ComfyUI 0.38 passes q, k "
-                            "and v as three AttentionTensorContainers")
-        if not (_is_container(c) and hasattr(c, "peek")):
-            raise TypeError(f"the attention override's container_function got {name} as {type(c).__name__}, not an "
-                            "AttentionTensorContainer: ComfyUI 0.38 passes all three as containers there (plain "
-                            "tensors go to the override itself, with func)")
-    for (a, x), (b, y) in ((("q", q), ("k", k)), (("q", q), ("v", v)), (("k", k), ("v", v))):
-        if x is y:
-            raise _checks.AttentionInputError(
-                f"the same AttentionTensorContainer was passed as {a} and {b}: a container is single-owner (taken "
-                "once), so the second take would find it empty. Wrap each of q, k and v in its own container")
-    tensors = []
-    for name, c in (("q", q), ("k", k), ("v", v)):
-        try:
-            tensors.append(c.peek())
-        except RuntimeError as error:
-            raise _consumed(name) from error
-    return tensors
 
 
 def _heads_first(t: torch.Tensor, size: tuple) -> torch.Tensor:
@@ -256,7 +212,7 @@ class AttentionOverride:
     or None (every block); block_notes: a dict, site -> why the block range cannot apply there (shared with the
     node's report and with overrides rebuilt from this one's config); default_attention: a zero-argument callable
     returning the attention function for container calls passed on (they come without `func`; by default
-    ComfyUI's default attention, `overrides.comfy_default_attention`);
+    ComfyUI's default attention, `comfy_versions.comfy_default_attention`);
     precision_notes: a dict, (site, what kept it exact) -> calls with low_precision_attention=False (shared like
     block_notes); sparse: the backend's own options value (`declared_options(backend).build`; None: the declared
     default; ignored for a backend that declares none).

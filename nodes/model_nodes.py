@@ -11,7 +11,7 @@ from ..dispatcher.auto import FAST_BOUND, log_summary
 from ..dispatcher.guard import DEFAULT_EVERY
 from ..dispatcher.support import installing_helps
 from . import blocks as _blocks
-from . import comfy_names, overrides, prediction_check, raw_prompt, reports
+from . import comfy_names, comfy_versions, overrides, prediction_check, raw_prompt, reports
 from . import validation as v
 from .adapter import AUTO, AUTO_EXACT, AUTO_FAST, AUTOS, COMFY_DEFAULT, PASS_THROUGH, declared_options, make_override
 from .clip_patch import patch_clip
@@ -40,10 +40,8 @@ WINDOW_RULE = "the step window needs 0 <= start_percent <= end_percent <= 1"
 GUARD_MODES = {"quantised kernels": "quantised", "every kernel": "all", "off": "off"}
 DEFAULT_GUARD = "quantised kernels"
 BLOCK_LIMIT = 10000
-# NODE_ID_IN_CACHE_KEY: each node's output carries its own Recorder labelled with its node id. ComfyUI
-# 0.3.64 leaves the node id out of a V3 node's cache key even with hidden unique_id (it looks for the
-# string in a tuple), so two identical nodes would share one output and one report; not_idempotent puts
-# the node id in the key (outputs are still cached per node).
+# Each node's output carries its own Recorder labelled with its node id: where ComfyUI leaves the node id out of
+# a V3 node's cache key (comfy_versions.NODE_ID_OUT_OF_CACHE_KEY), not_idempotent puts it in.
 
 
 def backend_options() -> list[str]:
@@ -451,7 +449,7 @@ def _setup_notes(asked: str, previous, model) -> list[str]:
         notes.append(f"Takes over from {overrides.describe(previous)} upstream: it serves only the calls this node "
                      "passes on (outside its step window or block range, or every call with 'comfy default'); the "
                      "report counts them as 'previous override: ...'.")
-    for method, modules in sorted(overrides.embedded_methods(model).items()):
+    for method, modules in sorted(comfy_versions.embedded_methods(model).items()):
         notes.append(f"This checkpoint embeds the attention method '{method}' in {modules} modules. ComfyUI uses it "
                      "only when no attention override is installed and does not show it to an override, so this "
                      "node's backend serves those calls; remove Set Attention Backend to use the embedded method.")
@@ -479,7 +477,7 @@ class SetAttentionBackend(io.ComfyNode):
             ],
             outputs=[io.Model.Output(tooltip="A clone of the model using the chosen attention backend.")],
             hidden=[io.Hidden.unique_id],
-            not_idempotent=True,  # see NODE_ID_IN_CACHE_KEY
+            not_idempotent=comfy_versions.NODE_ID_OUT_OF_CACHE_KEY,
         )
 
     @classmethod
@@ -556,7 +554,7 @@ class SetClipAttentionBackend(io.ComfyNode):
             ],
             outputs=[io.Clip.Output(tooltip="A clone of the CLIP whose attention modules use the backend.")],
             hidden=[io.Hidden.unique_id],
-            not_idempotent=True,  # see NODE_ID_IN_CACHE_KEY
+            not_idempotent=comfy_versions.NODE_ID_OUT_OF_CACHE_KEY,
         )
 
     @classmethod
@@ -596,7 +594,7 @@ class AttentionChecks(io.ComfyNode):
             ],
             outputs=[io.Model.Output(tooltip="A clone of the model with checks on.")],
             hidden=[io.Hidden.unique_id],
-            not_idempotent=True,  # see NODE_ID_IN_CACHE_KEY
+            not_idempotent=comfy_versions.NODE_ID_OUT_OF_CACHE_KEY,
         )
 
     @classmethod

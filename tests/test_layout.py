@@ -121,3 +121,34 @@ def test_no_module_writes_another_modules_private_globals():
                         target.value.id in modules and target.attr.startswith("_"):
                     raise AssertionError(f"{path.relative_to(ROOT)}:{node.lineno} writes "
                                          f"{target.value.id}.{target.attr}")
+
+
+# What only one ComfyUI version has (0.38's core override nodes, its containers, a checkpoint's embedded method):
+# named by nodes/comfy_versions.py alone, so a version's quirk is found, and changed, in one module.
+VERSION_MARKERS = ("set_model_optimized_attention", "comfy.model_patcher", "comfy_extras.", "comfy.ldm", "peek",
+                   "comfy_attention")
+
+
+def _code_names(tree) -> list[str]:
+    """String constants (docstrings left out), attribute names and imported modules of one file."""
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            found.append(node.value)
+        elif isinstance(node, ast.Attribute):
+            found.append(node.attr)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append(node.module)
+    return found
+
+
+def test_comfyui_version_quirks_live_in_one_module():
+    for path in (ROOT / "nodes").rglob("*.py"):
+        if path.name == "comfy_versions.py":
+            continue
+        named = [(marker, text) for text in _code_names(ast.parse(path.read_text())) for marker in VERSION_MARKERS
+                 if marker in text]
+        assert not named, (path.name, named)
