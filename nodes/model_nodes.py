@@ -518,7 +518,7 @@ class SetAttentionBackend(io.ComfyNode):
             info["previous_override"] = overrides.describe(previous)
         if override.sparse is not None:
             info["sparse"] = override.sparse.as_dict()
-        elif sparse is not None:
+        if sparse is not None and override.sparse is not sparse:  # not this backend's own options
             info["notes"].append(f"Sparse Attention Options apply to backend {SPARSE_BACKEND} only; this node's "
                                  f"backend is {backend}: they are ignored.")
         if blocks is not None:
