@@ -103,8 +103,27 @@ def _labelled(name: str, reason: str) -> str:
     return reason if reason.startswith((f"{name}:", f"{name} ", f"'{name}'")) else f"{name}: {reason}"
 
 
-# (requested, policy, inputs, layout, trust scope, machine, model, guard setting, exact twin) -> Decision
-_decisions: dict[tuple, Decision] = {}
+class DecisionKey(NamedTuple):
+    """What a decision depends on besides the registry (whose changes forget them all): built by `decision_key`."""
+    requested: str
+    policy: str
+    inputs: AttentionInputs
+    layout: str
+    trust: tuple  # trust.scope_key()
+    machine: str  # Machine.key
+    model: str
+    quality_guard: tuple
+    exact: str | None
+
+
+def decision_key(requested: str, policy: str, inputs: AttentionInputs, layout: str, model: str,
+                 quality_guard: tuple, exact: str | None = None) -> DecisionKey:
+    """The key of the decision for these arguments in this context (trust scope, machine)."""
+    return DecisionKey(requested, policy, inputs, layout, trust.scope_key(), current_machine().key, model,
+                       quality_guard, exact)
+
+
+_decisions: dict[DecisionKey, Decision] = {}
 _lock = threading.Lock()
 _logged: set[tuple] = set()  # (requested, served, reasons) already logged
 
@@ -198,12 +217,11 @@ def decision_for(requested: str, policy: str, inputs: AttentionInputs, layout: s
                  quality_guard: tuple, exact: str | None = None) -> Decision:
     """The decision for a signature, per model (demotions by the quality guard belong to the model they were
     seen on) and guard setting; exact: see `decide`."""
-    machine = current_machine()  # a simulated machine (use_machine) gets its own decisions
-    key = (requested, policy, inputs, layout, trust.scope_key(), id(machine), model, quality_guard, exact)
+    key = decision_key(requested, policy, inputs, layout, model, quality_guard, exact)
     decision = _decisions.get(key)
     if decision is None:
         decision = decide(requested, policy, inputs, layout, quality_guard, exact)
-        decision.machine = machine
+        decision.machine = current_machine()  # a simulated machine (use_machine) gets its own decisions
         with _lock:  # a thread that decided the same call first wins: one Decision, one set of demotions
             decision = _decisions.setdefault(key, decision)
     return decision

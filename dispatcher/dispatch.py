@@ -18,8 +18,9 @@ from .guard import settings as _guard_settings
 from .masks import sdpa_view as _sdpa_view
 from .report import recording
 
-# dispatcher.parallel's router (answers NotImplemented outside its context) and a flag it sets while any
-# context_parallel() block is open, so a plain call pays one global check (a bool: torch.compile guards it).
+# The context-parallel router (dispatcher.parallel's, installed through `install_router`: it answers NotImplemented
+# outside its context) and a flag it turns on (`route_calls`) while any context_parallel() block is open, so a plain
+# call pays one global check (a bool: torch.compile guards it). Written only here.
 _context_parallel = None
 _context_parallel_on = False
 _dynamo_compiling = torch.compiler.is_dynamo_compiling  # bound once (dynamo knows the function, not the name)
@@ -108,6 +109,23 @@ class PreparedAttention:
         if _context_parallel_on:
             return dispatch_call(call)
         return dispatch_eager(call)
+
+
+def install_router(route) -> None:
+    """The hook a wing above the dispatcher registers to take calls first (dispatcher.parallel's router): installed
+    once, never swapped (a second, different router is an error: two wings cannot both own the calls)."""
+    global _context_parallel
+    if _context_parallel is not None and _context_parallel is not route:
+        raise RuntimeError("dispatch: a different context-parallel router is already installed")
+    _context_parallel = route
+
+
+def route_calls(on: bool) -> None:
+    """Whether calls go to the installed router first (on while some context_parallel() block is open)."""
+    global _context_parallel_on
+    if on and _context_parallel is None:
+        raise RuntimeError("dispatch: route_calls(True) before install_router()")
+    _context_parallel_on = bool(on)
 
 
 def dispatch_call(call: AttentionCall):

@@ -20,7 +20,7 @@ import re
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from . import env, kernels_api, trust
 from .machine import current_machine
@@ -62,7 +62,19 @@ class LoadedKernel:
 
 
 _lock = threading.RLock()  # a kernel's import may itself ask what is loaded
-_loaded: dict[tuple, tuple[Callable, LoadedKernel]] = {}
+class LoadKey(NamedTuple):
+    """Which build of a Hub kernel a load gets (the key of `_loaded`): a pinned revision, else the version."""
+    repo_id: str
+    version: int | None  # None where a revision is pinned: the revision alone names the build
+    revision: str | None
+    function: str
+
+    @classmethod
+    def of(cls, hub: HubKernel, revision: str | None) -> "LoadKey":
+        return cls(hub.repo_id, hub.version if revision is None else None, revision, hub.function)
+
+
+_loaded: dict[LoadKey, tuple[Callable, LoadedKernel]] = {}
 
 
 def lock_path() -> Path:
@@ -143,7 +155,7 @@ def load(hub: HubKernel) -> tuple[Callable, LoadedKernel]:
     if locked and not locked.get("revision"):
         locked = None
     revision = locked["revision"].strip() if locked else hub.revision
-    key = (hub.repo_id, hub.version if revision is None else None, revision, hub.function)
+    key = LoadKey.of(hub, revision)
     with _lock:
         if key in _loaded:
             return _loaded[key]

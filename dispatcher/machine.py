@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import hashlib
 import importlib.metadata
+import json
 import platform
 import threading
 from dataclasses import dataclass, field, replace
@@ -69,6 +71,24 @@ class Machine:
             return f"sm_{self.cuda_capability[0]}{self.cuda_capability[1]}"
         return self.rocm_arch or self.device_type
 
+    def fingerprint(self) -> dict:
+        """What a measurement depends on: the device, torch and every attention package's version (plain data: the
+        disk cache stores it beside its decisions). A simulated machine says so: it never shares a real one's."""
+        found = {"device": self.device_type,
+                 "name": self.device_name if self.device_type != "cpu" else (cpu_model() or "cpu"),
+                 "capability": list(self.cuda_capability) if self.cuda_capability else None,
+                 "rocm_arch": self.rocm_arch, "torch": self.torch_version, "cuda": self.cuda_version,
+                 "hip": self.hip_version, "packages": dict(sorted(self.packages.items()))}
+        if self.simulated:
+            found["simulated"] = True
+        return found
+
+    @functools.cached_property
+    def key(self) -> str:
+        """The machine's identity in every cache key (decisions, availability, `auto`'s choices and disk cache): its
+        fingerprint's hash, worked out once per Machine. Two Machines that describe the same machine share it."""
+        return fingerprint_key(self.fingerprint())
+
     def package_version(self, dist: str) -> str | None:
         return self.packages.get(dist)
 
@@ -81,6 +101,11 @@ class Machine:
             else:
                 packages[dist] = version
         return replace(self, packages=packages)
+
+
+def fingerprint_key(fingerprint: dict) -> str:
+    """A fingerprint's short hash (16 hex digits), as the disk cache has always keyed machines."""
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _installed_packages() -> dict[str, str]:

@@ -14,8 +14,8 @@ from .spec import FLOATS, BackendSpec, HeadDims, HubKernel, honoured_kwargs
 
 _specs: dict[str, BackendSpec] = {}
 _lock = threading.RLock()
-# (name, id(machine)) -> (machine, Unmet): the machine is kept so its id cannot be reused by another one.
-_availability: dict[tuple[str, int], tuple[Machine, Unmet]] = {}
+# (name, Machine.key) -> Unmet: what that machine lacks of the backend's requirements.
+_availability: dict[tuple[str, str], Unmet] = {}
 # The one priority list (dispatcher/backends/__init__.py sets it): listings and `auto` follow it; backends
 # it does not name come after, in registration order.
 _priority: dict[str, int] = {}
@@ -152,13 +152,11 @@ def requirement_check(name: str, machine: Machine | None = None) -> Unmet:
     """`requirements.unmet` for backend `name` on `machine` (default: this one), cached per machine."""
     spec = get(name)
     machine = machine or current_machine()
-    key = (name, id(machine))
+    key = (name, machine.key)
     with _lock:
-        entry = _availability.get(key)
-        cached = entry[1] if entry is not None and entry[0] is machine else None
+        cached = _availability.get(key)
         if cached is None:
-            cached = unmet(spec.requirements, machine)
-            _availability[key] = (machine, cached)
+            cached = _availability[key] = unmet(spec.requirements, machine)
     return cached
 
 

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from .backend_options import BackendOptions
 from .inputs import AttentionInputs
 from .machine import capability_of
 from .requirements import CudaCapability, Package, RocmArch, TorchVersion
@@ -133,6 +134,9 @@ class BackendSpec:
     # would not fit their memory cap.
     quadratic_memory: bool = False
     custom: bool = False
+    # The backend's own options (backend_options.py: sol_attn's tau, dense blocks, minimum tokens), which a host
+    # builds its inputs from and hands to the kernel around each call; None: it has none.
+    options: BackendOptions | None = field(default=None, compare=False, repr=False)
     mask_format: str = "additive"  # what the kernel is handed: additive | bool | blockmask | key_padding
 
     @property

@@ -39,9 +39,10 @@ Decisions, documented once:
 - blocks: (start, end) of the block range (nodes/blocks.py); calls from other blocks are delegated like calls
   outside the step window. When a call says no usable block position, the backend serves it and the site is
   noted once (in `block_notes`, which the node's report reads).
-- sparse: sol_attn's options (dispatcher/backends/kitchen.py `SolAttnOptions`), only with backend `sol_attn`: calls
-  of fewer than `min_tokens` tokens and calls from `dense_blocks` are delegated (dense, as ComfyUI's Model Sparse
-  Attention node does), and `tau` reaches the kernel through `sol_attn_options` around each call.
+- sparse: the backend's own options, as its spec declares them (`BackendSpec.options`, dispatcher/backend_options.py;
+  sol_attn's tau, dense blocks, minimum tokens), only with a backend that declares options: calls the options keep
+  dense (sol_attn: fewer than `min_tokens` tokens, or from `dense_blocks`) are delegated, as ComfyUI's Model Sparse
+  Attention node does, and the value reaches the kernel through its `applied()` scope around each call.
 """
 
 from __future__ import annotations
@@ -52,12 +53,10 @@ import threading
 
 import torch
 
-from ..dispatcher import (PreparedAttention, attention_checks, availability_reasons, dispatch_attention_fn,
-                          get_backend_spec, trusted_publishers)
+from ..dispatcher import (PreparedAttention, attention_checks, availability_reasons, backend_names,
+                          dispatch_attention_fn, get_backend_spec, trusted_publishers)
 from ..dispatcher import checks as _checks
 from ..dispatcher.auto import AUTO, AUTO_EXACT, AUTO_FAST
-from ..dispatcher.backends.kitchen import SOL_ATTN_NAME as SOL_ATTN
-from ..dispatcher.backends.kitchen import SolAttnOptions, sol_attn_options
 from ..dispatcher.auto import PSEUDO_BACKENDS as AUTOS  # "auto" is auto_exact (older workflows)
 from ..dispatcher.decisions import exact_stand_in
 from ..dispatcher.inputs import describe_call
@@ -65,7 +64,10 @@ from ..dispatcher.guard import settings as guard_settings
 from ..dispatcher.report import register as register_recorder
 from ..dispatcher.support import Policy, why_not
 from .blocks import Ordinals, block_id, block_position, blocks_text, in_blocks, is_default
-from .overrides import OverrideChainError, chain, comfy_default_attention, describe
+from .comfy_versions import comfy_default_attention
+from .comfy_versions import peek_containers as _peek_containers
+from .comfy_versions import unwrap as _unwrap
+from .overrides import OverrideChainError, chain, describe
 from .window import in_window, window_text
 
 COMFY_DEFAULT = "comfy default"
@@ -108,53 +110,6 @@ class _Relabel:
 
 
 _passing_on = threading.local()  # ids of the overrides passing a call on in this thread (a loop comes back to one)
-
-
-def _is_container(t) -> bool:
-    """ComfyUI 0.38's AttentionTensorContainer, by what it offers (`take`; `peek` too, which a container call
-    needs): this module imports no ComfyUI."""
-    return not isinstance(t, torch.Tensor) and hasattr(t, "take")
-
-
-def _consumed(name: str) -> _checks.AttentionInputError:
-    return _checks.AttentionInputError(
-        f"the {name} AttentionTensorContainer was already taken (consumed) before this attention override got it: a "
-        "container is single-owner, so the override or node that took it must pass the tensor on, not the empty "
-        "container")
-
-
-def _unwrap(name: str, t):
-    """A plain-form call that still carries a container (an override passing its containers on): take it once."""
-    if not _is_container(t):
-        return t
-    try:
-        return t.take()
-    except RuntimeError as error:
-        raise _consumed(name) from error
-
-
-def _peek_containers(q, k, v) -> tuple:
-    """The tensors inside a container call's q/k/v, not taken: whoever serves the call takes them."""
-    for name, c in (("q", q), ("k", k), ("v", v)):
-        if c is None:
-            raise TypeError(f"the attention override's container_function got no {name}: ComfyUI 0.38 passes q, k "
-                            "and v as three AttentionTensorContainers")
-        if not (_is_container(c) and hasattr(c, "peek")):
-            raise TypeError(f"the attention override's container_function got {name} as {type(c).__name__}, not an "
-                            "AttentionTensorContainer: ComfyUI 0.38 passes all three as containers there (plain "
-                            "tensors go to the override itself, with func)")
-    for (a, x), (b, y) in ((("q", q), ("k", k)), (("q", q), ("v", v)), (("k", k), ("v", v))):
-        if x is y:
-            raise _checks.AttentionInputError(
-                f"the same AttentionTensorContainer was passed as {a} and {b}: a container is single-owner (taken "
-                "once), so the second take would find it empty. Wrap each of q, k and v in its own container")
-    tensors = []
-    for name, c in (("q", q), ("k", k), ("v", v)):
-        try:
-            tensors.append(c.peek())
-        except RuntimeError as error:
-            raise _consumed(name) from error
-    return tensors
 
 
 def _heads_first(t: torch.Tensor, size: tuple) -> torch.Tensor:
@@ -265,10 +220,10 @@ class AttentionOverride:
     or None (every block); block_notes: a dict, site -> why the block range cannot apply there (shared with the
     node's report and with overrides rebuilt from this one's config); default_attention: a zero-argument callable
     returning the attention function for container calls passed on (they come without `func`; by default
-    ComfyUI's default attention, `overrides.comfy_default_attention`);
+    ComfyUI's default attention, `comfy_versions.comfy_default_attention`);
     precision_notes: a dict, (site, what kept it exact) -> calls with low_precision_attention=False (shared like
-    block_notes); sparse: a `SolAttnOptions` for backend `sol_attn` (None: its defaults; ignored for any other
-    backend).
+    block_notes); sparse: the backend's own options value (`declared_options(backend).build`; None: the declared
+    default; ignored for a backend that declares none).
 
     Per call signature (shapes, dtype, mask kind, flags, block) the first call validates and plans; repeat
     calls cost a dict lookup, the views and the dispatcher's own lookup (see `_Plan`). The block (nodes/blocks.py
@@ -281,10 +236,11 @@ class AttentionOverride:
                  guard_every: int | None = None, blocks=None, block_notes: dict | None = None,
                  default_attention=None, precision_notes: dict | None = None, sparse=None, tally=None):
         self.backend, self.policy, self.recorder = backend, policy, recorder
-        self.sparse = (sparse or SolAttnOptions()) if backend == SOL_ATTN else None
-        # A dense call's reason says first that sol_attn cannot run here at all, where so: "32 tokens < min_tokens"
-        # alone read as if sol_attn would serve the longer calls.
-        self._sparse_here = _cannot_run_here(SOL_ATTN) if self.sparse is not None else ""
+        declared = declared_options(backend)
+        self.sparse = None if declared is None else sparse if declared.owns(sparse) else declared.default
+        # A dense call's reason says first that the backend cannot run here at all, where so: "32 tokens <
+        # min_tokens" alone read as if it would serve the longer calls.
+        self._sparse_here = _cannot_run_here(backend) if self.sparse is not None else ""
         self.tally = tally
         self.window = tuple(window) if window is not None else None
         self.trust = frozenset(trust or ())
@@ -421,7 +377,7 @@ class AttentionOverride:
                         found = []
                         stack.enter_context(_checks.reporting(found.append))
                 if sparse is not None:
-                    stack.enter_context(sol_attn_options(sparse.tau))
+                    stack.enter_context(sparse.applied())
                 out = attend(qs, ks, vs, mask)
         else:
             out = attend(qs, ks, vs, mask)
@@ -624,6 +580,12 @@ class AttentionOverride:
                 plan.output = "transpose" if skip_output_reshape else "flatten"
         plan.recorder = self._relabel(plan.name, plan.notes)
         return plan
+
+
+def declared_options(backend: str):
+    """The backend's own options as its spec declares them (dispatcher/backend_options.py), or None: none declared,
+    or not a registered backend (the autos, "comfy default")."""
+    return get_backend_spec(backend).options if backend in backend_names() else None
 
 
 def _cannot_run_here(name: str) -> str:

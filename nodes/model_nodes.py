@@ -8,13 +8,12 @@ from ..dispatcher import (TRUSTED_PUBLISHERS, Recorder, availability_reasons, ba
                           trusted_publishers)
 from ..dispatcher import env as _env
 from ..dispatcher.auto import FAST_BOUND, log_summary
-from ..dispatcher.backends import kitchen as _kitchen
 from ..dispatcher.guard import DEFAULT_EVERY
 from ..dispatcher.support import installing_helps
 from . import blocks as _blocks
-from . import comfy_names, overrides, prediction_check, raw_prompt, reports
+from . import comfy_names, comfy_versions, overrides, prediction_check, raw_prompt, reports
 from . import validation as v
-from .adapter import AUTO, AUTO_EXACT, AUTO_FAST, AUTOS, COMFY_DEFAULT, PASS_THROUGH, make_override
+from .adapter import AUTO, AUTO_EXACT, AUTO_FAST, AUTOS, COMFY_DEFAULT, PASS_THROUGH, declared_options, make_override
 from .clip_patch import patch_clip
 from .check_tally import CheckTally
 from .compare import Comparison
@@ -26,7 +25,10 @@ OVERRIDE_KEY = "optimized_attention_override"
 WRAPPER_KEY = "attention_dispatch"
 POLICIES = ["fallback", "strict"]
 Trust = io.Custom("ATTN_TRUST")
-Sparse = io.Custom("ATTN_SPARSE")  # a dispatcher.backends.kitchen.SolAttnOptions, for backend sol_attn
+Sparse = io.Custom("ATTN_SPARSE")  # the options value SPARSE_BACKEND's spec declares (BackendSpec.options)
+# The backend whose declared options (dispatcher/backend_options.py) the Sparse Attention Options node shows: the
+# node's inputs, checks and value all come from that declaration, read through the registry.
+SPARSE_BACKEND = "sol_attn"
 CHECK_MODES = ["raise", "warn"]
 # Which of our nodes patched a model, upstream first: model_options[CHAIN_KEY] (cloned with the model), read
 # when a sampler runs to say which Set Attention Backend node took over (see _chain_notes).
@@ -38,10 +40,8 @@ WINDOW_RULE = "the step window needs 0 <= start_percent <= end_percent <= 1"
 GUARD_MODES = {"quantised kernels": "quantised", "every kernel": "all", "off": "off"}
 DEFAULT_GUARD = "quantised kernels"
 BLOCK_LIMIT = 10000
-# NODE_ID_IN_CACHE_KEY: each node's output carries its own Recorder labelled with its node id. ComfyUI
-# 0.3.64 leaves the node id out of a V3 node's cache key even with hidden unique_id (it looks for the
-# string in a tuple), so two identical nodes would share one output and one report; not_idempotent puts
-# the node id in the key (outputs are still cached per node).
+# Each node's output carries its own Recorder labelled with its node id: where ComfyUI leaves the node id out of
+# a V3 node's cache key (comfy_versions.NODE_ID_OUT_OF_CACHE_KEY), not_idempotent puts it in.
 
 
 def backend_options() -> list[str]:
@@ -152,19 +152,16 @@ SET_FIELDS = (
                     "recomputed exactly, the kernel demoted for that block of this model, and this node's report "
                     "says so."),
 )
-SPARSE_FIELDS = (
-    v.Field("tau", "float", default=_kitchen.DEFAULT_TAU, min=_kitchen.TAU_RANGE[0], max=_kitchen.TAU_RANGE[1],
-            step=0.05,
-            tooltip="sol_attn's routing threshold, in standard deviations of each query block's proxy scores: higher "
-                    "is sparser, faster and further from exact attention (ComfyUI: 1.0 keeps ~16% of key blocks "
-                    "exact, 1.5 ~7%, 2.0 ~2.7%). The quality guard compares sampled calls with exact attention."),
-    v.Field("dense_blocks", "string", default="",
-            tooltip="Transformer blocks that always run dense, e.g. '0, 1, 47-49' (block numbers from 0, ranges a-b, "
-                    "separated by commas). Needs a model that tells attention its block position."),
-    v.Field("min_tokens", "int", default=_kitchen.DEFAULT_MIN_TOKENS, min=0, max=_kitchen.MAX_MIN_TOKENS,
-            tooltip="Sequences shorter than this run dense (below roughly 12k tokens dense attention is usually "
-                    "faster)."),
-)
+
+
+def option_field(option) -> v.Field:
+    """The widget of one option a backend declares (backend_options.Option)."""
+    return v.Field(option.name, option.kind, default=option.default, min=option.minimum, max=option.maximum,
+                   step=option.step, tooltip=option.tooltip)
+
+
+SPARSE_OPTIONS = declared_options(SPARSE_BACKEND)
+SPARSE_FIELDS = tuple(option_field(option) for option in SPARSE_OPTIONS.fields)
 CLIP_FIELDS = (
     _backend_field("Attention backend for the text encoder. " + AUTOS_TOOLTIP + "'comfy default' = unchanged."),
     _policy_field("fallback: unsupported calls run the next backend in the chain; strict: fail."),
@@ -452,7 +449,7 @@ def _setup_notes(asked: str, previous, model) -> list[str]:
         notes.append(f"Takes over from {overrides.describe(previous)} upstream: it serves only the calls this node "
                      "passes on (outside its step window or block range, or every call with 'comfy default'); the "
                      "report counts them as 'previous override: ...'.")
-    for method, modules in sorted(overrides.embedded_methods(model).items()):
+    for method, modules in sorted(comfy_versions.embedded_methods(model).items()):
         notes.append(f"This checkpoint embeds the attention method '{method}' in {modules} modules. ComfyUI uses it "
                      "only when no attention override is installed and does not show it to an override, so this "
                      "node's backend serves those calls; remove Set Attention Backend to use the embedded method.")
@@ -480,7 +477,7 @@ class SetAttentionBackend(io.ComfyNode):
             ],
             outputs=[io.Model.Output(tooltip="A clone of the model using the chosen attention backend.")],
             hidden=[io.Hidden.unique_id],
-            not_idempotent=True,  # see NODE_ID_IN_CACHE_KEY
+            not_idempotent=comfy_versions.NODE_ID_OUT_OF_CACHE_KEY,
         )
 
     @classmethod
@@ -519,13 +516,11 @@ class SetAttentionBackend(io.ComfyNode):
                 "quality_guard": {"mode": guard, "every": guard_every}, "notes": _setup_notes(asked, previous, model)}
         if previous is not None:
             info["previous_override"] = overrides.describe(previous)
-        if backend == _kitchen.SOL_ATTN_NAME:
-            options = override.sparse
-            info["sparse"] = {"tau": options.tau, "min_tokens": options.min_tokens,
-                              "dense_blocks": sorted(options.dense_blocks)}
-        elif sparse is not None:
-            info["notes"].append(f"Sparse Attention Options apply to backend sol_attn only; this node's backend is "
-                                 f"{backend}: they are ignored.")
+        if override.sparse is not None:
+            info["sparse"] = override.sparse.as_dict()
+        if sparse is not None and override.sparse is not sparse:  # not this backend's own options
+            info["notes"].append(f"Sparse Attention Options apply to backend {SPARSE_BACKEND} only; this node's "
+                                 f"backend is {backend}: they are ignored.")
         if blocks is not None:
             info["blocks"] = {"range": list(blocks)}
         entry = {"kind": "model", "node": str(node_id), "backend": backend, "window": [start_percent, end_percent],
@@ -559,7 +554,7 @@ class SetClipAttentionBackend(io.ComfyNode):
             ],
             outputs=[io.Clip.Output(tooltip="A clone of the CLIP whose attention modules use the backend.")],
             hidden=[io.Hidden.unique_id],
-            not_idempotent=True,  # see NODE_ID_IN_CACHE_KEY
+            not_idempotent=comfy_versions.NODE_ID_OUT_OF_CACHE_KEY,
         )
 
     @classmethod
@@ -599,7 +594,7 @@ class AttentionChecks(io.ComfyNode):
             ],
             outputs=[io.Model.Output(tooltip="A clone of the model with checks on.")],
             hidden=[io.Hidden.unique_id],
-            not_idempotent=True,  # see NODE_ID_IN_CACHE_KEY
+            not_idempotent=comfy_versions.NODE_ID_OUT_OF_CACHE_KEY,
         )
 
     @classmethod
@@ -645,23 +640,20 @@ class SparseAttentionOptions(io.ComfyNode):
         )
 
     @classmethod
-    def check_inputs(cls, tau=v.MISSING, dense_blocks=v.MISSING, min_tokens=v.MISSING):
-        problems, good = v.check(SPARSE_FIELDS, {"tau": tau, "dense_blocks": dense_blocks, "min_tokens": min_tokens})
-        if "dense_blocks" in good:
-            _, why = _kitchen.parse_dense_blocks(good["dense_blocks"])
-            if why:
-                problems.append(why)
-        return v.answer(problems)
+    def check_inputs(cls, **values):
+        problems, good = v.check(SPARSE_FIELDS, values)
+        _, more = SPARSE_OPTIONS.build(**good)  # the backend's own rules on the values its fields passed
+        return v.answer(problems + [p for p in more if p not in problems])
 
     @classmethod
     def validate_inputs(cls, **values):
         return comfy_validate(cls, SPARSE_FIELDS, values)
 
     @classmethod
-    def execute(cls, tau, dense_blocks, min_tokens) -> io.NodeOutput:
-        blocks, why = _kitchen.parse_dense_blocks(dense_blocks)
-        options = _kitchen.SolAttnOptions(tau=float(tau), min_tokens=int(min_tokens), dense_blocks=blocks)
-        problems = ([why] if why else []) + options.problems()
+    def execute(cls, **values) -> io.NodeOutput:
+        kinds = {"float": float, "int": int}  # ComfyUI may hand a whole number to a float input
+        options, problems = SPARSE_OPTIONS.build(**{f.name: kinds.get(f.kind, lambda x: x)(values[f.name])
+                                                   for f in SPARSE_FIELDS})
         if problems:  # validate_inputs said so at queue time; a prompt that skipped it still gets the same words
             raise ValueError("Sparse Attention Options: " + "; ".join(problems))
         return io.NodeOutput(options)

@@ -6,13 +6,12 @@ core nodes: "Model Attention Backend" (`ModelPatcher.set_model_optimized_attenti
 backend and never passes a call on) and "Model Sparse Attention" (a closure over `previous`, which it calls for
 the calls it keeps dense, and which re-installs itself on top of the key every step). The node's report names the
 override that served the calls this pack passed on, and says when one installed after it never passes calls on.
-Nothing here imports ComfyUI at import time; `comfy_default_attention` imports it when a call needs it.
+Nothing here imports ComfyUI; how each ComfyUI version's core nodes are recognised is nodes/comfy_versions.py's.
 """
 
 from __future__ import annotations
 
-SET_OPTIMIZED = "set_model_optimized_attention"  # ModelPatcher's helper: the Model Attention Backend node uses it
-SPARSE_MODULE = "comfy_extras.nodes_sparse_attention"  # the Model Sparse Attention node
+from .comfy_versions import core_override
 _LINK_NAMES = ("previous", "prev", "inner")  # what an override that chains usually calls the one it wraps
 
 
@@ -41,12 +40,7 @@ def kind(fn) -> str:
         return "ours"
     if getattr(fn, "attention_dispatch_cp", None) is not None:
         return "context_parallel"
-    module = getattr(fn, "__module__", "") or ""
-    if module == "comfy.model_patcher" or SET_OPTIMIZED in (getattr(fn, "__qualname__", "") or ""):
-        return "core_backend"
-    if module == SPARSE_MODULE:
-        return "core_sparse"
-    return "other"
+    return core_override(fn) or "other"
 
 
 def describe(fn) -> str:
@@ -137,27 +131,3 @@ def reaches(top, target) -> bool | None:
     if any(o is target for o in order):
         return True
     return False if known else None
-
-
-def comfy_default_attention():
-    """ComfyUI's default attention (the wrapped function its models call): what a container call the pack passes
-    on runs, since ComfyUI 0.38 gives a `container_function` no `func`. Imported here, when first needed."""
-    from comfy.ldm.modules import attention  # ComfyUI's own module (not in the dispatcher, not at import)
-    return attention.get_attention_function("optimized")
-
-
-def embedded_methods(model) -> dict[str, int]:
-    """Attention methods a checkpoint embeds per module (ComfyUI 0.38 `ComfyAttention.config`, e.g.
-    comfy_kitchen_int8) -> how many modules. ComfyUI hands them to its wrapper as `preferred_attention`, which it
-    pops before any override sees it and uses only when no override is installed."""
-    diffusion = getattr(getattr(model, "model", None), "diffusion_model", None)
-    modules = getattr(diffusion, "modules", None)
-    if not callable(modules):
-        return {}
-    found: dict[str, int] = {}
-    for module in modules():
-        config = getattr(getattr(module, "comfy_attention", None), "config", None)
-        if isinstance(config, dict) and config.get("attention"):
-            method = str(config["attention"])
-            found[method] = found.get(method, 0) + 1
-    return found

@@ -18,7 +18,7 @@ from comfy_api.latest import io
 from ..dispatcher.log import echo
 from ..dispatcher.parallel import ContextParallelError
 from ..dispatcher.parallel.replicated import ReplicatedConfig, replicated_parallel
-from . import cp_runtime, reports
+from . import comfy_versions, cp_runtime, reports
 from . import validation as v
 from .adapter import make_override
 from .model_nodes import CATEGORY, OVERRIDE_KEY, WRAPPER_KEY
@@ -92,7 +92,7 @@ class ContextParallelAttention(io.ComfyNode):
             ],
             outputs=[io.Model.Output(tooltip="A clone of the model whose attention runs split over the ranks.")],
             hidden=[io.Hidden.unique_id],
-            not_idempotent=True,  # see model_nodes.NODE_ID_IN_CACHE_KEY
+            not_idempotent=comfy_versions.NODE_ID_OUT_OF_CACHE_KEY,
         )
 
     @classmethod

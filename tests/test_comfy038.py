@@ -22,6 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 
 adapter, dispatcher, _ = load_pack()
 overrides = importlib.import_module(f"{PACK}.nodes.overrides")
+comfy_versions = importlib.import_module(f"{PACK}.nodes.comfy_versions")
 comfy_names = importlib.import_module(f"{PACK}.nodes.comfy_names")
 registry = importlib.import_module(f"{PACK}.dispatcher.registry")
 support = importlib.import_module(f"{PACK}.dispatcher.support")
@@ -401,7 +402,7 @@ def test_embedded_attention_method_is_reported(monkeypatch):
     layer.comfy_attention = types.SimpleNamespace(config={"attention": "comfy_kitchen_int8"})
     model = node_stub.FakeModel()
     model.model = types.SimpleNamespace(diffusion_model=torch.nn.Sequential(layer, torch.nn.Linear(2, 2)))
-    assert overrides.embedded_methods(model) == {"comfy_kitchen_int8": 1}
+    assert comfy_versions.embedded_methods(model) == {"comfy_kitchen_int8": 1}
     (m,) = nodes.SetAttentionBackend.execute(model, "native", "fallback", 0.0, 1.0).result
     note, = [n for n in _run(nodes, m)["notes"] if "embeds" in n]
     assert "'comfy_kitchen_int8' in 1 modules" in note and "does not show it to an override" in note

@@ -180,8 +180,9 @@ def _run_case(c: Case) -> dict:
                 return_lse=c.return_lse, call_site="cross" if cross else "self")
     else:
         result = parallel.context_parallel_attention(
-            q, k, v, mask, is_causal=c.causal, enable_gqa=gqa, backend=c.backend, layout=c.layout,
-            return_lse=c.return_lse, config=cfg, kv_sharded=not cross, **lens)
+            dispatcher.AttentionCall(q, k, v, mask, is_causal=c.causal, enable_gqa=gqa, backend=c.backend,
+                                     layout=c.layout, return_lse=c.return_lse),
+            config=cfg, kv_sharded=not cross, **lens)
     out, lse = result if c.return_lse else (result, None)
     if c.layout == "BHSD":
         out = out.transpose(1, 2)
@@ -271,7 +272,8 @@ def test_ring_with_a_backend_without_lse_is_refused_with_the_alternatives():
     assert "_native_math" in message and "flex" in message
     parallel.check_backend("native", ContextParallelConfig(ulysses_degree=4))  # Ulysses runs anything
     with pytest.raises(ContextParallelError, match="log-sum-exp"):  # refused before any process group is needed
-        parallel.context_parallel_attention(*(torch.randn(1, 4, 2, 8),) * 3, config=cfg, backend="native")
+        parallel.context_parallel_attention(dispatcher.AttentionCall(*(torch.randn(1, 4, 2, 8),) * 3,
+                                                                     backend="native"), config=cfg)
 
 
 def test_config_validation_and_one_rank_passthrough():
@@ -294,6 +296,19 @@ def test_config_validation_and_one_rank_passthrough():
     from dispatcher import dispatch
     assert dispatch._context_parallel_on is False  # plain calls skip the hook once no block is open
     torch.testing.assert_close(out, dispatcher.dispatch_attention_fn(q, k, v, backend="_native_math"))
+
+
+def test_the_public_call_takes_an_attention_call_whole():
+    """context_parallel_attention takes the described call itself: its recorder, model and guard reach the local
+    call (they were not parameters of the old signature), and anything else is refused by name."""
+    q, k, v = (torch.randn(1, 6, 2, 8) for _ in range(3))
+    rec = dispatcher.Recorder()
+    call = dispatcher.AttentionCall(q, k, v, backend="_native_math", call_site="cp site", recorder=rec, model="m")
+    out = parallel.context_parallel_attention(call, config=ContextParallelConfig())
+    torch.testing.assert_close(out, dispatcher.dispatch_attention_fn(q, k, v, backend="_native_math"))
+    assert [(r["site"], r["served"]) for r in rec.snapshot()["rows"]] == [("cp site", "_native_math")]
+    with pytest.raises(TypeError, match="takes an AttentionCall"):
+        parallel.context_parallel_attention(q, config=ContextParallelConfig())
 
 
 def test_split_sizes_and_head_plan():

@@ -86,3 +86,69 @@ def test_wings_are_reached_only_from_above():
                 name, targets)
         if wing == "auto":
             assert not [t for t in targets if t.startswith("dispatcher.tools")], (name, targets)
+
+
+def test_nodes_reach_kernels_only_through_the_registry():
+    """No module of nodes/ imports a backend's module (dispatcher/backends/*): a backend's own options come from its
+    spec (`BackendSpec.options`), its name from the registry, so a node never special-cases one kernel's code."""
+    for path in (ROOT / "nodes").rglob("*.py"):
+        reached = sorted(name for name in _imports(path) if name.startswith("dispatcher.backends"))
+        assert not reached, (path.name, reached)
+
+
+def _module_aliases(tree) -> set[str]:
+    """The names a file binds to modules of the package (`from .. import dispatch` -> dispatch)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level and node.module is None:
+            found.update(alias.asname or alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+    return found
+
+
+def test_no_module_writes_another_modules_private_globals():
+    """A module's private globals are written by that module only: a wing that hooks into the core (parallel's
+    router) does it through a function the core owns (dispatch.install_router / route_calls)."""
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        modules = _module_aliases(tree)
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and \
+                        target.value.id in modules and target.attr.startswith("_"):
+                    raise AssertionError(f"{path.relative_to(ROOT)}:{node.lineno} writes "
+                                         f"{target.value.id}.{target.attr}")
+
+
+# What only one ComfyUI version has (0.38's core override nodes, its containers, a checkpoint's embedded method):
+# named by nodes/comfy_versions.py alone, so a version's quirk is found, and changed, in one module.
+VERSION_MARKERS = ("set_model_optimized_attention", "comfy.model_patcher", "comfy_extras.", "comfy.ldm", "peek",
+                   "comfy_attention")
+
+
+def _code_names(tree) -> list[str]:
+    """String constants (docstrings left out), attribute names and imported modules of one file."""
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            found.append(node.value)
+        elif isinstance(node, ast.Attribute):
+            found.append(node.attr)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append(node.module)
+    return found
+
+
+def test_comfyui_version_quirks_live_in_one_module():
+    for path in (ROOT / "nodes").rglob("*.py"):
+        if path.name == "comfy_versions.py":
+            continue
+        named = [(marker, text) for text in _code_names(ast.parse(path.read_text())) for marker in VERSION_MARKERS
+                 if marker in text]
+        assert not named, (path.name, named)

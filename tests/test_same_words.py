@@ -23,6 +23,7 @@ spec_module = importlib.import_module(f"{PACK}.dispatcher.spec")
 install_plan = importlib.import_module(f"{PACK}.dispatcher.tools.install_plan")
 doctor = importlib.import_module(f"{PACK}.dispatcher.tools.doctor")
 parallel = importlib.import_module(f"{PACK}.dispatcher.parallel")
+call_of = importlib.import_module(f"{PACK}.dispatcher.call").AttentionCall
 machine_module = importlib.import_module(f"{PACK}.dispatcher.machine")
 inputs_module = importlib.import_module(f"{PACK}.dispatcher.inputs")
 Tuner = importlib.import_module(f"{PACK}.dispatcher.auto").Tuner
@@ -183,7 +184,7 @@ def test_a_ring_mode_without_lse_in_the_same_words(register):
     assert "log-sum-exp" in said and "lse=False" in said
     ring = parallel.ContextParallelConfig(ring_degree=2)
     for refuse in (lambda: parallel.check_backend(name, ring),
-                   lambda: parallel.context_parallel_attention(*tensors(), config=ring, backend=name)):
+                   lambda: parallel.context_parallel_attention(call_of(*tensors(), backend=name), config=ring)):
         with pytest.raises(parallel.ContextParallelError) as refused:
             refuse()
         assert said in str(refused.value)

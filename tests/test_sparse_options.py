@@ -5,6 +5,8 @@ GPU; here a CPU stand-in under its name records the tau it is called with (tests
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import importlib
@@ -97,7 +99,7 @@ def test_the_largest_accepted_dense_blocks_still_parse(nodes):
 
 def test_execute_refuses_what_validation_refuses(nodes):
     with pytest.raises(ValueError, match="Sparse Attention Options: dense_blocks: 'x' is not a block number"):
-        nodes.SparseAttentionOptions.execute(1.0, "x", 0)
+        nodes.SparseAttentionOptions.execute(tau=1.0, dense_blocks="x", min_tokens=0)
 
 
 def test_the_set_node_passes_the_options_to_sol_attn_only(nodes):
@@ -174,3 +176,70 @@ def test_the_python_scope_checks_tau():
     with pytest.raises(ValueError, match=r"sol_attn: tau must be a number from 0 to 4 \(higher is sparser\); got 7"):
         with kitchen.sol_attn_options(7):
             pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Width:
+    """Options of a test backend: another backend's own options, declared the way kitchen.py declares sol_attn's."""
+    width: int = 4
+
+    def applied(self):
+        return _width_scope(self)
+
+    def dense_reason(self, tokens, block):
+        return "block 0 stays dense" if block == 0 else None
+
+    def as_dict(self):
+        return {"width": self.width}
+
+
+_WIDTH = contextvars.ContextVar("width", default=None)
+
+
+@contextlib.contextmanager
+def _width_scope(options):
+    token = _WIDTH.set(options)
+    try:
+        yield options
+    finally:
+        _WIDTH.reset(token)
+
+
+@pytest.fixture
+def own_options_backend():
+    """A CPU backend whose spec declares its own options: what its kernel sees of them."""
+    declared = importlib.import_module(f"{PACK}.dispatcher.backend_options")
+    spec_module = importlib.import_module(f"{PACK}.dispatcher.spec")
+    seen = []
+
+    def kernel(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse):
+        seen.append(_WIDTH.get())
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+    options = declared.BackendOptions(fields=(declared.Option("width", "int", 4, minimum=1, maximum=64),),
+                                      build=lambda width=4: (Width(width), []), default=Width())
+    registry.add(spec_module.BackendSpec(name="t_own_options", family="test", description="test", fn=kernel,
+                                         devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}),
+                                         head_dims=spec_module.HeadDims(1, 256), options=options, custom=True))
+    try:
+        yield seen
+    finally:
+        registry.remove("t_own_options")
+
+
+def test_a_backends_declared_options_reach_its_kernel_through_the_set_node(nodes, own_options_backend):
+    """Nothing in nodes/ names the backend: the Set node and the override read its spec's declaration."""
+    (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "t_own_options", "fallback", 0.0, 1.0,
+                                             sparse=Width(16)).result
+    q, k, v = qkv(lq=64)
+    m.override(comfy_func, q, k, v, 2, transformer_options={"block_index": 1, "total_blocks": 4})
+    assert own_options_backend == [Width(16)] and not CALLS
+    m.override(comfy_func, q, k, v, 2, transformer_options={"block_index": 0, "total_blocks": 4})
+    assert len(CALLS) == 1 and own_options_backend == [Width(16)]  # its dense_reason passed block 0 on
+    assert _WIDTH.get() is None  # the scope ends with the call
+    # sol_attn's options given to this backend are not its own: its declared default runs
+    (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "t_own_options", "fallback", 0.0, 1.0,
+                                             sparse=kitchen.SolAttnOptions()).result
+    m.override(comfy_func, q, k, v, 2, transformer_options={"block_index": 1, "total_blocks": 4})
+    assert own_options_backend[-1] == Width()

@@ -35,7 +35,7 @@ from typing import Callable
 
 from filelock import FileLock, Timeout
 
-from .fingerprint import fingerprint_key, machine_fingerprint
+from ..machine import current_machine
 from ..log import echo, logger, warn_once
 
 
@@ -411,7 +411,7 @@ def lookup(path: Path | None, signature_key: str) -> dict | None:
     once)."""
     if not _usable(path) or (not path.exists() and _legacy_source(path) is None):
         return None  # nothing saved yet: a read creates nothing
-    machine = fingerprint_key(machine_fingerprint())
+    machine = current_machine().key
     with _connection(path) as con:
         if con is None:
             return None
@@ -445,8 +445,8 @@ def update(path: Path | None, signature_key: str, merge: Callable[[dict | None],
     writer in between); past MAX_DECISIONS this machine's least recently used decision goes."""
     if not _usable(path):
         return
-    fingerprint = machine_fingerprint()
-    machine = fingerprint_key(fingerprint)
+    this = current_machine()
+    fingerprint, machine = this.fingerprint(), this.key
     with _connection(path, write=True) as con:
         if con is None:
             return

@@ -8,7 +8,7 @@ import statistics
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,10 +19,11 @@ from ..execute import run
 from ..guard import FAST_BOUND, admission_bound  # noqa: F401  (FAST_BOUND: auto's public name)
 from ..inputs import AttentionInputs, describe_call
 from . import cache, hooks, measure, step, tune_log
-from .fingerprint import fingerprint_key, machine_fingerprint
+from .fingerprint import machine_fingerprint
 from .measure import random_inputs, shrink, spread, sync, time_calls, time_rounds, validate
 from ..reference import exact_attention, first_line, sample_rows
 from ..log import logger
+from ..machine import current_machine
 
 
 ENV_BUDGET = "ATTN_DISPATCH_TUNE_BUDGET"  # seconds per signature
@@ -79,6 +80,23 @@ class CandidateResult:
     reason: str = ""
 
 
+class TuningKey(NamedTuple):
+    """What one tuning is of (its record's key, `TuneRecord.key`): the signature, for auto_exact or auto_fast, on
+    whose activations, in which block, with which attention_kwargs keys."""
+    signature: AttentionInputs
+    exact: bool
+    model: str
+    block: str
+    attention_kwargs: tuple[str, ...]
+
+
+class ChoiceKey(NamedTuple):
+    """A choice kept in memory (`Tuner._key`): the tuning, and what else it holds under (trust scope, machine)."""
+    tuning: TuningKey
+    trust: tuple
+    machine: str  # Machine.key
+
+
 @dataclass
 class TuneRecord:
     signature: AttentionInputs
@@ -102,6 +120,10 @@ class TuneRecord:
     # count): those left are listed with the reason, and the choice is kept all the same (the budget is per
     # signature, every call of it included: going on at later calls tuned one signature 5 times, 11 s on a CPU).
     cut_short: bool = False
+
+    @property
+    def key(self) -> TuningKey:
+        return TuningKey(self.signature, self.exact, self.model, self.block, self.attention_kwargs)
 
     @property
     def rejected(self) -> list[CandidateResult]:
@@ -148,12 +170,12 @@ class Tuner:
         self.tie_margin = float(tie_margin)
         self.step_check = bool(step_check)
         self._lock = threading.RLock()
-        # Tuner._key (signature, exact, model, block, trust scope, machine) -> (name, trust-sensitive); forgotten
-        # with the dispatcher's decisions (caches.on_forget, auto/__init__.py), which are made from these choices.
-        self._choices: dict[tuple, tuple[str, bool]] = {}
-        self._records: dict[tuple, TuneRecord] = {}  # (signature, exact, model, block) -> record (reports)
-        # What one block's tuning leaves for the next block of the same signature (`_from_memory`): the timings
-        # (disk key -> (candidates, {name: (median_ms, times_ms)})) and the exact kernels' verdicts per model.
+        # ChoiceKey -> (name, trust-sensitive); forgotten with the dispatcher's decisions (caches.on_forget,
+        # auto/__init__.py), which are made from these choices.
+        self._choices: dict[ChoiceKey, tuple[str, bool]] = {}
+        self._records: dict[TuningKey, TuneRecord] = {}  # TuneRecord.key -> record (reports)
+        # What one block's tuning leaves for the next block of the same signature (`_from_memory`, keyed by
+        # `_memory_keys`): the timings ({name: (median_ms, times_ms)}) and the exact kernels' verdicts per model.
         self._timings: dict[str, tuple] = {}
         self._exact_verdicts: dict[tuple, dict] = {}
         # (disk key, candidates) -> seconds of tuning it has had in this process, every block. A new candidate set
@@ -236,10 +258,10 @@ class Tuner:
             return self._in_step(key, record, live.call_site if live is not None else DEFAULT_BLOCK, exact, model)
 
     # -- the model's step (step.py)
-    def _in_step(self, key: tuple, record: TuneRecord, site: str, exact: bool, model: str) -> tuple[str, bool, bool]:
+    def _in_step(self, key: ChoiceKey, record: TuneRecord, site: str, exact: bool, model: str) -> tuple[str, bool, bool]:
         """Record this call in its model's forward; once the forward is complete, decide the step and settle every
         choice of it. Until then a call is served by its signature's own pick, provisionally."""
-        forward = (model, exact) + key[-2:]  # trust scope and machine, as the key's
+        forward = (model, exact, key.trust, key.machine)
         sequence = self._sequences.setdefault(forward, step.Sequence())
         if not sequence.add(site, key):
             return record.chosen, record.trust_sensitive, False
@@ -317,10 +339,10 @@ class Tuner:
                 "step_ms": result.step_ms, "predicted_ms": result.predicted_ms})
 
     @staticmethod
-    def _key(sig: AttentionInputs, exact: bool, model: str, block: str, keys: tuple = ()) -> tuple:
+    def _key(sig: AttentionInputs, exact: bool, model: str, block: str, keys: tuple = ()) -> ChoiceKey:
         """What a choice depends on besides the signature: the model and block, the call's attention_kwargs keys,
         trust settings and the machine."""
-        return sig, exact, model, block, keys, trust.scope_key(), fingerprint_key(machine_fingerprint())
+        return ChoiceKey(TuningKey(sig, exact, model, block, keys), trust.scope_key(), current_machine().key)
 
     def tune(self, what, key=None, value=None, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
              return_lse=False, dropout_p=0.0, layout="BSHD", force=False, exact=False, model=None,
@@ -524,7 +546,7 @@ class Tuner:
         for c in record.candidates:
             if c.name == record.chosen and c.status in ("valid", "untimed", "unjudged"):
                 c.status = "chosen"
-        self._records[(sig, exact, model, block, keys)] = record
+        self._records[record.key] = record
         if record.source in ("timed", "judged", TRIAL_SOURCE):
             where = f"model {model}" + (f", {block}" if block else "")
             self._progress(record, "done", len(names), len(names), start, chosen=record.chosen)
@@ -736,11 +758,11 @@ class Tuner:
         """Fill the timings measured for this signature and the exact kernels' verdicts this model had on another
         block (or in the other auto's record): a block of auto_fast then has only its quantised kernels left to
         judge, on its own values. False when nothing of this signature was measured in this process."""
-        key = record.signature.key()
-        timings = self._timings.get(key)
+        timings_key, verdicts_key = _memory_keys(record)
+        timings = self._timings.get(timings_key)
         if timings is None:
             return False
-        verdicts = self._exact_verdicts.get((key, record.model), {})
+        verdicts = self._exact_verdicts.get(verdicts_key, {})
         for c in record.candidates:
             if c.median_ms is None and c.name in timings:
                 c.median_ms, c.times_ms = timings[c.name][0], list(timings[c.name][1])
@@ -749,11 +771,11 @@ class Tuner:
         return True
 
     def _to_memory(self, record: TuneRecord) -> None:
-        key = record.signature.key()
-        self._timings.setdefault(key, {}).update(
+        timings_key, verdicts_key = _memory_keys(record)
+        self._timings.setdefault(timings_key, {}).update(
             {c.name: (c.median_ms, list(c.times_ms)) for c in record.candidates if c.median_ms is not None})
         if record.judged_on in (LIVE, DISK):
-            self._exact_verdicts.setdefault((key, record.model), {}).update(
+            self._exact_verdicts.setdefault(verdicts_key, {}).update(
                 {c.name: ("valid" if c.status == "chosen" else c.status, c.rel_error, c.reason)
                  for c in record.candidates
                  if c.status in ("chosen", "valid", "rejected") and registry.get(c.name).exact})
@@ -826,6 +848,13 @@ def _reject(result: CandidateResult, reason: str, device: torch.device) -> None:
     if device.type == "cuda":
         with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
+
+
+def _memory_keys(record: TuneRecord) -> tuple[str, tuple[str, str]]:
+    """The keys of what one block's tuning leaves for the next: its timings (per signature, any model or block)
+    and its exact kernels' verdicts (per signature and model)."""
+    signature = record.signature.key()
+    return signature, (signature, record.model)
 
 
 def _disk_key(record: TuneRecord) -> str:

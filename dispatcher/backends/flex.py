@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -62,12 +62,27 @@ def causal_block_mask(len_q: int, len_kv: int, device: str):
         return create_block_mask(_causal, None, None, len_q, len_kv, device=device)
 
 
-_compiled: dict[tuple, object] = {}
+_compiled: dict["FlexSignature", object] = {}
 
 
 def _axis_order(t: torch.Tensor) -> tuple[int, ...]:
     """The tensor's axes from the largest stride to the smallest: its memory layout, whatever its sizes."""
     return tuple(sorted(range(t.dim()), key=lambda axis: -t.stride(axis)))
+
+
+class FlexSignature(NamedTuple):
+    """The key of one compiled flex_attention (`compiled_flex`): what dynamo specialises its graph on."""
+    head_dim: int
+    head_dim_v: int
+    dtype: torch.dtype
+    device: torch.device
+    q_order: tuple
+    k_order: tuple
+    v_order: tuple
+    masked: bool
+    blocked: bool
+    enable_gqa: bool
+    lse: bool
 
 
 def compiled_flex(q, k, v, *, masked: bool, blocked: bool, enable_gqa: bool, lse: bool):
@@ -80,8 +95,8 @@ def compiled_flex(q, k, v, *, masked: bool, blocked: bool, enable_gqa: bool, lse
     own copy of a small wrapper, with its own entries; lengths, batch and heads become dynamic within it.
     The layout is part of the signature rather than copied away: on the H200 flex ran ComfyUI's strided
     views as fast as contiguous inputs, and the copies cost 14-16% at SDXL/Flux/Qwen sizes."""
-    key = (q.shape[-1], v.shape[-1], q.dtype, q.device, _axis_order(q), _axis_order(k), _axis_order(v), masked,
-           blocked, enable_gqa, lse)
+    key = FlexSignature(q.shape[-1], v.shape[-1], q.dtype, q.device, _axis_order(q), _axis_order(k), _axis_order(v),
+                        masked, blocked, enable_gqa, lse)
     run = _compiled.get(key)
     if run is None:
         from torch.nn.attention.flex_attention import flex_attention

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backend_options import BackendOptions, Option
 from ..inputs import AttentionInputs
 from ..log import echo
 from ..registry import add
@@ -168,6 +169,13 @@ class SolAttnOptions:
             return f"block {block} is in dense_blocks"
         return None
 
+    def applied(self):
+        """Around a call: its tau reaches the kernel (`sol_attn_options`)."""
+        return sol_attn_options(self.tau)
+
+    def as_dict(self) -> dict:
+        return {"tau": self.tau, "min_tokens": self.min_tokens, "dense_blocks": sorted(self.dense_blocks)}
+
 
 _options: contextvars.ContextVar[SolAttnOptions] = contextvars.ContextVar("sol_attn_options", default=SolAttnOptions())
 
@@ -186,6 +194,29 @@ def sol_attn_options(tau: float = DEFAULT_TAU):
         yield options
     finally:
         _options.reset(token)
+
+
+def build_options(tau=DEFAULT_TAU, dense_blocks="", min_tokens=DEFAULT_MIN_TOKENS):
+    """The options from their fields' values (dense_blocks as text): (options, []) or (None, every problem)."""
+    blocks, why = parse_dense_blocks(dense_blocks)
+    options = SolAttnOptions(tau=tau, min_tokens=min_tokens, dense_blocks=blocks)
+    problems = ([why] if why else []) + options.problems()
+    return (None, problems) if problems else (options, [])
+
+
+# The fields ComfyUI's Model Sparse Attention node shows, declared with the backend (hosts build inputs from them).
+SOL_ATTN_OPTIONS = BackendOptions(fields=(
+    Option("tau", "float", DEFAULT_TAU, minimum=TAU_RANGE[0], maximum=TAU_RANGE[1], step=0.05,
+           tooltip="sol_attn's routing threshold, in standard deviations of each query block's proxy scores: higher "
+                   "is sparser, faster and further from exact attention (ComfyUI: 1.0 keeps ~16% of key blocks "
+                   "exact, 1.5 ~7%, 2.0 ~2.7%). The quality guard compares sampled calls with exact attention."),
+    Option("dense_blocks", "string", "",
+           tooltip="Transformer blocks that always run dense, e.g. '0, 1, 47-49' (block numbers from 0, ranges a-b, "
+                   "separated by commas). Needs a model that tells attention its block position."),
+    Option("min_tokens", "int", DEFAULT_MIN_TOKENS, minimum=0, maximum=MAX_MIN_TOKENS,
+           tooltip="Sequences shorter than this run dense (below roughly 12k tokens dense attention is usually "
+                   "faster)."),
+), build=build_options, default=SolAttnOptions())
 
 
 def _probe(function: str):
@@ -227,6 +258,6 @@ add(BackendSpec(
     description="comfy-kitchen Sol-Attn block-sparse attention (ComfyUI's Model Sparse Attention; approximate)",
     fn=sol_attn_call, layout="BSHD", devices=frozenset({"cuda"}), dtypes=HALF,
     head_dims=HeadDims(allowed=(128,)), causal=False, backward=False, capability=SM80, quantised=True,
-    approximate=True, error_bound=SOL_ATTN_BOUND, extra_reasons=_self_attention_only,
+    approximate=True, error_bound=SOL_ATTN_BOUND, extra_reasons=_self_attention_only, options=SOL_ATTN_OPTIONS,
     fallback=("_native_flash", "native"),
     requires=(KITCHEN, ON_CUDA, Probe("comfy-kitchen sol_attn", _probe("sol_attn")))))

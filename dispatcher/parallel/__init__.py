@@ -21,7 +21,7 @@ Launch one process per GPU (or CPU rank) with torchrun; every rank runs the same
         out = dispatch_attention_fn(q, k, v, backend="_native_cudnn")   # this rank's (B, S_local, H, D)
     full = cp.gather(out, dim=1)                        # if every rank needs the whole output
 
-Or call `context_parallel_attention(q, k, v, ..., config=cp)` directly.
+Or call `context_parallel_attention(AttentionCall(q, k, v, ...), config=cp)` directly.
 
 When every rank holds the *whole* q/k/v (ComfyUI under torchrun), `replicated_parallel(
 ReplicatedConfig(mode="heads" | "sequence"))` splits the attention work itself (see `replicated`). ``python -m

@@ -31,6 +31,7 @@ all-to-all. ``is_causal`` means causal over the global positions. A FlexAttentio
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
 from contextlib import contextmanager
@@ -43,6 +44,7 @@ from .. import dispatch, registry, state, support
 from ..call import AttentionCall
 from ..checks import AttentionInputError
 from ..masks import to_4d
+from ..report import recording
 from . import comm
 from .config import ContextParallelConfig, ContextParallelError, split_sizes
 
@@ -134,9 +136,8 @@ def _hook(delta: int) -> None:
     global _hook_users
     with _hook_lock:
         _hook_users += delta
-        if dispatch._context_parallel is None:
-            dispatch._context_parallel = _routed()  # installed once, never swapped: only the flag changes
-        dispatch._context_parallel_on = _hook_users > 0
+        dispatch.install_router(_routed())  # the same function every time: installed once, only the flag changes
+        dispatch.route_calls(_hook_users > 0)
 
 
 def _route(call: AttentionCall):
@@ -163,30 +164,30 @@ def _routed():
 
 # --- the call -------------------------------------------------------------------------------------
 
-def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
-                               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                               enable_gqa: bool = False, attention_kwargs: dict | None = None, *,
-                               config: ContextParallelConfig | None = None, backend: str | None = None,
-                               layout: str = "BSHD", policy: str | None = None, return_lse: bool = False,
-                               call_site: str = "attention", kv_sharded: bool = True,
-                               q_lens: Sequence[int] | None = None, kv_lens: Sequence[int] | None = None):
-    """`dispatch_attention_fn` over the sequence shards of every CP rank; returns this rank's shard.
+def context_parallel_attention(call: AttentionCall, *, config: ContextParallelConfig | None = None,
+                               kv_sharded: bool = True, q_lens: Sequence[int] | None = None,
+                               kv_lens: Sequence[int] | None = None):
+    """`dispatch_call(call)` over the sequence shards of every CP rank; returns this rank's shard.
 
-    Same arguments and result as `dispatch_attention_fn` (out, or (out, lse) with return_lse), plus
-    ``config`` (default: the active `context_parallel` block's; none: plain local attention),
-    ``kv_sharded`` (False: k/v are whole on every rank, e.g. cross-attention) and the per-CP-rank shard
-    lengths ``q_lens`` / ``kv_lens`` (learnt with one small all-gather when not given). Every CP rank
-    must make the same calls in the same order (they are collective).
+    call: the described call (`AttentionCall`, every field of `dispatch_attention_fn` with this rank's shards as
+    query/key/value; its recorder, model and guard reach the local calls as they would a plain call). Returns what
+    `dispatch_attention_fn` returns (out, or (out, lse) with return_lse). Plus ``config`` (default: the active
+    `context_parallel` block's; none: plain local attention), ``kv_sharded`` (False: k/v are whole on every rank,
+    e.g. cross-attention) and the per-CP-rank shard lengths ``q_lens`` / ``kv_lens`` (learnt with one small
+    all-gather when not given). Every CP rank must make the same calls in the same order (they are collective).
 
-    The local kernel is `backend` (default: the active backend). Under Ulysses it runs with `policy`
+    The local kernel is `call.backend` (default: the active backend). Under Ulysses it runs with `call.policy`
     like any call; as the ring's kernel it is called with ``return_lse=True`` and policy 'strict' unless
-    `policy` is given, and it must declare lse=True (`supported_modes`).
+    `call.policy` is given, and it must declare lse=True (`supported_modes`).
     """
+    if not isinstance(call, AttentionCall):
+        raise TypeError(f"context_parallel_attention takes an AttentionCall (dispatcher.AttentionCall(query, key, "
+                        f"value, ...)); got {type(call).__name__}")
     if config is None:
         config = active_config()
-    call = AttentionCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs,
-                         backend, layout, policy, return_lse, call_site)
-    return _run(config, call, kv_sharded, q_lens, kv_lens)
+    # the local calls count in the call's recorder, as a routed call's do (dispatch.dispatch_call)
+    with recording(call.recorder) if call.recorder is not None else contextlib.nullcontext():
+        return _run(config, call, kv_sharded, q_lens, kv_lens)
 
 
 def _run(config, call: AttentionCall, kv_sharded, q_lens, kv_lens):

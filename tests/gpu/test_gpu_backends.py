@@ -194,6 +194,30 @@ def test_sol_attn_error_grows_with_tau():
     assert errors[0.5] <= errors[3.0] * 1.05, errors
 
 
+def test_sol_attn_options_declared_by_its_spec_reach_the_real_kernel():
+    """The value a host builds from sol_attn's declared options (`BackendSpec.options`: what the Sparse Attention
+    Options node makes and Set Attention Backend applies around each call) runs the kernel with its tau: the output
+    of `sol_attn_options` at that tau, not the default tau's."""
+    _available("sol_attn")
+    from dispatcher.backends.kitchen import sol_attn_options
+    declared = dispatcher.get_backend_spec("sol_attn").options
+    options, problems = declared.build(tau=3.0, dense_blocks="", min_tokens=0)
+    assert not problems and options.tau == 3.0
+    q, k, v = local_inputs(8, 32, 48)
+
+    def run():
+        return dispatcher.dispatch_attention_fn(q, k, v, backend="sol_attn", layout="BHSD", policy="strict",
+                                                guard="off")
+    with options.applied():
+        through_options = run()
+    with sol_attn_options(3.0):
+        direct = run()
+    default = run()
+    same, other = rel_error(through_options, direct.double()), rel_error(through_options, default.double())
+    _record(backend="sol_attn", case="declared_options_tau3", errors={"vs_tau3": same, "vs_default": other})
+    assert same <= 1e-3 and same * 10 <= other, (same, other)  # the tau reached the kernel, and only it
+
+
 def test_comfy_kitchen_int8_masks_as_comfyui_passes_them():
     """ComfyUI hands int8_attention its masks as SDPA takes them: bool (True = attend) and additive (-inf = drop),
     broadcast over heads and queries, on text cross-attention (Lk 77, 512) and on keys past 1024, where the kernel
