@@ -105,7 +105,9 @@ def test_lse_causal_and_grouped_query_heads():
 
 def test_auto_fast_judges_it_per_block_and_auto_exact_never_picks_it(tmp_path):
     q, k, v = inputs("local", 1, 40, 32760, 128)
-    tuner = dispatcher.auto.Tuner(cache_path=tmp_path / "tune.json")
+    # a budget that reaches every candidate: on the H100 (2026-12-05) the default 2 s went to FA4's first call (its
+    # CuTe JIT) and earlier kernels, and FP8 (priority 7) was left untimed
+    tuner = dispatcher.auto.Tuner(cache_path=tmp_path / "tune.json", time_budget_s=60)
     with dispatcher.auto.using(tuner), dispatcher.model_scope("gpu-fp8"):
         dispatcher.dispatch_attention_fn(q, k, v, backend="auto_fast", call_site="self #0")
         dispatcher.dispatch_attention_fn(q, k, v, backend="auto_exact")
