@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -245,8 +247,38 @@ class _Plan:
             setattr(self, name, fields.get(name))
 
 
+@dataclass(frozen=True, eq=False)
+class OverrideConfig:
+    """Everything one override is made from, one value (`make_override` builds it, normalised): the override reads
+    its fields once, and `attention_dispatch` (what a node rebuilds it from) is this value's fields but the tally.
+    block_notes / precision_notes are dicts shared with the node's report (and with overrides rebuilt from this
+    one), so the value is frozen, not hashable."""
+    backend: str
+    policy: str = "fallback"
+    recorder: Any = None
+    window: tuple | None = None  # (start_percent, end_percent)
+    trust: tuple = ()  # publishers allowed for Hub kernels, sorted
+    checks: str | None = None
+    compare: Any = None
+    previous: Any = None
+    model: str | None = None
+    guard: str | None = None
+    guard_every: int | None = None
+    blocks: tuple | None = None  # (block_start, block_end); None: every block
+    block_notes: dict = field(default_factory=dict)
+    default_attention: Any = None
+    precision_notes: dict = field(default_factory=dict)
+    sparse: Any = None
+    tally: Any = None
+
+
+# The fields a node rebuilds an override from (`attention_dispatch`): all but the tally.
+_REBUILT = tuple(f.name for f in fields(OverrideConfig) if f.name != "tally")
+
+
 class AttentionOverride:
-    """The `optimized_attention_override` of one Set Attention Backend node (or Attention Checks node).
+    """The `optimized_attention_override` of one Set Attention Backend node (or Attention Checks node), made from
+    one `OverrideConfig` (`make_override`). Its fields:
 
     backend: a dispatcher backend name, "auto_exact", "auto_fast" ("auto") or "comfy default";
     policy: "fallback" | "strict"; recorder: a `Recorder` (shared across clones); window: (start_percent,
@@ -268,45 +300,38 @@ class AttentionOverride:
     dispatcher gets ("self #5"): `auto_fast` judges and the quality guard checks and demotes per block.
     """
 
-    def __init__(self, backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
-                 compare=None, previous=None, model: str | None = None, guard: str | None = None,
-                 guard_every: int | None = None, blocks=None, block_notes: dict | None = None,
-                 default_attention=None, precision_notes: dict | None = None, sparse=None, tally=None):
-        self.backend, self.policy, self.recorder = backend, policy, recorder
-        self.sparse = (sparse or SolAttnOptions()) if backend == SOL_ATTN else None
+    def __init__(self, config: OverrideConfig):
+        self.config = config
+        backend = self.backend = config.backend
+        self.policy, self.recorder, self.window, self.trust = config.policy, config.recorder, config.window, config.trust
+        self.sparse = (config.sparse or SolAttnOptions()) if backend == SOL_ATTN else None
         # A dense call's reason says first that sol_attn cannot run here at all, where so: "32 tokens < min_tokens"
         # alone read as if sol_attn would serve the longer calls.
         self._sparse_here = _cannot_run_here(SOL_ATTN) if self.sparse is not None else ""
-        self.tally = tally
-        self.window = tuple(window) if window is not None else None
-        self.trust = frozenset(trust or ())
-        self.checks, self.compare, self.previous = checks, compare, previous
-        chain(previous)  # a chain that already loops fails here, when the node runs, not on the first call
+        self.tally = config.tally
+        self.checks, self.compare, self.previous = config.checks, config.compare, config.previous
+        chain(self.previous)  # a chain that already loops fails here, when the node runs, not on the first call
         # what the report says served the calls passed on (fixed now: the previous override does not change)
-        self.previous_label = None if previous is None else f"previous override: {describe(previous)}"
-        self.default_attention = comfy_default_attention if default_attention is None else default_attention
-        self.model = model
+        self.previous_label = None if self.previous is None else f"previous override: {describe(self.previous)}"
+        given = config.default_attention
+        self.default_attention = comfy_default_attention if given is None else given
+        self.model = config.model
         # (mode, every), checked once here: the dispatcher takes a tuple as is (no per-call parsing)
-        if guard is None and guard_every is None:
+        if config.guard is None and config.guard_every is None:
             self.guard = None
         else:
-            self.guard = guard_settings(guard, guard_every)
-        self.blocks = None if blocks is None or is_default(*blocks) else (int(blocks[0]), int(blocks[1]))
-        self.block_notes = {} if block_notes is None else block_notes
-        self.precision_notes = {} if precision_notes is None else precision_notes
+            self.guard = guard_settings(config.guard, config.guard_every)
+        self.blocks, self.block_notes, self.precision_notes = config.blocks, config.block_notes, config.precision_notes
         self._outside_blocks = None if self.blocks is None else f"outside the block range {blocks_text(self.blocks)}"
         self._plans: dict[tuple, _Plan] = {}
         self._ordinals = Ordinals()
         # Made here, not in a traced call (torch.compile cannot trace registering one); others on first use.
         # (`auto_fast` asking `auto_exact` where the model wants full precision records as `auto_fast`.)
+        recorder = self.recorder
         self._relabels: dict[tuple, _Relabel] = {} if recorder is None else {(): _Relabel(recorder, backend)}
-        # Read by the Attention Checks node to rebuild this override with checks on, and by the report.
-        self.attention_dispatch = {"backend": backend, "policy": policy, "recorder": recorder, "window": self.window,
-                                   "trust": tuple(sorted(self.trust)), "checks": checks, "compare": compare,
-                                   "previous": previous, "model": model, "guard": guard, "guard_every": guard_every,
-                                   "blocks": self.blocks, "block_notes": self.block_notes,
-                                   "default_attention": default_attention, "precision_notes": self.precision_notes,
-                                   "sparse": sparse}
+        # Read by the Attention Checks node to rebuild this override with checks on (make_override(**it)), and by
+        # the report: the config's fields but the tally (each Attention Checks node brings its own).
+        self.attention_dispatch = {name: getattr(config, name) for name in _REBUILT}
 
     def __deepcopy__(self, memo):  # ModelPatcher.clone() deep-copies model_options: every clone shares this one
         return self
@@ -642,8 +667,13 @@ def make_override(backend: str, policy: str = "fallback", recorder=None, window=
                   compare=None, previous=None, model=None, guard=None, guard_every=None, blocks=None,
                   block_notes=None, default_attention=None, precision_notes=None, sparse=None,
                   tally=None) -> AttentionOverride:
-    """An `optimized_attention_override` for one Set Attention Backend node (see `AttentionOverride`), or for an
-    Attention Checks node (`tally`: its CheckTally)."""
-    kind = AttentionOverride if tally is None else CheckedOverride
-    return kind(backend, policy, recorder, window, trust, checks, compare, previous, model, guard, guard_every,
-                blocks, block_notes, default_attention, precision_notes, sparse, tally)
+    """An `optimized_attention_override` for one Set Attention Backend node (see `AttentionOverride` for the
+    arguments), or for an Attention Checks node (`tally`: its CheckTally): one `OverrideConfig` value, normalised."""
+    config = OverrideConfig(
+        backend=backend, policy=policy, recorder=recorder, window=None if window is None else tuple(window),
+        trust=tuple(sorted(frozenset(trust or ()))), checks=checks, compare=compare, previous=previous, model=model,
+        guard=guard, guard_every=guard_every,
+        blocks=None if blocks is None or is_default(*blocks) else (int(blocks[0]), int(blocks[1])),
+        block_notes={} if block_notes is None else block_notes, default_attention=default_attention,
+        precision_notes={} if precision_notes is None else precision_notes, sparse=sparse, tally=tally)
+    return (AttentionOverride if tally is None else CheckedOverride)(config)
