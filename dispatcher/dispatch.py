@@ -9,11 +9,11 @@ import contextlib
 
 import torch
 
-from .call import AttentionCall, new_call
+from .call import PER_CALL, AttentionCall, new_call
 from .checks import plain_scale as _plain_scale
 from .compiled import dispatch_traced
 from .decisions import BackendNotSupportedError, fallback_order  # noqa: F401  (public names)
-from .eager import dispatch_eager
+from .eager import dispatch_eager, lane_for
 from .guard import settings as _guard_settings
 from .masks import sdpa_view as _sdpa_view
 from .report import recording
@@ -72,9 +72,6 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     return dispatch_eager(call)
 
 
-_PER_CALL = AttentionCall._fields.index("attn_mask") + 1  # the fields a prepared call takes on each call come first
-
-
 class PreparedAttention:
     """`dispatch_attention_fn` with every argument but the tensors fixed once: `prepared(query, key, value,
     attn_mask=None)` validates, dispatches and records each call exactly as `dispatch_attention_fn(query, key,
@@ -97,7 +94,7 @@ class PreparedAttention:
         self._rest = AttentionCall(
             query=None, key=None, value=None, attn_mask=None, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend, layout=layout, policy=policy,
-            return_lse=return_lse, call_site=call_site, recorder=recorder, model=model, guard=guard)[_PER_CALL:]
+            return_lse=return_lse, call_site=call_site, recorder=recorder, model=model, guard=guard)[PER_CALL:]
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None):
         if attn_mask is not None and type(attn_mask) is _Tensor and attn_mask.ndim == 2:
@@ -108,6 +105,16 @@ class PreparedAttention:
         if _context_parallel_on:
             return dispatch_call(call)
         return dispatch_eager(call)
+
+    def lane(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None):
+        """The eager lane (`eager.Lane`) of this call's signature once a call of it was served, or None: for a
+        holder that keys its calls at least as finely as the eager path does (the ComfyUI override's plans), which
+        then runs repeat calls with `eager.run_lane`. None inside torch.compile and context parallelism."""
+        if _dynamo_compiling() or _context_parallel_on:
+            return None
+        if attn_mask is not None and type(attn_mask) is _Tensor and attn_mask.ndim == 2:
+            attn_mask = _sdpa_view(attn_mask, query, key, self._layout)
+        return lane_for(query, key, value, attn_mask, self._rest)
 
 
 def dispatch_call(call: AttentionCall):

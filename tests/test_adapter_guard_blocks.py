@@ -68,9 +68,11 @@ def _clear():
 @pytest.fixture
 def spy(monkeypatch):
     """The dispatcher's keyword arguments of every call the override makes: a prepared call's fixed ones (one
-    per plan, `PreparedAttention`), or those of a direct `dispatch_attention_fn` call (a plan not kept)."""
+    per plan, `PreparedAttention`, whether the call goes through it or through the lane it left), or those of a
+    direct `dispatch_attention_fn` call (a plan not kept)."""
     seen = []
-    prepared, direct = adapter.PreparedAttention, adapter.dispatch_attention_fn
+    prepared, direct, run_lane = adapter.PreparedAttention, adapter.dispatch_attention_fn, adapter._run_lane
+    lanes = {}  # lane -> the fixed arguments of the prepared call that left it
 
     class Spy(prepared):
         __slots__ = ("fixed",)
@@ -83,12 +85,25 @@ def spy(monkeypatch):
             seen.append(self.fixed)
             return super().__call__(*args)
 
+        def lane(self, *args):
+            lane = super().lane(*args)
+            if lane is not None:
+                lanes[lane] = self.fixed
+            return lane
+
     def fn(*args, **kwargs):
         seen.append(kwargs)
         return direct(*args, **kwargs)
 
+    def laned(lane, *args):
+        out = run_lane(lane, *args)
+        if out is not adapter._LEFT:
+            seen.append(lanes[lane])
+        return out
+
     monkeypatch.setattr(adapter, "PreparedAttention", Spy)
     monkeypatch.setattr(adapter, "dispatch_attention_fn", fn)
+    monkeypatch.setattr(adapter, "_run_lane", laned)
     return seen
 
 
