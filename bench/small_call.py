@@ -2,7 +2,7 @@
 
     python bench/small_call.py [--shape 2,20,1024,64] [--rounds 30] [--calls 200] [--json PATH]
                                [--breakdown] [--order found|sdpa|cudnn] [--inference-mode] [--profile]
-                               [--device cuda|cpu] [--before DIR]
+                               [--device cuda|cpu] [--before DIR] [--stat median|min]
 
 SDXL's 32x32 level, (B, H, L, D) = (2, 20, 1024, 64), takes tens of microseconds on an H200: the host work
 per call decides whether the GPU waits. ComfyUI hands (B, L, H*D) tensors; configurations, interleaved in a
@@ -31,13 +31,15 @@ host-side table (self CPU time per call of each op) and the Python functions and
 imported beside this one and interleaved with it ("before_dispatcher", "before_override"; with --breakdown also
 "before_override_model"): a change measured in one run, under the same load.
 --device cpu: the same configurations on float32 CPU tensors, timed by the clock alone (median_us = host_us): the
-Python layers cost what they cost on a GPU's host, less the GPU-only work (the breakdown's runner line).
+Python layers cost what they cost on a GPU's host, less the GPU-only work (the breakdown's runner line); --stat min
+takes each configuration's fastest round instead of the median, on a CPU machine shared with other work.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -61,6 +63,8 @@ def main(argv=None) -> int:
     parser.add_argument("--inference-mode", action="store_true", help="every call under torch.inference_mode()")
     parser.add_argument("--profile", action="store_true", help="torch.profiler's host-side table per configuration")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--stat", choices=("median", "min"), default="median",
+                        help="--device cpu: per configuration, over rounds (min: a loaded machine disturbs it least)")
     parser.add_argument("--before", type=Path, help="also measure the pack in this folder, side by side in the run")
     args = parser.parse_args(argv)
     if args.inference_mode:
@@ -148,7 +152,8 @@ def measure(args) -> int:
         med = {name: ms * 1e3 for name, ms in interleaved_ms(fns, args.rounds, args.calls).items()}  # µs
         host = host_us_per_call({**fns, **layers}, args.rounds, min(args.calls, 100))
     else:  # the CPU computes as it goes: its clock time is its host time
-        host = cpu_us_per_call({**fns, **layers}, args.rounds, min(args.calls, 100))
+        host = cpu_us_per_call({**fns, **layers}, args.rounds, min(args.calls, 100),
+                               stat=min if args.stat == "min" else statistics.median)
         med = {name: host[name] for name in fns}
     extra = {}
     if args.breakdown:
@@ -159,7 +164,7 @@ def measure(args) -> int:
     result = {"shape_bhld": [b, h, length, d], "dtype": str(dtype).replace("torch.", ""), "device": args.device,
               "median_us": {k: round(v, 3) for k, v in med.items()},
               "sdpa_priority_order": torch._C._get_sdp_priority_order(), "order_set": args.order,
-              "inference_mode": torch.is_inference_mode_enabled(),
+              "inference_mode": torch.is_inference_mode_enabled(), **({"statistic": args.stat} if not cuda else {}),
               **({"comfy_optimized_is": getattr(optimized, "__name__", "?")} if optimized is not None else {}),
               **({"kernels": {name: gpu_kernels(fn) for name, fn in fns.items()}} if cuda else {}),
               "bare_over_dispatcher": round(med["bare"] / med["dispatcher"], 4),

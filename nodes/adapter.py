@@ -60,8 +60,6 @@ from ..dispatcher.backends.kitchen import SOL_ATTN_NAME as SOL_ATTN
 from ..dispatcher.backends.kitchen import SolAttnOptions, sol_attn_options
 from ..dispatcher.auto import PSEUDO_BACKENDS as AUTOS  # "auto" is auto_exact (older workflows)
 from ..dispatcher.guard import settings as guard_settings
-from ..dispatcher.eager import LEFT as _LEFT
-from ..dispatcher.eager import run_lane as _run_lane
 from ..dispatcher.report import register as register_recorder
 from .blocks import Ordinals, block_name, block_position, blocks_text, in_blocks, is_default
 from .overrides import OverrideChainError, chain, comfy_default_attention, describe
@@ -238,12 +236,12 @@ def _check_heads(q, k, v, heads) -> None:
 
 class _Plan:
     """What a repeat call of one signature does, worked out on its first call: a delegation (its reason), or
-    the views to take, the backend name to pass and how to shape the output, and once a call was served the
-    dispatcher's lane (`eager.Lane`: the decided kernel, what it re-checks), which repeat calls run without the
-    dispatcher's entry and lookup. Plain attributes, read per call."""
+    the views to take, the backend name to pass and how to shape the output, and the dispatcher's entry with the
+    plan's arguments fixed (`attend`, called `keyed`: repeat calls run the decided kernel's lane, without the
+    dispatcher's entry and lookup). Plain attributes, read per call."""
 
     __slots__ = ("reason", "views", "layout", "upcast", "name", "notes", "recorder", "site", "scale", "gqa", "output",
-                 "attend", "exact", "kind", "lane")  # site: with the block ("self #5"); kind: without ("self")
+                 "attend", "exact", "kind")  # site: with the block ("self #5"); kind: without ("self")
 
     def __init__(self, reason=None, **fields):
         self.reason = reason
@@ -382,7 +380,8 @@ class AttentionOverride:
             pass
         if not compiling and q_shape is not None:  # traced once per graph: hashing symbolic sizes would specialise them
             try:  # everything a plan depends on; not tensors or unhashable options: no plan (_plan says why)
-                # at least as fine as the eager path's key of the call it makes (its plan's lane skips that key):
+                # at least as fine as the eager path's key of the call it makes (PreparedAttention.keyed's lane
+                # skips that key):
                 # every dtype and device, the mask's dtype, shape and device
                 signature = (q_shape, k_shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                              heads, None if mask is None else (mask.dtype, mask.shape, mask.device),
@@ -436,13 +435,7 @@ class AttentionOverride:
         attend = plan.attend or self._unkept_attend(plan)
         sparse = self.sparse
         found = None  # what the dispatcher's `warn` checks found in this call (the kernel's own output included)
-        lane = plan.lane
-        if lane is not None:  # a repeat call: the lane's own checks, the kernel, the guard's tick
-            out = _run_lane(lane, qs, ks, vs, mask)
-            if out is _LEFT:  # the full path, then a lane for what it leaves in place
-                out = attend(qs, ks, vs, mask)
-                plan.lane = attend.lane(qs, ks, vs, mask)
-        elif self.trust or self.checks or sparse is not None:  # scopes only when asked for: ~1 us each per call
+        if self.trust or self.checks or sparse is not None:  # scopes only when asked for: ~1 us each per call
             with contextlib.ExitStack() as stack:
                 if self.trust:
                     stack.enter_context(trusted_publishers(self.trust))
@@ -454,10 +447,10 @@ class AttentionOverride:
                 if sparse is not None:
                     stack.enter_context(sol_attn_options(sparse.tau))
                 out = attend(qs, ks, vs, mask)
+        elif attend is plan.attend:  # a kept plan: keyed as finely as the dispatcher, so repeat calls take its lane
+            out = attend.keyed(qs, ks, vs, mask)
         else:
             out = attend(qs, ks, vs, mask)
-            if attend is plan.attend:  # a kept plan: its next call takes the lane, where the eager path keeps one
-                plan.lane = attend.lane(qs, ks, vs, mask)
         if plan.upcast:
             out = out.to(q.dtype)
         output = plan.output

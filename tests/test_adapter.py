@@ -251,7 +251,7 @@ def test_closure_survives_deepcopy_like_model_patcher_clone():
 
 def test_private_kwargs_never_reach_the_dispatcher(monkeypatch):
     """The override asks the dispatcher once per plan for a prepared call: ComfyUI's private keywords are in
-    neither what fixes it nor what a call passes (a repeat call then runs the lane it left)."""
+    neither what fixes it nor what each call passes."""
     fixed, passed = {}, []
     real = adapter.PreparedAttention
 
@@ -262,9 +262,9 @@ def test_private_kwargs_never_reach_the_dispatcher(monkeypatch):
             fixed.update(kwargs)
             super().__init__(**kwargs)
 
-        def __call__(self, *args, **kwargs):
+        def keyed(self, *args, **kwargs):
             passed.append((len(args), kwargs))
-            return super().__call__(*args, **kwargs)
+            return super().keyed(*args, **kwargs)
 
     monkeypatch.setattr(adapter, "PreparedAttention", Spy)
     override = adapter.make_override("native")
@@ -272,8 +272,7 @@ def test_private_kwargs_never_reach_the_dispatcher(monkeypatch):
         override(comfy_func, *qkv(), 2, **to_opts())  # to_opts() has _inside_attn_wrapper
     assert fixed and "transformer_options" not in fixed and "_inside_attn_wrapper" not in fixed
     assert fixed["backend"] == "native" and fixed["call_site"] == "self #0"  # the block, as the forward's first
-    # the tensors and the mask, through the one prepared call; the repeat call takes the plan's lane instead
-    assert passed == [(4, {})]
+    assert passed == [(4, {}), (4, {})]  # the tensors and the mask, twice through the one prepared call
 
 
 def test_auto_with_low_precision_off_never_picks_a_quantised_backend():

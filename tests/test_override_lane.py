@@ -118,10 +118,11 @@ class _Nothing:
         return False
 
 
-@pytest.mark.parametrize("what", ["checks on", "another model scope", "grad", "a forget"])
+@pytest.mark.parametrize("what", ["checks on", "another model scope", "grad", "a forget", "a context_parallel block"])
 def test_what_the_lane_was_made_under_changing_leaves_it(what):
-    """The scope (checks, model), the grad mode and the caches' epoch are the lane's to re-check: a change sends
-    the call the full way, which serves it correctly (and then keeps a lane for the new state where it can)."""
+    """The scope (checks, model), the grad mode, the caches' epoch and an open context_parallel() block (whose calls
+    are routed) are the lane's to re-check: a change sends the call the full way, which serves it correctly (and
+    then keeps a lane for the new state where it can)."""
     fn = adapter.make_override("native")  # no model: the active scope's
     q, k, v = qkv()
     make = (lambda: fn(comfy_func, q, k, v, 2, transformer_options={}))
@@ -129,6 +130,9 @@ def test_what_the_lane_was_made_under_changing_leaves_it(what):
         change = lambda: dispatcher.attention_checks("raise")  # noqa: E731
     elif what == "another model scope":
         change = lambda: dispatcher.model_scope("another model")  # noqa: E731
+    elif what == "a context_parallel block":  # None: the block is open, its calls run locally (routed first)
+        parallel = __import__(f"{dispatcher.__name__}.parallel", fromlist=["parallel"])
+        change = lambda: parallel.context_parallel(None)  # noqa: E731
     elif what == "grad":
         q = q.detach().requires_grad_()
         change = _Nothing
@@ -140,7 +144,9 @@ def test_what_the_lane_was_made_under_changing_leaves_it(what):
         caches.forget()
     with change():
         steps = entered(lambda: fn(comfy_func, q, k, v, 2, transformer_options={}))
-    assert "dispatch_eager" in steps, what
+    assert "dispatch_eager" in steps, what  # the lane was left (or, for context parallelism, not tried)
+    if what == "a context_parallel block":
+        assert "dispatch_call" in steps and "run_lane" not in steps  # routed through context parallelism first
     out = entered.out
     torch.testing.assert_close(out, reference(q.detach(), k, v, 2).float(), atol=1e-5, rtol=1e-4)
     if what == "grad":
