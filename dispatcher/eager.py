@@ -2,8 +2,10 @@
 served calls go to the quality guard of their decision (`decision.watch`, guard.py) once each.
 
 The first call of a signature validates everything and builds its `AttentionInputs`; repeat calls look
-the decision up by a key of shapes, dtypes, devices and flags read straight off the tensors, and pay for
-nothing else but the checks every call gets.
+the decision up by a key of shapes, dtypes, devices and flags read straight off the tensors (`lane_key`), and pay
+for nothing else but the checks every call gets. A caller that keys its calls at least as finely itself (the
+ComfyUI override's plans, through `PreparedAttention.keyed`) skips even that: its repeat calls run the decided
+kernel's `Lane`, which re-checks only what such a key cannot see.
 """
 
 from __future__ import annotations
@@ -220,7 +222,7 @@ def run_lane(lane: Lane, query, key, value, attn_mask):
             or _current_machine() is not lane.machine \
             or (_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)) != lane.grad:
         return LEFT
-    if candidate.guard is not None and not decision.watch.unchecked(candidate, lane.site):
+    if candidate.guard and not decision.watch.unchecked(candidate, lane.site):
         return LEFT  # a check falls due (or the block's kernel was demoted): the full path's guard runs it
     try:
         out = run(candidate, new_call(AttentionCall, (query, key, value, attn_mask) + lane.rest))

@@ -4,6 +4,7 @@ lane was made for changes (shape, dtype, mask, scope, a guard check due, a forge
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from helpers import tensors
 from helpers.pack import CALLS, comfy_func, load_pack
+from helpers.python_steps import entered
 
 adapter, dispatcher, _ = load_pack()
 
@@ -54,25 +56,6 @@ caches = __import__(f"{dispatcher.__name__}.caches", fromlist=["caches"])
 decisions = __import__(f"{dispatcher.__name__}.decisions", fromlist=["decisions"])
 
 
-def entered(fn) -> set[str]:
-    """The Python functions one call of `fn` enters (sys.setprofile): the Python-level steps of a call, counted
-    through the interpreter's own hook, nothing patched."""
-    import sys
-    seen: set[str] = set()
-
-    def hook(frame, event, arg):
-        if event == "call":
-            seen.add(frame.f_code.co_name)
-
-    sys.setprofile(hook)
-    try:
-        out = fn()
-    finally:
-        sys.setprofile(None)
-    entered.out = out
-    return seen
-
-
 def reference(q, k, v, heads, mask=None):
     b, lq, hd = q.shape
     d = hd // heads
@@ -92,30 +75,14 @@ def test_a_repeat_call_runs_the_lane_not_the_dispatcher():
     rec = dispatcher.Recorder()
     fn = adapter.make_override("native", recorder=rec)
     q, k, v = qkv()
-    first = entered(lambda: fn(comfy_func, q, k, v, 2, transformer_options={}))
+    first, _ = entered(lambda: fn(comfy_func, q, k, v, 2, transformer_options={}))
     assert {"dispatch_eager", "lane_key", "_first_call"} <= first
     held = len(decisions._decisions), len(eager._fast)
-    steps = entered(lambda: fn(comfy_func, q, k, v, 2, transformer_options={}))
+    steps, out = entered(lambda: fn(comfy_func, q, k, v, 2, transformer_options={}))
     assert "run_lane" in steps and not steps & (FULL_PATH | {"_plan"}), steps
     assert (len(decisions._decisions), len(eager._fast)) == held
-    torch.testing.assert_close(entered.out, reference(q, k, v, 2).float(), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out, reference(q, k, v, 2).float(), atol=1e-5, rtol=1e-4)
     assert rec.snapshot()["rows"][0]["calls"] == 2 and not CALLS  # counted as the full path counts it
-
-
-def _leaves(fn, make_call, change) -> set[str]:
-    """Plan and lane a call, then run it with `change` in force: the functions the changed call entered."""
-    for _ in range(2):
-        make_call()
-    with change():
-        return entered(make_call)
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 @pytest.mark.parametrize("what", ["checks on", "another model scope", "grad", "a forget", "a context_parallel block"])
@@ -125,7 +92,6 @@ def test_what_the_lane_was_made_under_changing_leaves_it(what):
     then keeps a lane for the new state where it can)."""
     fn = adapter.make_override("native")  # no model: the active scope's
     q, k, v = qkv()
-    make = (lambda: fn(comfy_func, q, k, v, 2, transformer_options={}))
     if what == "checks on":
         change = lambda: dispatcher.attention_checks("raise")  # noqa: E731
     elif what == "another model scope":
@@ -135,19 +101,18 @@ def test_what_the_lane_was_made_under_changing_leaves_it(what):
         change = lambda: parallel.context_parallel(None)  # noqa: E731
     elif what == "grad":
         q = q.detach().requires_grad_()
-        change = _Nothing
+        change = contextlib.nullcontext
     else:
-        change = _Nothing
+        change = contextlib.nullcontext
     for _ in range(2):
         fn(comfy_func, q.detach(), k, v, 2, transformer_options={})
     if what == "a forget":
         caches.forget()
     with change():
-        steps = entered(lambda: fn(comfy_func, q, k, v, 2, transformer_options={}))
+        steps, out = entered(lambda: fn(comfy_func, q, k, v, 2, transformer_options={}))
     assert "dispatch_eager" in steps, what  # the lane was left (or, for context parallelism, not tried)
     if what == "a context_parallel block":
         assert "dispatch_call" in steps and "run_lane" not in steps  # routed through context parallelism first
-    out = entered.out
     torch.testing.assert_close(out, reference(q.detach(), k, v, 2).float(), atol=1e-5, rtol=1e-4)
     if what == "grad":
         assert out.requires_grad
@@ -174,13 +139,13 @@ def test_a_call_the_lane_was_not_made_for_never_takes_it(what):
         mask[:, 0] = True
     else:
         mask = None
-    steps = entered(lambda: fn(comfy_func, q, k, v, 2, mask=mask, transformer_options={}))
+    steps, out = entered(lambda: fn(comfy_func, q, k, v, 2, mask=mask, transformer_options={}))
     assert "dispatch_eager" in steps and "run_lane" not in steps, what
-    torch.testing.assert_close(entered.out.double(), reference(q, k, v, 2, mask), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.double(), reference(q, k, v, 2, mask), atol=1e-5, rtol=1e-4)
     # and the new call's repeat takes its own lane
-    steps = entered(lambda: fn(comfy_func, q, k, v, 2, mask=mask, transformer_options={}))
+    steps, out = entered(lambda: fn(comfy_func, q, k, v, 2, mask=mask, transformer_options={}))
     assert "run_lane" in steps and "dispatch_eager" not in steps, what
-    torch.testing.assert_close(entered.out.double(), reference(q, k, v, 2, mask), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.double(), reference(q, k, v, 2, mask), atol=1e-5, rtol=1e-4)
 
 
 def test_new_mask_values_of_the_same_kind_run_on_the_lane_with_those_values():
