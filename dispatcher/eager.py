@@ -158,20 +158,24 @@ def lane_key(call: AttentionCall, requested, policy, model, guard, machine_id: i
 
 class Lane:
     """One call site's repeat call, worked out once a call of it was served (`lane_for`): the decision's first
-    candidate (its bound runner, layout transposes and mask conversion: `execute.run`), the call's fields but the
-    tensors and the mask, and what the lane was made under, re-checked on each call (`run_lane`): the scope (backend,
-    policy, model, guard, checks mode), the machine, whether a gradient is wanted, the decision's lane (a demotion
-    moves it) and the caches' epoch (`caches.forget`). The tensors' own key (shapes, dtypes, devices, mask) is the
+    candidate (its bound runner, layout transposes and mask conversion: `execute.run`; a fallback's reasons), the
+    call's fields but the tensors and the mask, and what the lane was made under, re-checked on each call
+    (`run_lane`): the scope (backend, policy, model, guard, checks mode), the machine, whether a gradient is wanted,
+    the decision's first candidate (a demotion moves it) and the caches' epoch (`caches.forget`). The tensors' own key (shapes, dtypes, devices, mask) is the
     holder's to check: a lane is kept per signature that is at least as fine (the ComfyUI override's plans)."""
 
     __slots__ = ("decision", "candidate", "rest", "scope", "machine", "grad", "epoch", "site", "requested",
-                 "recorder")
+                 "recorder", "reasons")
 
     def __init__(self, decision, rest: tuple, scope: tuple, machine, grad: bool, requested: str):
-        self.decision, self.candidate, self.rest = decision, decision.lane, rest
+        candidate = decision.candidates[0]
+        self.decision, self.candidate, self.rest = decision, candidate, rest
         self.scope, self.machine, self.grad, self.epoch = scope, machine, grad, _epoch
         self.requested = requested
         self.site, self.recorder = rest[_SITE], rest[_RECORDER]
+        # a fallback's reasons, recorded with each call as the full path records them (it logged them once)
+        name = candidate.name
+        self.reasons = decision.reasons_for(name) if name != decision.requested else ()
 
 
 # Where a call's fields after the mask (Lane.rest) hold these.
@@ -190,8 +194,7 @@ def _new_epoch() -> None:
 def lane_for(query, key, value, attn_mask, rest: tuple) -> Lane | None:
     """The lane of the call `(query, key, value, attn_mask) + rest` (rest: an AttentionCall's fields after the mask)
     once a call of its signature was served, or None where repeat calls take the full path: checks on,
-    attention_kwargs, a decision not kept (an unsettled pick) or one that depends on trust settings, a first
-    candidate that is not the requested backend (a fallback: its reasons are recorded each call)."""
+    attention_kwargs, a decision not kept (an unsettled pick) or one that depends on trust settings."""
     call = new_call(AttentionCall, (query, key, value, attn_mask) + rest)
     scope = _current_scope()
     (scoped_backend, scoped_policy, scoped_model, scoped_guard), mode = scope
@@ -206,7 +209,7 @@ def lane_for(query, key, value, attn_mask, rest: tuple) -> Lane | None:
         decision = _fast.get(lane_key(call, requested, policy, model, guard, id(machine), False))
     except TypeError:
         return None
-    if type(decision) is not Decision or decision.lane is None:  # not kept, or kept per trust setting
+    if type(decision) is not Decision:  # not kept, or kept per trust setting
         return None
     grad = _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     return Lane(decision, rest, scope, machine, grad, requested)
@@ -215,11 +218,12 @@ def lane_for(query, key, value, attn_mask, rest: tuple) -> Lane | None:
 def run_lane(lane: Lane, query, key, value, attn_mask):
     """A repeat call of the lane's signature (the caller checked the tensors' key): the kernel's output, counted as
     the eager path counts it, or LEFT where the call must take the full path (the scope, the machine or the grad
-    mode changed, the caches forgot, the decision's lane moved, a guard check is due, or the kernel raised: the
-    full path runs it again and demotes it)."""
+    mode changed, the caches forgot, the decision's first candidate was demoted, a guard check is due or the block's
+    kernel demoted by the guard, or the kernel raised: the full path runs it again and demotes it)."""
     decision, candidate = lane.decision, lane.candidate
-    if lane.epoch is not _epoch or decision.lane is not candidate or _current_scope() != lane.scope \
-            or _current_machine() is not lane.machine \
+    candidates = decision.candidates  # a new list once one is demoted
+    if lane.epoch is not _epoch or not candidates or candidates[0] is not candidate \
+            or _current_scope() != lane.scope or _current_machine() is not lane.machine \
             or (_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)) != lane.grad:
         return LEFT
     if candidate.guard and not decision.watch.unchecked(candidate, lane.site):
@@ -232,7 +236,7 @@ def run_lane(lane: Lane, query, key, value, attn_mask):
     if recorder is None:
         recorder = _current_recorder()
     if recorder is not None:
-        recorder.record(lane.site, lane.requested, candidate.name, ())
+        recorder.record(lane.site, lane.requested, candidate.name, lane.reasons)
     return out
 
 

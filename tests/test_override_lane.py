@@ -209,3 +209,30 @@ def test_a_kernel_that_starts_failing_leaves_the_lane_and_is_demoted():
         assert served == {name: 2, "native": 2}, served
     finally:
         dispatcher.unregister_backend(name)
+
+
+def test_a_fallback_runs_on_the_lane_and_is_recorded_with_its_reasons_as_the_full_path_records_it():
+    """A kernel that cannot run here (a CUDA-only one on the CPU): its decision's first candidate is the fallback,
+    which the lane serves, each call recorded with the reasons the full path gives."""
+    name = "t_lane_cuda_only"
+    dispatcher.register_backend(name, lambda q, k, v, **_: tensors.sdpa(q, k, v), devices=("cuda",))
+    try:
+        snapshots = []
+        for through_override in (True, False):
+            rec = dispatcher.Recorder()
+            fn = adapter.make_override(name, recorder=rec)
+            q, k, v = qkv()
+            for call in range(3):
+                if through_override:
+                    steps, out = entered(lambda: fn(comfy_func, q, k, v, 2, transformer_options={}))
+                    assert ("run_lane" in steps and "dispatch_eager" not in steps) == (call > 0), steps
+                else:
+                    out = dispatcher.dispatch_attention_fn(*(t.unflatten(-1, (2, -1)) for t in (q, k, v)),
+                                                           backend=name, recorder=rec, call_site="self").flatten(2)
+                torch.testing.assert_close(out.double(), reference(q, k, v, 2), atol=1e-5, rtol=1e-4)
+            snapshots.append(rec.snapshot()["rows"])
+        assert snapshots[0] == snapshots[1]
+        (row,) = snapshots[0]
+        assert row["served"] == "native" and row["fell_back"] and row["calls"] == 3 and row["reasons"], row
+    finally:
+        dispatcher.unregister_backend(name)
