@@ -85,10 +85,11 @@ def test_a_repeat_call_runs_the_lane_not_the_dispatcher():
     assert rec.snapshot()["rows"][0]["calls"] == 2 and not CALLS  # counted as the full path counts it
 
 
-@pytest.mark.parametrize("what", ["checks on", "another model scope", "grad", "a forget", "a context_parallel block"])
+@pytest.mark.parametrize("what", ["checks on", "another model scope", "grad", "a forget", "a context_parallel block",
+                                  "another machine"])
 def test_what_the_lane_was_made_under_changing_leaves_it(what):
-    """The scope (checks, model), the grad mode, the caches' epoch and an open context_parallel() block (whose calls
-    are routed) are the lane's to re-check: a change sends the call the full way, which serves it correctly (and
+    """The scope (checks, model), the machine, the grad mode, the caches' epoch and an open context_parallel() block
+    (whose calls are routed) are the lane's to re-check: a change sends the call the full way, which serves it correctly (and
     then keeps a lane for the new state where it can)."""
     fn = adapter.make_override("native")  # no model: the active scope's
     q, k, v = qkv()
@@ -99,6 +100,9 @@ def test_what_the_lane_was_made_under_changing_leaves_it(what):
     elif what == "a context_parallel block":  # None: the block is open, its calls run locally (routed first)
         parallel = __import__(f"{dispatcher.__name__}.parallel", fromlist=["parallel"])
         change = lambda: parallel.context_parallel(None)  # noqa: E731
+    elif what == "another machine":  # the same machine, described again: its own decisions
+        machine = __import__(f"{dispatcher.__name__}.machine", fromlist=["machine"])
+        change = lambda: machine.use_machine(dataclasses.replace(machine.current_machine()))  # noqa: E731
     elif what == "grad":
         q = q.detach().requires_grad_()
         change = contextlib.nullcontext
