@@ -79,16 +79,15 @@ CONFIGS = {  # WAN 2.1 t2v 1.3B at 480p x 81 frames: latent (16, 21, 60, 104) ->
 }
 
 
-def load_pack(folder: Path = ROOT):
-    """(adapter, dispatcher) of the pack in `folder`, imported as a package the way ComfyUI loads it."""
-    spec = importlib.util.spec_from_file_location("attention_dispatch_pack", folder / "__init__.py",
+def load_pack(folder: Path = ROOT, name: str = "attention_dispatch_pack"):
+    """(adapter, dispatcher) of the pack in `folder`, imported as a package the way ComfyUI loads it (as `name`:
+    another name imports a second checkout beside the first, for a before/after in one run)."""
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
                                                   submodule_search_locations=[str(folder)])
     pack = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = pack
     spec.loader.exec_module(pack)
-    from attention_dispatch_pack.nodes import adapter
-    from attention_dispatch_pack import dispatcher
-    return adapter, dispatcher
+    return importlib.import_module(f"{name}.nodes.adapter"), importlib.import_module(f"{name}.dispatcher")
 
 
 def build_model(cfg: dict, device: str, dtype, operations):

@@ -2,7 +2,7 @@
 
     python bench/small_call.py [--shape 2,20,1024,64] [--rounds 30] [--calls 200] [--json PATH]
                                [--breakdown] [--order found|sdpa|cudnn] [--inference-mode] [--profile]
-                               [--device cuda|cpu]
+                               [--device cuda|cpu] [--before DIR] [--stat median|min]
 
 SDXL's 32x32 level, (B, H, L, D) = (2, 20, 1024, 64), takes tens of microseconds on an H200: the host work
 per call decides whether the GPU waits. ComfyUI hands (B, L, H*D) tensors; configurations, interleaved in a
@@ -27,14 +27,19 @@ cuDNN-first and back on every call), `cudnn` = cuDNN first (nothing written), `f
 --inference-mode runs every call under torch.inference_mode(), as ComfyUI samples. --profile adds torch.profiler's
 host-side table (self CPU time per call of each op) and the Python functions and builtins one call runs
 (`python_calls`) for bare, dispatcher, override.
+--before DIR: also the dispatcher and the override of the pack in another checkout (e.g. `git archive` of main),
+imported beside this one and interleaved with it ("before_dispatcher", "before_override"; with --breakdown also
+"before_override_model"): a change measured in one run, under the same load.
 --device cpu: the same configurations on float32 CPU tensors, timed by the clock alone (median_us = host_us): the
-Python layers cost what they cost on a GPU's host, less the GPU-only work (the breakdown's runner line).
+Python layers cost what they cost on a GPU's host, less the GPU-only work (the breakdown's runner line); --stat min
+takes each configuration's fastest round instead of the median, on a CPU machine shared with other work.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -58,6 +63,9 @@ def main(argv=None) -> int:
     parser.add_argument("--inference-mode", action="store_true", help="every call under torch.inference_mode()")
     parser.add_argument("--profile", action="store_true", help="torch.profiler's host-side table per configuration")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--stat", choices=("median", "min"), default="median",
+                        help="--device cpu: per configuration, over rounds (min: a loaded machine disturbs it least)")
+    parser.add_argument("--before", type=Path, help="also measure the pack in this folder, side by side in the run")
     args = parser.parse_args(argv)
     if args.inference_mode:
         with torch.inference_mode():
@@ -87,6 +95,11 @@ def measure(args) -> int:
         "dispatcher": lambda: dispatcher.dispatch_attention_fn(q4, k4, v4),
         "override": lambda: override(comfy_func, q3, k3, v3, h, transformer_options={}),
     }
+    if args.before is not None:  # another checkout's pack, interleaved with this one's
+        before_adapter, before_dispatcher = load_pack(args.before, "attention_dispatch_pack_before")
+        before_override = before_adapter.make_override("native")
+        fns["before_dispatcher"] = lambda: before_dispatcher.dispatch_attention_fn(q4, k4, v4)
+        fns["before_override"] = lambda: before_override(comfy_func, q3, k3, v3, h, transformer_options={})
     comfy = comfy_attention()
     optimized = None
     if comfy is not None:  # what ComfyUI runs without the pack, on the same (B, L, H*D) tensors
@@ -109,12 +122,20 @@ def measure(args) -> int:
         # the override as a model's call reaches it: SDXL's block options (a block name per call) and the node's recorder
         in_model = adapter.make_override("native", recorder=dispatcher.Recorder("small_call"))
         layers["override_model"] = lambda: in_model(comfy_func, q3, k3, v3, h, transformer_options=SDXL_OPTIONS)
+        if args.before is not None:
+            before_model = before_adapter.make_override("native", recorder=before_dispatcher.Recorder("small_call"))
+            layers["before_override_model"] = lambda: before_model(comfy_func, q3, k3, v3, h,
+                                                                   transformer_options=SDXL_OPTIONS)
     # The pack's `native` tries cuDNN first on GPUs (as ComfyUI does): its output is SDPA's under that order, which
     # is bare SDPA's too unless --order put another kernel first (then bare runs that one: its own rounding).
     ref = layers["priority_flip"]().transpose(1, 2).flatten(2)
     torch.testing.assert_close(fns["bare"]().transpose(1, 2).flatten(2), ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(fns["dispatcher"]().flatten(2), ref, rtol=0, atol=0)
     torch.testing.assert_close(fns["override"](), ref, rtol=0, atol=0)
+    for name in ("before_dispatcher", "before_override", "before_override_model"):
+        if name in fns or name in layers:
+            out = (fns.get(name) or layers[name])()
+            torch.testing.assert_close(out.flatten(2) if out.ndim == 4 else out, ref, rtol=0, atol=0)
     if "comfy" in fns:
         torch.testing.assert_close(fns["comfy"](), ref, rtol=2e-2, atol=2e-2)  # its own kernel choice
         torch.testing.assert_close(fns["comfy_optimized"](), ref, rtol=2e-2, atol=2e-2)
@@ -131,7 +152,8 @@ def measure(args) -> int:
         med = {name: ms * 1e3 for name, ms in interleaved_ms(fns, args.rounds, args.calls).items()}  # µs
         host = host_us_per_call({**fns, **layers}, args.rounds, min(args.calls, 100))
     else:  # the CPU computes as it goes: its clock time is its host time
-        host = cpu_us_per_call({**fns, **layers}, args.rounds, min(args.calls, 100))
+        host = cpu_us_per_call({**fns, **layers}, args.rounds, min(args.calls, 100),
+                               stat=min if args.stat == "min" else statistics.median)
         med = {name: host[name] for name in fns}
     extra = {}
     if args.breakdown:
@@ -142,7 +164,7 @@ def measure(args) -> int:
     result = {"shape_bhld": [b, h, length, d], "dtype": str(dtype).replace("torch.", ""), "device": args.device,
               "median_us": {k: round(v, 3) for k, v in med.items()},
               "sdpa_priority_order": torch._C._get_sdp_priority_order(), "order_set": args.order,
-              "inference_mode": torch.is_inference_mode_enabled(),
+              "inference_mode": torch.is_inference_mode_enabled(), **({"statistic": args.stat} if not cuda else {}),
               **({"comfy_optimized_is": getattr(optimized, "__name__", "?")} if optimized is not None else {}),
               **({"kernels": {name: gpu_kernels(fn) for name, fn in fns.items()}} if cuda else {}),
               "bare_over_dispatcher": round(med["bare"] / med["dispatcher"], 4),
@@ -151,6 +173,10 @@ def measure(args) -> int:
                   "override_minus_comfy_optimized_host_us": round(host["override"] - host["comfy_optimized"], 3),
                   "dispatcher_minus_bare_host_us": round(host["dispatcher"] - host["bare"], 3)}
                  if "comfy" in med else {"dispatcher_minus_bare_host_us": round(host["dispatcher"] - host["bare"], 3)}),
+              **({"before_minus_after_host_us": {name: round(host[f"before_{name}"] - host[name], 3)
+                                                  for name in ("dispatcher", "override", "override_model")
+                                                  if f"before_{name}" in host}, "before": str(args.before)}
+                 if args.before is not None else {}),
               "host_us": {k: round(v, 3) for k, v in host.items()},
               "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__, "rounds": args.rounds,
               "calls": args.calls, "pack": str(args.pack), **extra}

@@ -37,5 +37,9 @@ class AttentionCall(NamedTuple):
     guard: tuple | None = None  # (mode, every) of the quality guard; None: the active setting
 
 
+# The fields a caller passes per call come first (the tensors and the mask): call[PER_CALL:] is the rest, fixed per
+# call site (dispatch.PreparedAttention, eager.Lane).
+PER_CALL = AttentionCall._fields.index("attn_mask") + 1
+
 # tuple.__new__ directly: the generated __new__ costs a Python frame per call on the hot path.
 new_call = tuple.__new__

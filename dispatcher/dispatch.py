@@ -9,11 +9,11 @@ import contextlib
 
 import torch
 
-from .call import AttentionCall, new_call
+from .call import PER_CALL, AttentionCall, new_call
 from .checks import plain_scale as _plain_scale
 from .compiled import dispatch_traced
 from .decisions import BackendNotSupportedError, fallback_order  # noqa: F401  (public names)
-from .eager import dispatch_eager
+from .eager import LEFT, dispatch_eager, lane_for, run_lane
 from .guard import settings as _guard_settings
 from .masks import sdpa_view as _sdpa_view
 from .report import recording
@@ -73,16 +73,14 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     return dispatch_eager(call)
 
 
-_PER_CALL = AttentionCall._fields.index("attn_mask") + 1  # the fields a prepared call takes on each call come first
-
-
 class PreparedAttention:
     """`dispatch_attention_fn` with every argument but the tensors fixed once: `prepared(query, key, value,
     attn_mask=None)` validates, dispatches and records each call exactly as `dispatch_attention_fn(query, key,
     value, attn_mask, **fixed)` would, without taking a dozen keywords apart on every call (the ComfyUI override
-    keeps one per call signature). The arguments are those of `dispatch_attention_fn`, checked on each call."""
+    keeps one per call signature, and calls `keyed`). The arguments are those of `dispatch_attention_fn`, checked on
+    each call."""
 
-    __slots__ = ("_rest", "_layout")
+    __slots__ = ("_rest", "_layout", "_lane")
 
     def __init__(self, *, dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                  enable_gqa: bool = False, attention_kwargs: dict | None = None, backend: str | None = None,
@@ -93,12 +91,12 @@ class PreparedAttention:
             guard = _guard_settings(guard, guard_every)
         if scale is not None and type(scale) is not float:
             scale = _plain_scale(scale)
-        self._layout = layout
+        self._layout, self._lane = layout, None
         # AttentionCall's fields after those a call passes (the tensors and the mask), named once, in its order
         self._rest = AttentionCall(
             query=None, key=None, value=None, attn_mask=None, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend, layout=layout, policy=policy,
-            return_lse=return_lse, call_site=call_site, recorder=recorder, model=model, guard=guard)[_PER_CALL:]
+            return_lse=return_lse, call_site=call_site, recorder=recorder, model=model, guard=guard)[PER_CALL:]
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None):
         if attn_mask is not None and type(attn_mask) is _Tensor and attn_mask.ndim == 2:
@@ -109,6 +107,25 @@ class PreparedAttention:
         if _context_parallel_on:
             return dispatch_call(call)
         return dispatch_eager(call)
+
+    def keyed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None):
+        """The same call, for a caller that keeps one PreparedAttention per call signature at least as fine as the
+        eager path's key (every shape, dtype and device; the mask's dtype, shape and device): the ComfyUI override's
+        plans. Once a call was served, the next ones run its lane (`eager.Lane`: the decided kernel, with what the
+        lane re-checks itself) without the entry, the key or the lookup; a call the lane cannot take goes the full
+        way, which leaves the lane for what is in force then. Never a lane inside torch.compile or while a
+        context_parallel() block is open (its calls are routed)."""
+        if attn_mask is not None and type(attn_mask) is _Tensor and attn_mask.ndim == 2:
+            attn_mask = _sdpa_view(attn_mask, query, key, self._layout)
+        lane = self._lane
+        if lane is not None and not _context_parallel_on and not _dynamo_compiling():
+            out = run_lane(lane, query, key, value, attn_mask)
+            if out is not LEFT:
+                return out
+        out = self(query, key, value, attn_mask)  # the mask is a (B, 1, 1, Sk) view by now: taken as it is
+        self._lane = None if _dynamo_compiling() or _context_parallel_on else \
+            lane_for(query, key, value, attn_mask, self._rest)
+        return out
 
 
 def install_router(route) -> None:

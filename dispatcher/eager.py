@@ -2,8 +2,10 @@
 served calls go to the quality guard of their decision (`decision.watch`, guard.py) once each.
 
 The first call of a signature validates everything and builds its `AttentionInputs`; repeat calls look
-the decision up by a key of shapes, dtypes, devices and flags read straight off the tensors, and pay for
-nothing else but the checks every call gets.
+the decision up by a key of shapes, dtypes, devices and flags read straight off the tensors (`lane_key`), and pay
+for nothing else but the checks every call gets. A caller that keys its calls at least as finely itself (the
+ComfyUI override's plans, through `PreparedAttention.keyed`) skips even that: its repeat calls run the decided
+kernel's `Lane`, which re-checks only what such a key cannot see.
 """
 
 from __future__ import annotations
@@ -11,17 +13,15 @@ from __future__ import annotations
 import torch
 
 from . import caches, checks, decisions, registry, state, support, trust
-from .call import AttentionCall
+from .call import PER_CALL, AttentionCall, new_call
+from .decisions import Decision
 from .execute import run
 from .inputs import describe_call
 from .machine import current_machine
 from .report import current_recorder
 
-# fast key -> Decision, or _TRUST_SENSITIVE when the decision also depends on trust settings: then
-# (fast key, trust.scope_key()) holds it. The fast key is finer than the decision's (decisions.decision_for) and
-# auto's (Tuner._key): the call's shapes, dtypes, devices and flags (which make its AttentionInputs), the requested
-# backend, policy, layout, machine, model, guard setting, call site (auto's block) and attention_kwargs' keys (auto's
-# candidates are the kernels that honour them). Forgotten with the decisions.
+# lane_key(...) -> Decision, or _TRUST_SENSITIVE when the decision also depends on trust settings: then
+# (that key, trust.scope_key()) holds it. Forgotten with the decisions.
 _fast: dict = {}
 _TRUST_SENSITIVE = object()
 # Requested backends whose decisions are `shapes_only` (SDPA's chain): their calls are first looked up by a shorter
@@ -47,36 +47,19 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
         model = scoped_model
     if guard is None:
         guard = scoped_guard
-    m = attn_mask
-    if m is None:
-        mask_dtype = mask_shape = None
-    elif type(m) is _Tensor:
-        mask_dtype, mask_shape = m.dtype, m.shape
-    else:  # a BlockMask (or a wrong type: the full path raises the real error)
-        mask_dtype, mask_shape = type(m), (getattr(m, "dtype", None), getattr(m, "shape", None),
-                                           getattr(m, "device", None))
-    q_shape, k_shape, v_shape = query.shape, key.shape, value.shape
     machine_id = id(_current_machine())  # kept alive by the decision (decision.machine), so the id stays unique
     decision = shapes_key = None
     if by_shapes:
         try:
             if requested in _shapes_only:
-                shapes_key = (requested, policy, layout, q_shape, k_shape, v_shape, mask_dtype, mask_shape, is_causal,
-                              dropout_p > 0, scale is None, enable_gqa, return_lse, machine_id, model, guard,
-                              call_site)
+                shapes_key = lane_key(call, requested, policy, model, guard, machine_id, True)
                 decision = _fast.get(shapes_key)
         except TypeError:  # an unhashable backend name or mask: the full path below raises the real error
             shapes_key = None
     validated = decision is None
     if validated:
-        fast_key = (requested, policy, layout, q_shape, k_shape, v_shape, query.dtype, key.dtype, value.dtype,
-                    query.device, key.device, value.device, mask_dtype, mask_shape,
-                    None if type(m) is not _Tensor else m.device, is_causal, dropout_p > 0, scale is None,
-                    enable_gqa, return_lse,
-                    _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
-                    machine_id, model, guard, call_site,  # the block: `auto_fast` judges each one
-                    attention_kwargs and frozenset(attention_kwargs))  # an auto picks among kernels honouring them
         try:
+            fast_key = lane_key(call, requested, policy, model, guard, machine_id, False)
             decision = _fast.get(fast_key)
             if decision is _TRUST_SENSITIVE:
                 decision = _fast.get((fast_key, trust.scope_key()))
@@ -144,6 +127,117 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
             _account(decision, name, failed, recorder, call_site, requested, guard_notes)
         return out
     raise AssertionError("unreachable: a decision always has a candidate")
+
+
+def lane_key(call: AttentionCall, requested, policy, model, guard, machine_id: int, shapes_only: bool) -> tuple:
+    """The one key of the eager path's cache (`_fast`), for `call` under the resolved scope (requested backend,
+    policy, model, guard setting) on the machine `machine_id`. Finer than the decision's key (decisions.decision_for)
+    and `auto`'s (Tuner._key): every part of the call its AttentionInputs are made from (shapes, dtypes, devices,
+    mask kind and shape, flags, whether a gradient is wanted), the call site (auto's block) and attention_kwargs'
+    keys (an auto picks among the kernels that honour them); tests/test_lanes.py checks the relation as a property.
+    shapes_only: the shorter key of a `shapes_only` chain, without dtypes, devices and grad, which its kernels need
+    not be told apart by. Raises TypeError for an unhashable part (the full path then raises the real error)."""
+    # Its own unpacking, in AttentionCall's order (tests/test_call_fields.py checks it).
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, _, layout, \
+        _, return_lse, call_site, _, _, _ = call
+    m = attn_mask
+    if m is None:
+        mask = None
+    elif type(m) is _Tensor:
+        mask = (m.dtype, m.shape) if shapes_only else (m.dtype, m.shape, m.device)
+    else:  # a BlockMask (or a wrong type: the full path raises the real error)
+        mask = (type(m), getattr(m, "dtype", None), getattr(m, "shape", None), getattr(m, "device", None))
+    common = (requested, policy, layout, query.shape, key.shape, value.shape, mask, is_causal, dropout_p > 0,
+              scale is None, enable_gqa, return_lse, machine_id, model, guard, call_site)
+    if shapes_only:
+        return common
+    return common + (query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
+                     _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
+                     attention_kwargs and frozenset(attention_kwargs))
+
+
+class Lane:
+    """One call site's repeat call, worked out once a call of it was served (`lane_for`): the decision's first
+    candidate (its bound runner, layout transposes and mask conversion: `execute.run`; a fallback's reasons), the
+    call's fields but the tensors and the mask, and what the lane was made under, re-checked on each call
+    (`run_lane`): the scope (backend, policy, model, guard, checks mode), the machine, whether a gradient is wanted,
+    the decision's first candidate (a demotion moves it) and the caches' epoch (`caches.forget`). The tensors' own key (shapes, dtypes, devices, mask) is the
+    holder's to check: a lane is kept per signature that is at least as fine (the ComfyUI override's plans)."""
+
+    __slots__ = ("decision", "candidate", "rest", "scope", "machine", "grad", "epoch", "site", "requested",
+                 "recorder", "reasons")
+
+    def __init__(self, decision, rest: tuple, scope: tuple, machine, grad: bool, requested: str):
+        candidate = decision.candidates[0]
+        self.decision, self.candidate, self.rest = decision, candidate, rest
+        self.scope, self.machine, self.grad, self.epoch = scope, machine, grad, _epoch
+        self.requested = requested
+        self.site, self.recorder = rest[_SITE], rest[_RECORDER]
+        # a fallback's reasons, recorded with each call as the full path records them (it logged them once)
+        name = candidate.name
+        self.reasons = decision.reasons_for(name) if name != decision.requested else ()
+
+
+# Where a call's fields after the mask (Lane.rest) hold these.
+_SITE = AttentionCall._fields.index("call_site") - PER_CALL
+_RECORDER = AttentionCall._fields.index("recorder") - PER_CALL
+LEFT = object()  # run_lane's answer when the call must take the full path
+_epoch = object()  # replaced whenever the caches forget: every lane made before is left
+
+
+@caches.on_forget
+def _new_epoch() -> None:
+    global _epoch
+    _epoch = object()
+
+
+def lane_for(query, key, value, attn_mask, rest: tuple) -> Lane | None:
+    """The lane of the call `(query, key, value, attn_mask) + rest` (rest: an AttentionCall's fields after the mask)
+    once a call of its signature was served, or None where repeat calls take the full path: checks on,
+    attention_kwargs, a decision not kept (an unsettled pick) or one that depends on trust settings."""
+    call = new_call(AttentionCall, (query, key, value, attn_mask) + rest)
+    scope = _current_scope()
+    (scoped_backend, scoped_policy, scoped_model, scoped_guard), mode = scope
+    if mode != "off" or call.attention_kwargs:
+        return None
+    requested = call.backend if call.backend is not None else scoped_backend
+    policy = call.policy if call.policy is not None else scoped_policy
+    model = call.model if call.model is not None else scoped_model
+    guard = call.guard if call.guard is not None else scoped_guard
+    machine = _current_machine()
+    try:
+        decision = _fast.get(lane_key(call, requested, policy, model, guard, id(machine), False))
+    except TypeError:
+        return None
+    if type(decision) is not Decision:  # not kept, or kept per trust setting
+        return None
+    grad = _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    return Lane(decision, rest, scope, machine, grad, requested)
+
+
+def run_lane(lane: Lane, query, key, value, attn_mask):
+    """A repeat call of the lane's signature (the caller checked the tensors' key): the kernel's output, counted as
+    the eager path counts it, or LEFT where the call must take the full path (the scope, the machine or the grad
+    mode changed, the caches forgot, the decision's first candidate was demoted, a guard check is due or the block's
+    kernel demoted by the guard, or the kernel raised: the full path runs it again and demotes it)."""
+    decision, candidate = lane.decision, lane.candidate
+    candidates = decision.candidates  # a new list once one is demoted
+    if lane.epoch is not _epoch or not candidates or candidates[0] is not candidate \
+            or _current_scope() != lane.scope or _current_machine() is not lane.machine \
+            or (_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)) != lane.grad:
+        return LEFT
+    if candidate.guard and not decision.watch.unchecked(candidate, lane.site):
+        return LEFT  # a check falls due (or the block's kernel was demoted): the full path's guard runs it
+    try:
+        out = run(candidate, new_call(AttentionCall, (query, key, value, attn_mask) + lane.rest))
+    except Exception:
+        return LEFT
+    recorder = lane.recorder
+    if recorder is None:
+        recorder = _current_recorder()
+    if recorder is not None:
+        recorder.record(lane.site, lane.requested, candidate.name, lane.reasons)
+    return out
 
 
 # Bound once: module attribute reads on every call add up on the hot path.

@@ -150,8 +150,9 @@ def rotation_text(every: int) -> str:
 _recorder: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("attn_dispatch_recorder", default=None)
 
 
-def current_recorder() -> Recorder | None:
-    return _recorder.get()
+# The active recording() block's recorder, or None: the ContextVar's own get, so the eager path's call of it enters
+# no Python frame.
+current_recorder = _recorder.get
 
 
 @contextlib.contextmanager

@@ -50,6 +50,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -197,7 +199,9 @@ def _check_heads(q, k, v, heads) -> None:
 
 class _Plan:
     """What a repeat call of one signature does, worked out on its first call: a delegation (its reason), or
-    the views to take, the backend name to pass and how to shape the output. Plain attributes, read per call."""
+    the views to take, the backend name to pass and how to shape the output, and the dispatcher's entry with the
+    plan's arguments fixed (`attend`, called `keyed`: repeat calls run the decided kernel's lane, without the
+    dispatcher's entry and lookup). Plain attributes, read per call."""
 
     __slots__ = ("reason", "views", "layout", "upcast", "name", "notes", "recorder", "site", "scale", "gqa", "output",
                  "attend", "exact", "kind")  # site: with the block ("self #5"); kind: without ("self")
@@ -208,8 +212,38 @@ class _Plan:
             setattr(self, name, fields.get(name))
 
 
+@dataclass(frozen=True, eq=False)
+class OverrideConfig:
+    """Everything one override is made from, one value (`make_override` builds it, normalised): the override reads
+    its fields once, and `attention_dispatch` (what a node rebuilds it from) is this value's fields but the tally.
+    block_notes / precision_notes are dicts shared with the node's report (and with overrides rebuilt from this
+    one), so the value is frozen, not hashable."""
+    backend: str
+    policy: str = "fallback"
+    recorder: Any = None
+    window: tuple | None = None  # (start_percent, end_percent)
+    trust: tuple = ()  # publishers allowed for Hub kernels, sorted
+    checks: str | None = None
+    compare: Any = None
+    previous: Any = None
+    model: str | None = None
+    guard: str | None = None
+    guard_every: int | None = None
+    blocks: tuple | None = None  # (block_start, block_end); None: every block
+    block_notes: dict = field(default_factory=dict)
+    default_attention: Any = None
+    precision_notes: dict = field(default_factory=dict)
+    sparse: Any = None
+    tally: Any = None
+
+
+# The fields a node rebuilds an override from (`attention_dispatch`): all but the tally.
+_REBUILT = tuple(f.name for f in fields(OverrideConfig) if f.name != "tally")
+
+
 class AttentionOverride:
-    """The `optimized_attention_override` of one Set Attention Backend node (or Attention Checks node).
+    """The `optimized_attention_override` of one Set Attention Backend node (or Attention Checks node), made from
+    one `OverrideConfig` (`make_override`). Its fields:
 
     backend: a dispatcher backend name, "auto_exact", "auto_fast" ("auto") or "comfy default";
     policy: "fallback" | "strict"; recorder: a `Recorder` (shared across clones); window: (start_percent,
@@ -231,46 +265,39 @@ class AttentionOverride:
     dispatcher gets ("self #5"): `auto_fast` judges and the quality guard checks and demotes per block.
     """
 
-    def __init__(self, backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
-                 compare=None, previous=None, model: str | None = None, guard: str | None = None,
-                 guard_every: int | None = None, blocks=None, block_notes: dict | None = None,
-                 default_attention=None, precision_notes: dict | None = None, sparse=None, tally=None):
-        self.backend, self.policy, self.recorder = backend, policy, recorder
+    def __init__(self, config: OverrideConfig):
+        self.config = config
+        backend = self.backend = config.backend
+        self.policy, self.recorder, self.window, self.trust = config.policy, config.recorder, config.window, config.trust
         declared = declared_options(backend)
-        self.sparse = None if declared is None else sparse if declared.owns(sparse) else declared.default
+        self.sparse = None if declared is None else config.sparse if declared.owns(config.sparse) else declared.default
         # A dense call's reason says first that the backend cannot run here at all, where so: "32 tokens <
         # min_tokens" alone read as if it would serve the longer calls.
         self._sparse_here = _cannot_run_here(backend) if self.sparse is not None else ""
-        self.tally = tally
-        self.window = tuple(window) if window is not None else None
-        self.trust = frozenset(trust or ())
-        self.checks, self.compare, self.previous = checks, compare, previous
-        chain(previous)  # a chain that already loops fails here, when the node runs, not on the first call
+        self.tally = config.tally
+        self.checks, self.compare, self.previous = config.checks, config.compare, config.previous
+        chain(self.previous)  # a chain that already loops fails here, when the node runs, not on the first call
         # what the report says served the calls passed on (fixed now: the previous override does not change)
-        self.previous_label = None if previous is None else f"previous override: {describe(previous)}"
-        self.default_attention = comfy_default_attention if default_attention is None else default_attention
-        self.model = model
+        self.previous_label = None if self.previous is None else f"previous override: {describe(self.previous)}"
+        given = config.default_attention
+        self.default_attention = comfy_default_attention if given is None else given
+        self.model = config.model
         # (mode, every), checked once here: the dispatcher takes a tuple as is (no per-call parsing)
-        if guard is None and guard_every is None:
+        if config.guard is None and config.guard_every is None:
             self.guard = None
         else:
-            self.guard = guard_settings(guard, guard_every)
-        self.blocks = None if blocks is None or is_default(*blocks) else (int(blocks[0]), int(blocks[1]))
-        self.block_notes = {} if block_notes is None else block_notes
-        self.precision_notes = {} if precision_notes is None else precision_notes
+            self.guard = guard_settings(config.guard, config.guard_every)
+        self.blocks, self.block_notes, self.precision_notes = config.blocks, config.block_notes, config.precision_notes
         self._outside_blocks = None if self.blocks is None else f"outside the block range {blocks_text(self.blocks)}"
         self._plans: dict[tuple, _Plan] = {}
         self._ordinals = Ordinals()
         # Made here, not in a traced call (torch.compile cannot trace registering one); others on first use.
         # (`auto_fast` asking `auto_exact` where the model wants full precision records as `auto_fast`.)
+        recorder = self.recorder
         self._relabels: dict[tuple, _Relabel] = {} if recorder is None else {(): _Relabel(recorder, backend)}
-        # Read by the Attention Checks node to rebuild this override with checks on, and by the report.
-        self.attention_dispatch = {"backend": backend, "policy": policy, "recorder": recorder, "window": self.window,
-                                   "trust": tuple(sorted(self.trust)), "checks": checks, "compare": compare,
-                                   "previous": previous, "model": model, "guard": guard, "guard_every": guard_every,
-                                   "blocks": self.blocks, "block_notes": self.block_notes,
-                                   "default_attention": default_attention, "precision_notes": self.precision_notes,
-                                   "sparse": sparse}
+        # Read by the Attention Checks node to rebuild this override with checks on (make_override(**it)), and by
+        # the report: the config's fields but the tally (each Attention Checks node brings its own).
+        self.attention_dispatch = {name: getattr(config, name) for name in _REBUILT}
 
     def __deepcopy__(self, memo):  # ModelPatcher.clone() deep-copies model_options: every clone shares this one
         return self
@@ -318,7 +345,11 @@ class AttentionOverride:
             pass
         if not compiling and q_shape is not None:  # traced once per graph: hashing symbolic sizes would specialise them
             try:  # everything a plan depends on; not tensors or unhashable options: no plan (_plan says why)
-                signature = (q_shape, k_shape, v.shape, q.dtype, heads, None if mask is None else mask.dtype,
+                # at least as fine as the eager path's key of the call it makes (PreparedAttention.keyed's lane
+                # skips that key):
+                # every dtype and device, the mask's dtype, shape and device
+                signature = (q_shape, k_shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                             heads, None if mask is None else (mask.dtype, mask.shape, mask.device),
                              attn_precision, skip_reshape, skip_output_reshape, kwargs.get("scale"),
                              kwargs.get("enable_gqa", False), kwargs.get("low_precision_attention", True), block)
                 plan = self._plans.get(signature)
@@ -379,6 +410,8 @@ class AttentionOverride:
                 if sparse is not None:
                     stack.enter_context(sparse.applied())
                 out = attend(qs, ks, vs, mask)
+        elif attend is plan.attend:  # a kept plan: keyed as finely as the dispatcher, so repeat calls take its lane
+            out = attend.keyed(qs, ks, vs, mask)
         else:
             out = attend(qs, ks, vs, mask)
         if plan.upcast:
@@ -615,8 +648,13 @@ def make_override(backend: str, policy: str = "fallback", recorder=None, window=
                   compare=None, previous=None, model=None, guard=None, guard_every=None, blocks=None,
                   block_notes=None, default_attention=None, precision_notes=None, sparse=None,
                   tally=None) -> AttentionOverride:
-    """An `optimized_attention_override` for one Set Attention Backend node (see `AttentionOverride`), or for an
-    Attention Checks node (`tally`: its CheckTally)."""
-    kind = AttentionOverride if tally is None else CheckedOverride
-    return kind(backend, policy, recorder, window, trust, checks, compare, previous, model, guard, guard_every,
-                blocks, block_notes, default_attention, precision_notes, sparse, tally)
+    """An `optimized_attention_override` for one Set Attention Backend node (see `AttentionOverride` for the
+    arguments), or for an Attention Checks node (`tally`: its CheckTally): one `OverrideConfig` value, normalised."""
+    config = OverrideConfig(
+        backend=backend, policy=policy, recorder=recorder, window=None if window is None else tuple(window),
+        trust=tuple(sorted(frozenset(trust or ()))), checks=checks, compare=compare, previous=previous, model=model,
+        guard=guard, guard_every=guard_every,
+        blocks=None if blocks is None or is_default(*blocks) else (int(blocks[0]), int(blocks[1])),
+        block_notes={} if block_notes is None else block_notes, default_attention=default_attention,
+        precision_notes={} if precision_notes is None else precision_notes, sparse=sparse, tally=tally)
+    return (AttentionOverride if tally is None else CheckedOverride)(config)

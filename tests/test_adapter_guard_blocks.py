@@ -68,20 +68,30 @@ def _clear():
 @pytest.fixture
 def spy(monkeypatch):
     """The dispatcher's keyword arguments of every call the override makes: a prepared call's fixed ones (one
-    per plan, `PreparedAttention`), or those of a direct `dispatch_attention_fn` call (a plan not kept)."""
+    per plan, `PreparedAttention`, called plain or `keyed`), or those of a direct `dispatch_attention_fn` call (a
+    plan not kept)."""
     seen = []
     prepared, direct = adapter.PreparedAttention, adapter.dispatch_attention_fn
 
     class Spy(prepared):
-        __slots__ = ("fixed",)
+        __slots__ = ("fixed", "keying")
 
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
-            self.fixed = kwargs
+            self.fixed, self.keying = kwargs, False
 
         def __call__(self, *args):
-            seen.append(self.fixed)
+            if not self.keying:  # a keyed call that goes the full way is counted once, as keyed
+                seen.append(self.fixed)
             return super().__call__(*args)
+
+        def keyed(self, *args):
+            seen.append(self.fixed)
+            self.keying = True
+            try:
+                return super().keyed(*args)
+            finally:
+                self.keying = False
 
     def fn(*args, **kwargs):
         seen.append(kwargs)

@@ -2,7 +2,8 @@
 and whatever changes what decisions depend on (the registry, `auto`'s tuning) calls `caches.forget()`.
 
 The caches: the decisions themselves, the eager path's fast keys (and its shapes-only set), the traced plans'
-candidates (a compiled graph re-plans once they are gone) and `auto`'s in-memory choices.
+candidates (a compiled graph re-plans once they are gone) and `auto`'s in-memory choices. That the fast key tells
+apart every call the decision's key does is a property (tests/test_lanes.py).
 """
 
 from __future__ import annotations
@@ -122,38 +123,3 @@ def test_a_trust_change_reaches_the_next_call_through_the_keys(monkeypatch, tmp_
     rows = {row["served"]: row["calls"] for row in recorder.snapshot()["rows"]}
     assert rows == {"native": 4, "remote": 4}
     hub.forget_loaded()
-
-
-def _variations(q, k, v):
-    """(name, args, kwargs): the base call with one thing changed that changes its decision's key."""
-    b, lq, h, d = q.shape
-    yield "dtype", (q.double(), k.double(), v.double()), {}
-    yield "a bool mask", (q, k, v), {"attn_mask": torch.ones(b, 1, lq, lq, dtype=torch.bool)}
-    yield "an additive mask", (q, k, v), {"attn_mask": torch.zeros(b, 1, lq, lq)}
-    yield "a mask of another shape", (q, k, v), {"attn_mask": torch.zeros(lq, lq)}
-    yield "causal", (q, k, v), {"is_causal": True}
-    yield "dropout", (q, k, v), {"dropout_p": 0.1}
-    yield "a scale", (q, k, v), {"scale": 0.3}
-    yield "the LSE", (q, k, v), {"return_lse": True}
-    yield "gradients", (q.detach().requires_grad_(), k, v), {}
-    yield "a broadcast key batch", (q, k[:1], v[:1]), {}
-    yield "grouped heads", (q, k[:, :, :1], v[:, :, :1]), {"enable_gqa": True}
-    yield "the layout", (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)), {"layout": "BHSD"}
-    yield "the policy", (q, k, v), {"policy": "strict"}
-    yield "the model", (q, k, v), {"model": "another"}
-    yield "the guard", (q, k, v), {"guard": "all"}
-
-
-@pytest.mark.parametrize("variation", [name for name, _, _ in _variations(*tensors.qkv(b=2, lq=16, h=2, d=16))])
-def test_the_fast_key_tells_apart_every_call_the_decisions_key_does(variation):
-    """The eager path's fast key is built inline on the hot path, apart from the decision's key: whatever makes a new
-    decision must make a new fast key too, or a call would be served another call's decision."""
-    q, k, v = tensors.qkv(b=2, lq=16, h=2, d=16)
-    _, args, kwargs = next(item for item in _variations(q, k, v) if item[0] == variation)
-    dispatcher.dispatch_attention_fn(q, k, v, backend="flex")  # flex's chain is not shapes-only: every key counts
-    held = len(decisions._decisions), len(eager._fast)
-    dispatcher.dispatch_attention_fn(*tensors.qkv(b=2, lq=16, h=2, d=16, seed=1), backend="flex")  # other values
-    assert (len(decisions._decisions), len(eager._fast)) == held
-    dispatcher.dispatch_attention_fn(*args, backend="flex", **kwargs)
-    assert len(decisions._decisions) == held[0] + 1
-    assert len(eager._fast) > held[1]
