@@ -220,7 +220,7 @@ def eager_step(runs: int, warmup: int, forward_args, configs: dict, device: str,
     step is partly CPU-bound). A configuration that raises (a kernel pinned with policy strict that cannot run a
     call) is dropped with its error."""
     import torch
-    from attention_dispatch_pack.dispatcher import prediction
+    from attention_dispatch_pack.dispatcher import prediction_trial
     from attention_dispatch_pack.dispatcher.reference import relative_error
     from attention_dispatch_pack.dispatcher.tools.bench import sample_ms  # CUDA events on GPUs, a clock on a CPU
     model, args_, kwargs = forward_args
@@ -234,7 +234,7 @@ def eager_step(runs: int, warmup: int, forward_args, configs: dict, device: str,
     for name, (options, recorder) in list(configs.items()):
         try:
             if name in judged:  # the first forward: the model with approximate kernels refused, then allowed
-                verdict, out = prediction.judge(judged[name], lambda: forward(options), lambda: forward(options),
+                verdict, out = prediction_trial.judge(judged[name], lambda: forward(options), lambda: forward(options),
                                                 recorder=recorder)  # it counts what the trial's calls ran on
                 outputs[name], verdicts[name] = out.float(), verdict.as_dict()
                 print(f"{name}: {verdict.text}")

@@ -16,7 +16,7 @@ if not _at_least(_torch.__version__, _TORCH_FLOOR):  # said plainly, not as the 
 from . import backends as _backends  # noqa: F401  (registers the built-in backends)
 from . import auto  # noqa: F401  (registers auto_exact / auto_fast / auto: auto.tune / report / explain / clear_cache)
 from . import guard  # noqa: F401  (the quality guard's modes and bounds)
-from . import prediction  # noqa: F401  (the prediction-level verdict on approximate kernels)
+from . import prediction, prediction_trial  # noqa: F401  (the prediction-level verdict on approximate kernels)
 from .call import AttentionCall
 from .checks import AttentionInputError
 from .decisions import BackendNotSupportedError, fallback_order

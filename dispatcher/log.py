@@ -92,3 +92,8 @@ def forget_warnings() -> None:
     """Say every warn_once warning again (tests; a user who fixed the cause and wants to know if it is back)."""
     with _said_lock:
         _said.clear()
+
+
+def counted(n: int, noun: str) -> str:
+    """'1 call', '2 calls': a count in the words a report prints (issue #41: "1 calls")."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"

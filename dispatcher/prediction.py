@@ -7,7 +7,7 @@ apply-model wrapper, nodes/prediction_check.py) asks for a verdict before an app
 under `auto_fast`:
 
     prediction.require(model)                 # approximate kernels wait for the verdict (support.for_auto says so)
-    verdict, out = prediction.judge(model, forward, forward, recorder=the_models_recorder)
+    verdict, out = prediction_trial.judge(model, forward, forward, recorder=the_models_recorder)
         # 1. the forward with approximate kernels refused: the reference prediction
         # 2. the same forward, same input, with them allowed: the trial. `auto_fast` puts an approximate kernel on
         #    every block whose per-call verdict admits it, whatever the timings and the step's choice say
@@ -27,17 +27,11 @@ process, like `auto_fast`'s per-block verdicts.
 
 from __future__ import annotations
 
-import math
 import threading
-from collections import Counter
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from typing import Callable
-
-import torch
 
 from . import caches, registry
-from .report import Recorder, counted, recording
+from .log import counted
 
 # The largest relative L2 difference (float64, over the whole prediction) between the model's prediction with the
 # approximate kernels `auto_fast` picks and with them refused, on the same input at the first step they would serve.
@@ -86,7 +80,7 @@ _status: dict[str, str] = {}
 _verdicts: dict[str, Verdict] = {}
 
 
-def _set(model: str, status: str) -> None:
+def set_status(model: str, status: str) -> None:
     with _lock:
         changed = _status.get(model) != status
         _status[model] = status
@@ -106,7 +100,14 @@ def verdict(model: str) -> Verdict | None:
 def require(model: str) -> None:
     """A host will judge `model`'s prediction: until then approximate kernels wait (no-op once judged)."""
     if status(model) not in (ADMITTED, REFUSED):
-        _set(model, PENDING)
+        set_status(model, PENDING)
+
+
+def settle(result: Verdict) -> None:
+    """Keep a trial's verdict (prediction_trial.judge) and move the model to its status."""
+    with _lock:
+        _verdicts[result.model] = result
+    set_status(result.model, result.status)
 
 
 def due(model: str) -> bool:
@@ -135,59 +136,6 @@ def available_here() -> list[str]:
     """The approximate backends this machine can run (none: nothing to judge, no second forward)."""
     return [name for name in registry.names()
             if registry.get(name).approximate and not registry.requirement_reasons(name)]
-
-
-def relative_difference(candidate: torch.Tensor, reference: torch.Tensor) -> float:
-    """||candidate - reference|| / ||reference|| in float64 (inf when either has NaN/Inf)."""
-    c, r = candidate.detach().double(), reference.detach().double()
-    if not (torch.isfinite(c).all() and torch.isfinite(r).all()):
-        return math.inf
-    return float((c - r).norm() / r.norm().clamp_min(1e-30))
-
-
-def _served_calls(recorder: Recorder) -> Counter:
-    """(call site, served backend) -> calls recorded so far."""
-    out: Counter = Counter()
-    for row in recorder.snapshot()["rows"]:
-        out[(row["site"], row["served"])] += row["calls"]
-    return out
-
-
-def _approximate(name: str) -> bool:
-    return registry.is_known(name) and registry.get(name).approximate
-
-
-def judge(model: str, reference: Callable[[], torch.Tensor], candidate: Callable[[], torch.Tensor], *,
-          bound: float = MODEL_BOUND, recorder: Recorder | None = None) -> tuple[Verdict, torch.Tensor]:
-    """(the verdict, the prediction to use): `reference()` runs the model's forward with approximate kernels refused,
-    `candidate()` the same forward on the same input with them allowed (see the module's docstring). recorder: the
-    one the model's calls record into (a host's); None: the calls name none, and the judge records them itself.
-    A trial whose forward no approximate kernel served judges nothing: the verdict returned is PENDING (status
-    stays pending, `due` says whether to try again) with the reference prediction."""
-    counter = recorder if recorder is not None else Recorder("prediction trial")
-    _set(model, PENDING)
-    try:
-        expected = reference()
-        _set(model, TRIAL)
-        before = _served_calls(counter)
-        with recording(counter) if recorder is None else nullcontext():
-            got = candidate()
-        trial = _served_calls(counter) - before
-    except BaseException:
-        _set(model, PENDING)  # an interrupted or failing forward decides nothing
-        raise
-    approximate = {key: n for key, n in trial.items() if _approximate(key[1])}
-    served = sum(approximate.values())
-    error = relative_difference(got, expected)
-    previous = _verdicts.get(model)
-    trials = previous.trials + 1 if previous is not None and previous.status == PENDING else 1
-    status_now = PENDING if not served else ADMITTED if error <= bound else REFUSED
-    result = Verdict(model, status_now, error, bound, served, sum(trial.values()),
-                     tuple(sorted({site for site, _ in approximate})), trials)
-    with _lock:
-        _verdicts[model] = result
-    _set(model, result.status)
-    return result, got if result.status == ADMITTED else expected
 
 
 def forget(model: str | None = None) -> None:

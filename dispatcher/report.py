@@ -10,6 +10,7 @@ import weakref
 from collections import Counter
 
 from . import registry
+from .log import counted
 
 # Recorders by serial number: a compiled graph cannot hold a recorder object, so it names one by its
 # `serial` (a plain int dynamo can bake in) and the call looks it up (see compiled.py).
@@ -134,11 +135,6 @@ class Recorder:
                                                               if failure["replacement"] else "no exact backend left"))
             lines.append(line)
         return "\n".join(lines)
-
-
-def counted(n: int, noun: str) -> str:
-    """'1 call', '2 calls': a count in the words a report prints (issue #41: "1 calls")."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def rotation_text(every: int) -> str:

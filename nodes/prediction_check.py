@@ -12,7 +12,7 @@ second forward's calls get the same block names as the first's.
 
 from __future__ import annotations
 
-from ..dispatcher import prediction
+from ..dispatcher import prediction, prediction_trial
 from .window import in_window
 
 _OPTIONS_AT = 5  # apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
@@ -44,7 +44,7 @@ def apply_model_wrapper(model: str, window, recorder=None):
                 fresh["cond_or_uncond"] = list(fresh["cond_or_uncond"])  # a new forward: block ordinals from 0
             call_args, call_kwargs = _with_options(args, kwargs, fresh)
             return executor(*call_args, **call_kwargs)
-        return prediction.judge(model, forward, forward, recorder=recorder)[1]
+        return prediction_trial.judge(model, forward, forward, recorder=recorder)[1]
     return wrapper
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import dispatcher
-from dispatcher import Recorder, auto, dispatch_attention_fn, model_scope, prediction, recording
+from dispatcher import Recorder, auto, dispatch_attention_fn, model_scope, prediction, prediction_trial
 from dispatcher.auto import Tuner
 from helpers import fake_clock
 from helpers.tensors import sdpa
@@ -61,7 +61,7 @@ def forward(x, model: str, w, backend="auto_fast", recorder=None, blocks=BLOCKS)
 def judged(model: str, x, w, recorder=None, **kw):
     """Ask for `model`'s verdict and make it: the forward with approximate kernels refused, then allowed."""
     prediction.require(model)
-    return prediction.judge(model, lambda: forward(x, model, w, **kw),
+    return prediction_trial.judge(model, lambda: forward(x, model, w, **kw),
                             lambda: forward(x, model, w, recorder=recorder, **kw), recorder=recorder)
 
 
@@ -92,7 +92,7 @@ def test_the_per_call_rule_alone_lets_a_kernel_that_ruins_the_prediction_serve(k
         rec = Recorder()
         got = forward(x, "m-unjudged", w, recorder=rec)
     assert served(rec) == {bad}  # each block's verdict admitted it: 8e-2 is within its 1e-1
-    assert prediction.relative_difference(got, reference) > 0.5
+    assert prediction_trial.relative_difference(got, reference) > 0.5
 
 
 def test_a_kernel_fine_per_call_that_ruins_the_prediction_is_refused(kernels, tmp_path):
@@ -104,7 +104,7 @@ def test_a_kernel_fine_per_call_that_ruins_the_prediction_is_refused(kernels, tm
         before = forward(x, "m-bad", w, recorder=rec)
         assert served(rec) == {exact}  # pending: it waits for the verdict
         trial = Recorder()
-        verdict, out = prediction.judge("m-bad", lambda: forward(x, "m-bad", w),
+        verdict, out = prediction_trial.judge("m-bad", lambda: forward(x, "m-bad", w),
                                         lambda: forward(x, "m-bad", w, recorder=trial), recorder=trial)
         assert served(trial) == {bad}  # the candidate forward ran it, on every block
         assert verdict.status == prediction.REFUSED and verdict.rel_error > 0.5 and verdict.bound == 2e-2
@@ -143,7 +143,7 @@ def test_a_trial_no_approximate_kernel_served_decides_nothing(kernels, tmp_path)
         prediction.require("m-none")
         for trial in range(1, prediction.MAX_TRIALS + 1):
             assert prediction.due("m-none")
-            verdict, out = prediction.judge("m-none", lambda: forward(x, "m-none", w, backend=exact),
+            verdict, out = prediction_trial.judge("m-none", lambda: forward(x, "m-none", w, backend=exact),
                                             lambda: forward(x, "m-none", w, backend=exact))
             assert verdict.status == prediction.PENDING == prediction.status("m-none")
             assert (verdict.served, verdict.calls, verdict.rel_error, verdict.trials) == (0, BLOCKS, 0.0, trial)
@@ -191,14 +191,14 @@ def test_a_nan_prediction_is_refused_and_a_failed_forward_decides_nothing(kernel
     def nan_forward():
         forward(x, "m-nan", w, backend=bad)  # an approximate kernel served it
         return torch.tensor([1.0, float("nan"), 1.0])
-    verdict, out = prediction.judge("m-nan", lambda: torch.ones(3), nan_forward)
+    verdict, out = prediction_trial.judge("m-nan", lambda: torch.ones(3), nan_forward)
     assert verdict.status == prediction.REFUSED and verdict.rel_error == float("inf")
     torch.testing.assert_close(out, torch.ones(3))
 
     def broken():
         raise RuntimeError("out of memory")
     with pytest.raises(RuntimeError, match="out of memory"):
-        prediction.judge("m-oom", lambda: torch.ones(3), broken)
+        prediction_trial.judge("m-oom", lambda: torch.ones(3), broken)
     assert prediction.status("m-oom") == prediction.PENDING and prediction.verdict("m-oom") is None
 
 

@@ -20,7 +20,7 @@ import torch
 
 from .. import decisions, registry
 from ..execute import run
-from ..report import counted
+from ..log import counted
 from . import hooks, measure
 
 MIX = "mix"  # the per-signature picks, each call its own
