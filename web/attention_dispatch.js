@@ -11,8 +11,9 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import {
-  displayLabel, fallbackToast, fullValues, groupedEntry, indexBackends, isUnavailable, menuGroups, mergeReports, optionLabel,
-  resolveNode, selectionWarning, summarizeClipText, summarizeReport, summarizeTrustText, visibleValues, wrapText,
+  displayLabel, fallbackToast, fullValues, groupedEntry, indexBackends, isUnavailable, menuGroups, mergeReports,
+  optionLabel, resolveNode, selectionWarning, summarizeClipText, summarizeReport, summarizeTrustText, visibleValues,
+  wrapText,
 } from "./format.js";
 import { placeNodeErrors } from "./node_errors.js";
 
