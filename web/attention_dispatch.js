@@ -11,8 +11,9 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import {
-  displayLabel, fallbackToast, groupedEntry, indexBackends, isUnavailable, menuGroups, mergeReports, optionLabel,
-  resolveNode, selectionWarning, summarizeClipText, summarizeReport, summarizeTrustText, visibleValues, wrapText,
+  displayLabel, fallbackToast, fullValues, groupedEntry, indexBackends, isUnavailable, menuGroups, mergeReports,
+  optionLabel, resolveNode, selectionWarning, summarizeClipText, summarizeReport, summarizeTrustText, visibleValues,
+  wrapText,
 } from "./format.js";
 import { placeNodeErrors } from "./node_errors.js";
 
@@ -228,13 +229,14 @@ function protoGetter(obj, name) {
 function applyVisibleValues(w) {
   let cur = w?.options?.values;
   if (!Array.isArray(cur)) return;
-  if (!w.__attnFull || cur !== w.__attnShown) { // first time, or replaced (R refresh): a list of this widget's own
-    w.__attnFull = [...cur];
-    if (w.__attnShown) w.options.values = cur = [...cur];
+  if (!w.__attnFull || cur !== w.__attnShown) { // first time, or replaced: by a copy of what was shown, or by R
+    w.__attnFull = fullValues(w.__attnFull, w.__attnShownValues, cur);
+    if (w.__attnShown) w.options.values = cur = [...cur]; // a list of this widget's own
   }
   const shown = visibleValues(w.__attnFull, state.index, setting(SETTINGS.showUnavailable, true) !== false, w.value);
   if (shown.length !== cur.length || shown.some((v, i) => v !== cur[i])) cur.splice(0, cur.length, ...shown);
   w.__attnShown = cur;
+  w.__attnShownValues = [...cur];
 }
 
 function entryValue(el) {

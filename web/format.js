@@ -150,6 +150,15 @@ export function visibleValues(values, index, showUnavailable, current) {
   return values.filter((v) => v === current || !isUnavailable(index, v));
 }
 
+/** The widget's full list of values, once its array is `current`: `full` (what was kept) while `current` holds
+ * exactly the values last shown (`shown`: the frontend copied the filtered list into a new array, as 1.53 does when
+ * a setting changes), else `current` itself (a list of its own: the first time, or R refreshed it from the server). */
+export function fullValues(full, shown, current) {
+  const copyOfShown = Array.isArray(full) && Array.isArray(shown) && Array.isArray(current)
+    && current.length === shown.length && current.every((v, i) => v === shown[i]);
+  return copyOfShown ? full : [...current];
+}
+
 /** First available backend of `name`'s fallback chain, as the dispatcher would walk it. */
 export function fallbackTarget(index, name, seen = new Set()) {
   const s = index && index.get(name);

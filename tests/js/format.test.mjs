@@ -5,7 +5,7 @@ import { describe, test } from "node:test";
 import {
   ALWAYS_AVAILABLE, attentionTimeMs, displayLabel, fallbackTarget, fallbackToast, formatMs, indexBackends,
   groupedEntry, isUnavailable, menuEntry, menuGroups, mergeReports, parseExecutionId, reasonText, resolveNode, selectionWarning, splitReason,
-  statusOf, summarizeClipText, summarizeReport, visibleValues, wrapText,
+  statusOf, summarizeClipText, summarizeReport, visibleValues, wrapText, fullValues,
 } from "../../web/format.js";
 
 // Rows as GET /attention_dispatch/backends returns them on a CPU machine (trimmed to the fields used).
@@ -114,6 +114,16 @@ describe("the dropdown", () => {
       ["auto", "comfy default", "native", "_native_flash", "flash"]);
     assert.equal(visibleValues(VALUES, null, false, "auto"), VALUES); // list not loaded: show all
     assert.equal(visibleValues("x", INDEX, false, "auto"), "x");
+  });
+
+  test("fullValues keeps the full list when the frontend copies the filtered one, and takes a refreshed one", () => {
+    const shown = visibleValues(VALUES, INDEX, false, "auto");
+    // frontend 1.53.6 puts a copy of the shown (filtered) values in a new array when a setting changes: hidden
+    // backends came back only after a reload
+    assert.deepEqual(fullValues(VALUES, shown, [...shown]), VALUES);
+    assert.deepEqual(fullValues(VALUES, shown, ["auto", "native", "new_kernel"]), ["auto", "native", "new_kernel"]);
+    assert.deepEqual(fullValues(undefined, undefined, VALUES), VALUES); // the first time: the widget's own list
+    assert.notEqual(fullValues(undefined, undefined, VALUES), VALUES); // a copy, never the widget's array
   });
 });
 
