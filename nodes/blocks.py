@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+import torch
+
 DEFAULT_RANGE = (0, -1)
 RANGE_RULE = ("the block range needs block_start <= block_end when both count from the same end "
               "(negative = from the last block: -1 is the last)")
@@ -93,6 +95,11 @@ def block_id(transformer_options: dict | None, position, ordinals: "Ordinals | N
             index = None
     else:
         index = inner = None
+    if torch.compiler.is_compiling():  # traced once per graph, and its ints can be symbols there (dynamo makes an
+        # int of the options that changes between calls dynamic): a cache lookup would compare them symbolically, which
+        # raised "BooleanAtom not allowed in this context" in ComfyUI's compiled WAN; int() specialises the graph on it
+        return BlockId("self" if is_self else "cross", stream, None if index is None else int(index),
+                       None if inner is None else int(inner))
     key = (is_self, stream, index, inner)
     made = _MADE.get(key)
     if made is None:

@@ -106,3 +106,20 @@ def test_a_block_identity_round_trips_through_disk_and_report(tmp_path):
         assert row["site"] == made.text and reports.site_kind(row["site"]) == made.unnumbered.text == "double.self"
     finally:
         dispatcher.registry.remove("t_bi_quantised")
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_a_block_is_named_inside_a_dynamic_shape_compile():
+    """The override names its block inside a dynamic-shape compile, where the self/cross test is symbolic. (In
+    ComfyUI 0.3.64's compiled WAN the identity cache, keyed by that test, raised "BooleanAtom not allowed in this
+    context": tests/integration catch that case; this smaller trace did not reproduce it.)"""
+    override = adapter.make_override("native")
+    to = {"cond_or_uncond": [0]}  # WAN of ComfyUI 0.3.64: no block index, and no counting inside a trace
+
+    def step(q, k, v):
+        return override(comfy_func, q, k, v, 2, transformer_options=to)
+
+    compiled = torch.compile(step, backend="eager", dynamic=True)
+    for lq, lk in ((16, 8), (24, 12)):  # a cross-attention's two lengths: symbols from the second size on
+        q, k, v = tensors.qkv(b=1, lq=lq, lk=lk, h=2, d=16, flat=True)
+        torch.testing.assert_close(compiled(q, k, v), comfy_func(q, k, v, 2))
