@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 from dataclasses import asdict, dataclass
 
-from . import caches, registry
+from . import caches
 from .log import counted
 
 # The largest relative L2 difference (float64, over the whole prediction) between the model's prediction with the
@@ -130,12 +130,6 @@ def refusal(model: str, block: str | None = None) -> str | None:
         return (f"an approximate kernel: block {block} ran exactly in this model's prediction-level trial, so its "
                 f"admission ({made.text.split(': ', 1)[1]}) does not cover it")
     return None
-
-
-def available_here() -> list[str]:
-    """The approximate backends this machine can run (none: nothing to judge, no second forward)."""
-    return [name for name in registry.names()
-            if registry.get(name).approximate and not registry.requirement_reasons(name)]
 
 
 def forget(model: str | None = None) -> None:

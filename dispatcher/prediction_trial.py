@@ -16,6 +16,12 @@ from .prediction import ADMITTED, MODEL_BOUND, PENDING, REFUSED, TRIAL, Verdict
 from .report import Recorder, recording
 
 
+def available_here() -> list[str]:
+    """The approximate backends this machine can run (none: nothing to judge, no second forward)."""
+    return [name for name in registry.names()
+            if registry.get(name).approximate and not registry.requirement_reasons(name)]
+
+
 def relative_difference(candidate: torch.Tensor, reference: torch.Tensor) -> float:
     """||candidate - reference|| / ||reference|| in float64 (inf when either has NaN/Inf)."""
     c, r = candidate.detach().double(), reference.detach().double()

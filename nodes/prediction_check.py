@@ -35,7 +35,7 @@ def apply_model_wrapper(model: str, window, recorder=None):
     def wrapper(executor, *args, **kwargs):
         options = _options(args, kwargs)
         if not prediction.due(model) or not in_window(options, window) \
-                or not prediction.available_here():
+                or not prediction_trial.available_here():
             return executor(*args, **kwargs)
 
         def forward():
@@ -61,7 +61,7 @@ def report(model: str) -> dict:
     """What the node's report and badge say of the verdict: {} when none was made for this model."""
     verdict = prediction.verdict(model)
     if verdict is None:
-        if prediction.status(model) == prediction.PENDING and prediction.available_here():
+        if prediction.status(model) == prediction.PENDING and prediction_trial.available_here():
             return {"notes": ["sparse: no verdict yet (no model call inside the step window): approximate kernels "
                               "did not serve"]}
         return {}

@@ -212,4 +212,4 @@ def test_only_approximate_kernels_wait(kernels, tmp_path):
         "without approximate kernels)",)
     assert for_auto("t_sparse_bad", call, exact_only=False, model="another").runs
     assert for_auto("t_exact", call, exact_only=False, model="m-pending").runs
-    assert "t_sparse_bad" in prediction.available_here()
+    assert "t_sparse_bad" in prediction_trial.available_here()
