@@ -83,7 +83,7 @@ def _unnumbered(transformer_options, q, k, skip_reshape: bool):
     """The `BlockId` of a call without its block number, in either of ComfyUI's layouts ((B, H, L, D) with
     skip_reshape, else (B, L, H*D)): 'self'/'cross' from the lengths, with the model's block type."""
     axis = 2 if skip_reshape else 1
-    return block_id(transformer_options, None, None, q.shape[axis] == k.shape[axis])
+    return block_id(transformer_options, None, None, q.shape[axis] == k.shape[axis], compiling=_dynamo_compiling())
 
 
 class _Relabel:
@@ -340,7 +340,8 @@ class AttentionOverride:
         try:  # the block first: every call is counted, passed on or not, so ordinals stay block numbers
             q_shape, k_shape = q.shape, k.shape  # read once for both uses: each read builds a torch.Size
             axis = 2 if skip_reshape else 1
-            block = block_id(to, position, None if compiling else self._ordinals, q_shape[axis] == k_shape[axis])
+            block = block_id(to, position, None if compiling else self._ordinals, q_shape[axis] == k_shape[axis],
+                             compiling=compiling)
         except (AttributeError, IndexError, TypeError):  # not tensors: _plan says why
             pass
         if not compiling and q_shape is not None:  # traced once per graph: hashing symbolic sizes would specialise them

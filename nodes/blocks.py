@@ -23,8 +23,6 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-import torch
-
 DEFAULT_RANGE = (0, -1)
 RANGE_RULE = ("the block range needs block_start <= block_end when both count from the same end "
               "(negative = from the last block: -1 is the last)")
@@ -72,11 +70,13 @@ _INT = r"0|-?[1-9][0-9]*"
 _TEXT = re.compile(rf"(?:(?P<stream>[^.\s#]+)\.)?(?P<kind>.*?)(?: #(?P<index>{_INT})(?:\.(?P<inner>{_INT}))?)?", re.DOTALL)
 
 
-def block_id(transformer_options: dict | None, position, ordinals: "Ordinals | None", is_self: bool) -> BlockId:
+def block_id(transformer_options: dict | None, position, ordinals: "Ordinals | None", is_self: bool, *,
+             compiling: bool) -> BlockId:
     """The block a call comes from, made once per call: its kind (self/cross, from the call's lengths), the model's
     block type, and `position` (`block_position` of the same options) or else the call's ordinal within this forward
-    among calls of its kind (ordinals None: no counting, inside a torch.compile trace). Without transformer_options
-    no block (nothing tells one forward from the next)."""
+    among calls of its kind (ordinals None: no counting, as inside a torch.compile trace). Without
+    transformer_options no block (nothing tells one forward from the next). compiling: inside a torch.compile trace
+    (the caller's own test, made once per call)."""
     to = transformer_options
     if not to:
         return _SELF if is_self else _CROSS
@@ -95,17 +95,17 @@ def block_id(transformer_options: dict | None, position, ordinals: "Ordinals | N
             index = None
     else:
         index = inner = None
-    if torch.compiler.is_compiling():  # traced once per graph, and its ints can be symbols there (dynamo makes an
-        # int of the options that changes between calls dynamic): a cache lookup would compare them symbolically, which
-        # raised "BooleanAtom not allowed in this context" in ComfyUI's compiled WAN; int() specialises the graph on it
-        return BlockId("self" if is_self else "cross", stream, None if index is None else int(index),
-                       None if inner is None else int(inner))
+    kind = "self" if is_self else "cross"
+    if compiling:  # traced once per graph, and its ints can be symbols there (dynamo makes an int of the options
+        # that changes between calls dynamic): a cache lookup would compare them symbolically, which raised
+        # "BooleanAtom not allowed in this context" in ComfyUI's compiled WAN; int() specialises the graph on it
+        return BlockId(kind, stream, None if index is None else int(index), None if inner is None else int(inner))
     key = (is_self, stream, index, inner)
     made = _MADE.get(key)
     if made is None:
         if len(_MADE) > MAX_ORDINAL * 8:  # block types are few and indices bounded; a runaway caller is not kept
             _MADE.clear()
-        made = _MADE[key] = BlockId("self" if is_self else "cross", stream, index, inner)
+        made = _MADE[key] = BlockId(kind, stream, index, inner)
     return made
 
 

@@ -205,9 +205,9 @@ def test_sampling_percent():
 
 def test_call_site_labels():
     blocks = importlib.import_module(f"{PACK}.nodes.blocks")
-    assert blocks.block_id({"block": ("input", 1)}, None, None, False).text == "input.cross"
-    assert blocks.block_id({"block_type": "double"}, None, None, True).text == "double.self"
-    assert blocks.block_id(None, None, None, True).text == "self"
+    assert blocks.block_id({"block": ("input", 1)}, None, None, False, compiling=False).text == "input.cross"
+    assert blocks.block_id({"block_type": "double"}, None, None, True, compiling=False).text == "double.self"
+    assert blocks.block_id(None, None, None, True, compiling=False).text == "self"
 
 
 def test_containers_are_unwrapped():

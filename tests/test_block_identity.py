@@ -86,7 +86,7 @@ def test_a_block_identity_round_trips_through_disk_and_report(tmp_path):
     dispatcher.register_backend("t_bi_quantised", quantised, devices=("cpu",), quantised=True)
     try:
         to = {"block_index": 3, "total_blocks": 19, "block_type": "double"}
-        made = blocks.block_id(to, blocks.block_position(to), None, True)
+        made = blocks.block_id(to, blocks.block_position(to), None, True, compiling=False)
         assert made == BlockId("self", "double", 3)
         rec = dispatcher.Recorder()
         path = tmp_path / "tune.json"
