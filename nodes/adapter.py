@@ -145,10 +145,9 @@ def _described(q, k, v, heads, mask, skip_reshape, plan):
     if skip_reshape:
         qs, ks, vs, layout = q, k, v, "BHSD"
     else:
-        _check_heads(q, k, v, heads)
-        dim = q.shape[-1] // heads
-        qs, ks = q.unflatten(-1, (heads, dim)), k.unflatten(-1, (-1, dim))
-        vs, layout = v.unflatten(-1, (ks.shape[2], -1)), "BSHD"
+        dim, kv_heads, dim_v = _head_dims(q, k, v, heads)
+        qs, ks = q.unflatten(-1, (heads, dim)), k.unflatten(-1, (kv_heads, dim))
+        vs, layout = v.unflatten(-1, (kv_heads, dim_v)), "BSHD"
     inputs = describe_call(qs, ks, vs, comfy_mask(mask), 0.0, False, plan.scale, plan.gqa, False, layout)
     if plan.upcast:
         inputs = dataclasses.replace(inputs, dtype=torch.float32, key_dtype=torch.float32, value_dtype=torch.float32)
@@ -184,7 +183,9 @@ def _check_call(q, k, v, mask, skip_reshape) -> None:
         raise TypeError(f"attention mask must be a torch.Tensor or None; got {type(mask).__name__}")
 
 
-def _check_heads(q, k, v, heads) -> None:
+def _head_dims(q, k, v, heads) -> tuple[int, int, int]:
+    """(head dim, key/value heads, value head dim) of ComfyUI's (B, L, H*D) q, k, v with `heads` query heads; a clear
+    error where they do not split."""
     if isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0 or q.shape[-1] % heads:
         raise _checks.AttentionInputError(
             f"heads={heads!r} must be a positive int dividing the query's last dim {q.shape[-1]} (H*D)")
@@ -195,6 +196,8 @@ def _check_heads(q, k, v, heads) -> None:
     if v.shape[-1] % (k.shape[-1] // dim):
         raise _checks.AttentionInputError(f"the value's last dim {v.shape[-1]} does not split into the "
                                           f"{k.shape[-1] // dim} key/value heads")
+    kv_heads = k.shape[-1] // dim
+    return dim, kv_heads, v.shape[-1] // kv_heads
 
 
 class _Plan:
@@ -596,21 +599,18 @@ class AttentionOverride:
             plan.layout = "BHSD"
             plan.output = "keep" if skip_output_reshape else "transpose_flatten"
         else:  # (B, L, H*D) -> free views, in the layout the kernel takes when one is named
-            _check_heads(q, k, v, heads)
-            dim = q.shape[-1] // heads
-            kv_heads = k.shape[-1] // dim
-            heads_v, dim_v = kv_heads, v.shape[-1] // kv_heads
+            dim, kv_heads, dim_v = _head_dims(q, k, v, heads)
             if plan.name not in AUTOS and get_backend_spec(plan.name).layout == "BHSD" \
                     and not torch.compiler.is_dynamo_compiling():
                 # (B, H, L, D) views (one as_strided each, `_heads_first`) rather than (B, L, H, D) views it permutes
                 plan.layout = "BHSD"
                 plan.views = ((q.shape[0], heads, q.shape[1], dim), (k.shape[0], kv_heads, k.shape[1], dim),
-                              (v.shape[0], heads_v, v.shape[1], dim_v))
+                              (v.shape[0], kv_heads, v.shape[1], dim_v))
                 plan.output = "keep" if skip_output_reshape else "transpose_flatten"
             else:
                 plan.layout = "BSHD"
                 plan.views = ((*q.shape[:-1], heads, dim), (*k.shape[:-1], kv_heads, dim),
-                              (*v.shape[:-1], heads_v, dim_v))
+                              (*v.shape[:-1], kv_heads, dim_v))
                 plan.output = "transpose" if skip_output_reshape else "flatten"
         plan.recorder = self._relabel(plan.name, plan.notes)
         return plan
