@@ -250,8 +250,8 @@ class Tuner:
                 hit = (record.chosen, record.trust_sensitive)
                 if not _settled(record):
                     return (*hit, False)
-                if live is None or not self.step_check or record.source in ("only-candidate", "none") \
-                        or record.source == TRIAL_SOURCE:  # the trial's pick is no timing pick: no step to decide
+                # a trial's pick is no timing pick either: no step to decide
+                if live is None or not self.step_check or record.source in ("only-candidate", "none", TRIAL_SOURCE):
                     self._choices[key] = hit
                     return (*hit, True)
                 self._pending[key] = record
