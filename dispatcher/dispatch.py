@@ -51,8 +51,8 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     model: whose activations these are (default: the active `model_scope`); `auto`'s accuracy verdicts and the
     quality guard's demotions are kept per model.
     guard / guard_every: the quality guard for this call ('quantised' | 'all' | 'off'; each call site's first call
-    checked, then one in guard_every of its calls, 0 = sized by the call's cost; default: the active
-    `quality_guard` setting); a (mode, every) tuple from `guard.settings` is taken as is.
+    checked, then one in guard_every of its calls, 0 = sized on this machine by the calls' and checks' times;
+    default: the active `quality_guard` setting); a (mode, every) tuple from `guard.settings` is taken as is.
     """
     if guard is not None or guard_every is not None:
         if type(guard) is not tuple:

@@ -104,9 +104,12 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
     last_index = len(candidates) - 1
     for index in range(first, last_index + 1):
         candidate = candidates[index]
-        if candidate.guard and not watch.serves(candidate, call_site):
-            guard_notes += (f"{candidate.name}: {watch.demoted[(candidate.name, call_site)]}",)
-            continue
+        clock = None
+        if candidate.guard:
+            if not watch.serves(candidate, call_site):
+                guard_notes += (f"{candidate.name}: {watch.demoted[(candidate.name, call_site)]}",)
+                continue
+            clock = watch.clock(candidate, call)  # the first checks time the call they check and themselves
         try:
             out = run(candidate, call)
         except Exception as exc:
@@ -116,7 +119,7 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
         if candidate.guard:
             if mode != "off":  # checks judge what the kernel produced: the guard may replace it just below
                 checks.check_values({"output": out[0] if return_lse else out}, mode, name)
-            replacement = watch.after(decision, candidate, call, out, recorder, policy)
+            replacement = watch.after(decision, candidate, call, out, recorder, policy, clock)
             if replacement is not None:
                 out, name = run(replacement, call), replacement.name
                 guard_notes += (f"{candidate.name}: {watch.demoted[(candidate.name, call_site)]}",)

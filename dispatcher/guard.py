@@ -3,23 +3,26 @@
 A guarded kernel's calls are compared, on a sample of query rows, with exact attention computed from the same
 live tensors by the check (guard_check.py: one pass over K and V in their own dtype with float32 accumulation, a
 Triton kernel on CUDA, the torch path elsewhere; its own error ~1e-6 against float64): the first call of every block
-(its call site: "self #5"; nodes/adapter.py names the block), then one call in `every` of that block's calls, the
-blocks' checks staggered so each forward checks a few of them and every block is checked again within `every` of
-its own calls (the rotation bound). Each check of a block samples other rows (rotating: ceil(L / ROWS) checks cover
-every query row). A NaN/Inf anywhere in the output, or a relative error past the kernel's guard bound, means the
-kernel went wrong on this block's activations: that call is recomputed with the fastest exact backend the decision
-knows (the caller gets a right result), the kernel is demoted for that block of this model for the rest of the
-process (other blocks keep it), one warning is logged, and the call's recorder gets the event (the ComfyUI node
-shows it on its badge and report route). `Watch` (one per decision) counts, checks, demotes and names the
-replacement; the eager path calls it once per served call of a guarded kernel. A site several blocks share (a
-library caller that passes no call_site) is one block to the guard: checked every call it is covered whole.
+(its call site: "self #5"; nodes/adapter.py names the block), then one call in `every` of that block's calls
+(guard_schedule.py: the blocks' checks staggered so each forward checks a few of them, and every block is checked
+again within `every` of its own calls). A site that names no block (the library default "attention", which several
+blocks share) gets a schedule no number of blocks aliases with: each of them is checked again within a bound of
+about 3 to 5 times `every` of its calls (`guard_schedule.shared`); the site is demoted as a whole. Each check of a
+block samples other rows (rotating: ceil(L / ROWS) checks cover every query row). A NaN/Inf anywhere in the output,
+or a relative error past the kernel's guard bound, means the kernel went wrong on this block's activations: that
+call is recomputed with the fastest exact backend the decision knows (the caller gets a right result), the kernel is
+demoted for that block of this model for the rest of the process (other blocks keep it), one warning is logged, and
+the call's recorder gets the event (the ComfyUI node shows it on its badge and report route). `Watch` (one per
+decision) counts, checks, demotes and names the replacement; the eager path calls it once per served call of a
+guarded kernel.
 
-`every` = 0 (the default) sizes the interval by the call's cost (`interval`, the cost model below): one call in
-`every` is checked so that checks cost at most `BUDGET` of the attention time, and so of a step. A check waits for
-its verdict (one sync, three floats read): a failed check must recompute the call before the caller gets it.
-Checking without the wait (the exact result computed beside the kernel's, chosen on the device) was built and
-measured twice on the H200: the extra exact call cost more than the wait. Figures: docs/auto.md and
-bench/results/README.md.
+`every` = 0 (the default) sizes the interval on this machine (guard_sizing.py): the first checks of a kernel time
+themselves and the call they check, and one call in `every` is checked so that checks cost at most `BUDGET` of the
+attention time; until they have, a prior from the cost model (the H200's figures, capped so that it errs on checking
+more often). A check waits for its verdict (one sync, three floats read): a failed check must recompute the call
+before the caller gets it. Checking without the wait (the exact result computed beside the kernel's, chosen on the
+device) was built and measured twice on the H200: the extra exact call cost more than the wait. Figures:
+docs/auto.md and bench/results/README.md.
 
 Modes: 'quantised' (the default: every kernel that is not exact, i.e. whose spec says `quantised`, e.g.
 SageAttention, or `approximate`, e.g. block-sparse sol_attn; and a NaN/Inf check on every output of a custom
@@ -33,49 +36,26 @@ tests/test_guard.py.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
-from . import guard_check
+from . import guard_check, guard_schedule, guard_sizing
+from .guard_check import ROWS  # noqa: F401  (query rows a check samples: the guard's public name)
+from .guard_sizing import BUDGET  # noqa: F401  (the checks' share of the attention time: the guard's public name)
 from .log import logger
 from .reference import non_finite, to_bhsd
 
 
 GUARD_MODES = ("quantised", "all", "off")
 DEFAULT_MODE = "quantised"
-DEFAULT_EVERY = 0  # 0: sized by each call's cost (`interval`)
+DEFAULT_EVERY = 0  # 0: sized on this machine by the calls' and the checks' own times (guard_sizing.py)
 DEFAULT = (DEFAULT_MODE, DEFAULT_EVERY)  # the (mode, every) form calls and decisions carry
-ROWS = 16
 # `auto_fast` admits a quantised kernel whose relative error on the model's own activations (sampled query rows
 # against float64 exact attention) is at most this; see docs/auto.md for the measurements behind it. Owned here, in
 # the core, because the guard's bound is derived from it (`bound_for`); `auto` reads it from here.
 FAST_BOUND = 5e-2
 GUARD_MARGIN = 2  # the guard's bound over the admission bound (16 sampled rows against a verdict's 64)
-
-# The cost model behind `every` = 0. PROVISIONAL constants, derived from the H200 figures below; to be re-fitted on
-# the next lease (`bench/guard_cost.py --scenario check-time` and the WAN 1.3B step, bench/results/README.md).
-# A check is the check kernel (guard_check.py: K, V and the output read once, exact attention on ROWS rows) and
-# one wait for its verdict; a call costs its flops at the watched kernel's rate plus its launch.
-BUDGET = 0.01  # of the attention time (so of a step, which also has other layers)
-CALL_HOST_S = 2e-5
-# Sage per warp on Wan 14B's shape: 796 TFLOP/s-equivalent (27.62 ms), FA3 610-690 (/work/shared/docs/gpu.md): the
-# fastest kernel the guard watches, so the call it checks is no shorter than this says.
-KERNEL_FLOPS = 8e14
-# What a check adds to the GPU's timeline beyond its kernels: the GPU idles from the end of its queue until the host
-# has woken, read the verdict (3 floats) and launched the next op; plus the check's 3 launches. A bare sync cost
-# 0.31 ms per check on SDXL's attention calls alone (fourth session), a host-bound loop where the wait also holds
-# the host's queued launches back; on calls the GPU is busy with for milliseconds (video, Flux) the host is ahead
-# and only its wake-up, the check's Python (~30 us, the pack's per-call cost on that host) and one launch remain.
-CHECK_HOST_S = 1e-4
-# The torch path (no Triton: Windows without triton-windows, CPU) issues ~8 small ops per chunk of keys plus ~10,
-# each ~20 us of host time on the H200's host (fourth session: 177-194 us for a dozen ops).
-OP_HOST_S = 2e-5
-# The check kernel streams K, V and the output: 73% of the H200's 4.8 TB/s, a streaming read's usual share.
-MEMORY_BYTES_S = 3.5e12
-# P·V in true float32 (the `ieee` dot: FMA units, not tensor cores) on 16-row tiles: about a third of the H200's
-# 67 TFLOP/s float32 peak. q·k runs on the tensor cores at KERNEL_FLOPS (bf16/fp16 products are exact in float32).
-CHECK_FLOPS = 2.5e13
-MAX_EVERY = 100_000
 
 
 class AttentionQualityError(RuntimeError):
@@ -84,7 +64,7 @@ class AttentionQualityError(RuntimeError):
 
 def settings(mode: str | None = None, every: int | None = None) -> tuple[str, int]:
     """(mode, every), checked: the form calls and decisions carry; None: the default mode / interval (0: sized
-    by each call's cost)."""
+    on this machine by the calls' and the checks' times)."""
     mode = DEFAULT_MODE if mode is None else mode
     if mode not in GUARD_MODES:
         raise ValueError(f"unknown quality guard mode {mode!r}; valid modes: {', '.join(GUARD_MODES)} "
@@ -92,50 +72,27 @@ def settings(mode: str | None = None, every: int | None = None) -> tuple[str, in
     every = DEFAULT_EVERY if every is None else every
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise ValueError(f"the quality guard checks one call in N of each block: N must be an int >= 1, or 0 to "
-                         f"size it by each call's cost; got {every!r}")
+                         f"size it on this machine by the calls' and the checks' times; got {every!r}")
     return mode, every
 
 
-def interval(inputs, kernel: bool | None = None) -> int:
-    """One call in how many of a block is checked so that checks cost at most BUDGET of the calls' time.
-    kernel: whether the Triton check kernel serves these inputs (None: as on this machine)."""
-    return max(1, min(MAX_EVERY, math.ceil(check_seconds(inputs, kernel) / (BUDGET * call_seconds(inputs)))))
+class Rules(NamedTuple):
+    """The quality guard's rules for one backend on one signature (a decision's `Candidate.guard`)."""
+    every: int  # compare one call in N of each block (0: never); when `sized`, the prior until this machine measured
+    finite: bool  # check every output for NaN/Inf
+    sized: bool  # `every` was 0: the decision's Watch sizes the interval from this machine's timings
 
 
-def call_seconds(inputs) -> float:
-    b, h, lq, lk = inputs.batch, inputs.heads_q, inputs.len_q, inputs.len_kv
-    return CALL_HOST_S + 2.0 * b * h * lq * lk * (inputs.head_dim + inputs.head_dim_v) / KERNEL_FLOPS
-
-
-def check_seconds(inputs, kernel: bool | None = None) -> float:
-    """What one check of a call of these inputs costs (the cost model above)."""
-    b, h, hk, lq, lk = inputs.batch, inputs.heads_q, inputs.heads_kv, inputs.len_q, inputs.len_kv
-    d, dv = inputs.head_dim, inputs.head_dim_v
-    size = torch.empty((), dtype=inputs.dtype).element_size()
-    rows = min(ROWS, lq)
-    read = (b * hk * lk * (d + dv) + b * h * lq * dv) * size  # K and V once, the output once (NaN/Inf)
-    qk, pv = 2.0 * b * h * rows * lk * d, 2.0 * b * h * rows * lk * dv
-    if kernel is None:
-        kernel = (guard_check.triton is not None and inputs.device.type == "cuda" and inputs.mask_kind == "none"
-                  and inputs.dtype in (torch.bfloat16, torch.float16))
-    if kernel:
-        return CHECK_HOST_S + read / MEMORY_BYTES_S + qk / KERNEL_FLOPS + pv / CHECK_FLOPS
-    # the torch path: each chunk of keys cast to float32 (written and read again), its ops' host time
-    chunk_bytes = b * hk * (d + dv) * 4 + b * h * rows * 12
-    chunks = math.ceil(lk * chunk_bytes / guard_check.CHUNK_BYTES)
-    return (CHECK_HOST_S + (10 + 8 * chunks) * OP_HOST_S + (read + 2 * lk * chunk_bytes) / MEMORY_BYTES_S
-            + (qk + pv) / CHECK_FLOPS)
-
-
-def rules_for(spec, guard: tuple[str, int], inputs) -> tuple[int, bool] | None:
-    """(compare one call in N of each block (0: never), check every output for NaN/Inf) for this backend on these
-    inputs, or None: unguarded."""
+def rules_for(spec, guard: tuple[str, int], inputs) -> Rules | None:
+    """The guard's rules for this backend on these inputs, or None: unguarded."""
     mode, every = guard
     compare = mode == "all" or (mode == "quantised" and not spec.exact)
     finite = mode != "off" and spec.custom  # a custom kernel's NaN is caught whatever else is guarded
     if not compare and not finite:
         return None
-    return (every or interval(inputs)) if compare else 0, finite
+    if not compare:
+        return Rules(0, finite, False)
+    return Rules(every, finite, False) if every else Rules(guard_sizing.prior(inputs), finite, True)
 
 
 def admission_bound(spec) -> float:
@@ -155,16 +112,20 @@ def checkable(call) -> bool:
     return call.dropout_p == 0 and (mask is None or isinstance(mask, torch.Tensor))
 
 
-def problem(call, out: torch.Tensor, spec, rows: tuple[int, int]) -> tuple[str | None, float | None]:
+def problem(call, out: torch.Tensor, spec, rows: tuple[int, int], clock=None) -> tuple[str | None, float | None]:
     """(why the output is wrong, or None; the relative error on the sampled rows). One device sync.
 
     rows: (offset, stride) of the sampled query rows (guard_check.rotating_rows). The check kernel leaves its three
-    figures on the device (the error's two squared norms, the output's non-finite term); they are read in one go."""
+    figures on the device (the error's two squared norms, the output's non-finite term); they are read in one go.
+    clock: a guard_sizing.Clock timing this check (told when its kernels are queued)."""
     offset, stride = rows
     with torch.no_grad():
-        distance2, size2, non_finite = guard_check.check_terms(
+        terms = guard_check.check_terms(
             call.query, call.key, call.value, out, offset=offset, stride=stride, attn_mask=call.attn_mask,
-            is_causal=call.is_causal, scale=call.scale, layout=call.layout).tolist()
+            is_causal=call.is_causal, scale=call.scale, layout=call.layout)
+        if clock is not None:
+            clock.launched()
+        distance2, size2, non_finite = terms.tolist()
     if non_finite != 0:  # NaN/Inf anywhere in the output (NaN != 0 too)
         return _non_finite_problem(call, out), None
     error = math.sqrt(distance2) / max(math.sqrt(size2), 1e-30)
@@ -189,25 +150,21 @@ def _non_finite_problem(call, out) -> str | None:
     return f"its output has {non_finite(out)} NaN/Inf values from finite inputs"
 
 
-def _phase(n: int, every: int) -> int:
-    """Where in [0, every) the n-th block's checks fall: the golden-ratio sequence, so the blocks seen so far (their
-    number is not known in advance) are spread evenly over the interval and each forward checks about
-    blocks / every of them, never a burst of consecutive ones."""
-    return int((n * 0.6180339887498949) % 1.0 * every)
-
-
 class Watch:
     """What the guard keeps for one decision (one signature of one model): when each block's next check of each
-    guarded kernel falls, and the blocks a kernel failed on. The eager path asks `unchecked` on its fast lane and
-    hands every other served call of a guarded kernel to `after`, which says what recomputes it when it failed."""
+    guarded kernel falls, the blocks a kernel failed on, and each kernel's interval as sized on this machine. The
+    eager path asks `unchecked` on its fast lane; any other served call of a guarded kernel it runs with `clock`
+    started (None unless that call times itself) and hands to `after`, which says what recomputes it when it failed."""
 
-    __slots__ = ("left", "sites", "demoted", "checks")
+    __slots__ = ("left", "sites", "demoted", "checks", "sizing")
 
     def __init__(self):
         self.left: dict = {}  # (kernel, site) -> calls still served unchecked before its next check
-        self.sites: dict = {}  # kernel -> blocks seen (a new one's first re-check is staggered by this count)
+        self.sites: dict = {}  # kernel -> named blocks seen (a new one's first re-check is staggered by this count)
         self.demoted: dict = {}  # (kernel, site) -> why: the kernel no longer serves that block
-        self.checks: dict = {}  # (kernel, site) -> comparisons made: which rows the next one samples
+        # (kernel, site) -> comparisons made: which rows the next one samples, where a shared site's schedule stands
+        self.checks: dict = {}
+        self.sizing: dict = {}  # kernel -> guard_sizing.Sizing (every = 0): its interval on this machine
 
     def unchecked(self, candidate, site) -> bool:
         """Whether this call may take the fast lane without a check (then it is counted)."""
@@ -221,11 +178,23 @@ class Watch:
     def serves(self, candidate, site) -> bool:
         return (candidate.name, site) not in self.demoted
 
-    def after(self, decision, candidate, call, out, recorder, policy):
+    def clock(self, candidate, call):
+        """A guard_sizing.Clock started now, before `call` runs, when the check due on it times itself (its kernel's
+        interval is still being sized on this machine); else None."""
+        if not candidate.guard.sized or self.left.get((candidate.name, call.call_site)):
+            return None  # an interval given, or no check due on this call
+        sizing = self.sizing.get(candidate.name)
+        if (sizing is not None and not sizing.timing) or not checkable(call):
+            return None
+        return guard_sizing.Clock(call.query.device)
+
+    def after(self, decision, candidate, call, out, recorder, policy, clock=None):
         """The guard after `candidate` served `call` (the long path): check when due. None when the output stands;
         on a failure the kernel is demoted for this block and the fastest exact backend of the decision is returned:
-        the caller recomputes the call with it."""
-        every, finite = candidate.guard
+        the caller recomputes the call with it. clock: `clock`'s answer for this call, started before it ran."""
+        if clock is not None:
+            clock.called()
+        every, finite, sized = candidate.guard
         site = call.call_site
         why = error = None
         if every:
@@ -234,25 +203,50 @@ class Watch:
             if left:
                 self.left[key] = left - 1
             else:
-                if left is None:  # the block's first call: its next check is staggered among the blocks
-                    seen = self.sites.get(candidate.name, 0)
-                    self.sites[candidate.name] = seen + 1
-                    self.left[key] = (_phase(seen, every) or every) - 1
-                else:
-                    self.left[key] = every - 1
+                sizing = self.sizing.get(candidate.name) if sized else None
+                if sized and sizing is None:
+                    sizing = self.sizing[candidate.name] = guard_sizing.Sizing(every)  # `every`: the prior
+                made = self.checks.get(key, 0)
                 if checkable(call):  # dropout or a BlockMask: nothing to compare with (counted all the same)
-                    made = self.checks.get(key, 0)
                     self.checks[key] = made + 1
                     rows = guard_check.rotating_rows(call.query.shape[1 if call.layout == "BSHD" else 2], ROWS,
                                                      site, made)
-                    why, error = problem(call, out[0] if call.return_lse else out, candidate.spec, rows)
-                    if why is None and recorder is not None and hasattr(recorder, "record_guard"):
-                        recorder.record_guard(site, candidate.name, error=error, every=every)
+                    why, error = problem(call, out[0] if call.return_lse else out, candidate.spec, rows, clock)
+                    if why is None and clock is not None:
+                        changed = sizing.add(*clock.seconds())
+                        if changed is not None:
+                            _sized(candidate.name, sizing, call, recorder, changed)
+                            if changed:
+                                self._resized(candidate.name, sizing.every)
+                if sizing is not None:
+                    every = sizing.every
+                gap, bound = self._next(candidate.name, site, every, left is None, made)
+                self.left[key] = gap - 1
+                if why is None and recorder is not None and hasattr(recorder, "record_guard"):
+                    recorder.record_guard(site, candidate.name, error=error, every=bound)
         if why is None and finite:
             why = finite_problem(call, out[0] if call.return_lse else out)
         if why is None:
             return None
         return self._failed(decision, candidate, call, why, recorder, policy)
+
+    def _resized(self, kernel: str, every: int) -> None:
+        """A kernel's interval was sized anew: no block of it waits longer than the new interval for its next check
+        (a block waiting L calls now waits L mod every: the blocks stay staggered)."""
+        for key, left in self.left.items():
+            if key[0] == kernel and left >= every and key not in self.demoted:
+                self.left[key] = left % every
+
+    def _next(self, kernel: str, site: str, every: int, first: bool, made: int) -> tuple[int, int]:
+        """(calls until this block's next check, within how many of its calls each block is checked again)."""
+        if site == guard_schedule.SHARED_SITE:  # blocks unknown to the guard take turns here: no fixed period
+            schedule = guard_schedule.shared(every)
+            return schedule.gaps[made % len(schedule.gaps)], schedule.bound
+        if first:  # a named block's first re-check: staggered among the blocks
+            seen = self.sites.get(kernel, 0)
+            self.sites[kernel] = seen + 1
+            return guard_schedule.phase(seen, every) or every, every
+        return every, every
 
     def _failed(self, decision, candidate, call, why, recorder, policy):
         site = call.call_site
@@ -273,3 +267,14 @@ class Watch:
             self.left[key] = 0  # the fast lane never serves it there again
             logger.warning("attention backend '%s' failed (%s)", candidate.name, reason)
         return replacement
+
+
+def _sized(kernel: str, sizing, call, recorder, changed: bool) -> None:
+    """A kernel's interval was sized on this machine: told to the recorder, and logged when it changed."""
+    what = f"q {tuple(call.query.shape)}, k {tuple(call.key.shape)} ({call.layout})"
+    if changed:
+        logger.info("quality guard: %s on %s is checked once in %d calls of each block, sized on this machine "
+                    "(call %.3g ms, check %.3g ms, from %d timed checks)", kernel, what, sizing.every,
+                    sizing.call_s * 1e3, sizing.check_s * 1e3, len(sizing.calls))
+    if recorder is not None and hasattr(recorder, "record_guard_sizing"):
+        recorder.record_guard_sizing(kernel, what, sizing.every, sizing.call_s, sizing.check_s, len(sizing.calls))

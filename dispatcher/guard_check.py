@@ -37,6 +37,7 @@ from . import masks
 from .log import logger
 from .reference import to_bhsd
 
+ROWS = 16  # query rows a check samples (of every batch and head): the guard's sample, priced by guard_sizing
 CHUNK_BYTES = 8 << 20  # the torch path's extra memory per key chunk (its float32 K and V slices and scores)
 ROW_BLOCK = 16  # the Triton kernel's row tile: at least `rows` (tl.dot's smallest tile)
 

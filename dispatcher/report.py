@@ -42,6 +42,7 @@ class Recorder:
         self._reasons: dict[tuple[str, str, str], list[str]] = {}
         self._errors: dict[tuple[str, str], str] = {}
         self._guard: dict[tuple[str, str], dict] = {}  # (site, backend) -> checks, max_error, failures
+        self._guard_sizing: dict[tuple[str, str], dict] = {}  # (backend, calls) -> the guard's interval sized here
 
     def __deepcopy__(self, memo):  # ComfyUI deep-copies model options; a recorder is shared, not copied
         return self
@@ -61,11 +62,12 @@ class Recorder:
     def record_guard(self, site: str, backend: str, checks: int = 1, error: float | None = None,
                      every: int | None = None) -> None:
         """A passed quality-guard check (error: relative error on the sampled rows; every: the block is checked
-        again within this many of its calls, the rotation bound)."""
+        again within this many of its calls, the rotation bound in force: the latest check's, as an interval sized
+        on this machine replaces its prior)."""
         with self._lock:
             entry = self._guard_entry(site, backend)
             entry["checks"] += checks
-            if every is not None and (entry["every"] is None or every > entry["every"]):
+            if every is not None:
                 entry["every"] = every
             if error is not None and (entry["max_error"] is None or error > entry["max_error"]):
                 entry["max_error"] = error
@@ -77,6 +79,16 @@ class Recorder:
             entry["checks"] += 1
             entry["failures"].append({"reason": reason, "replacement": replacement})
 
+    def record_guard_sizing(self, backend: str, what: str, every: int, call_s: float, check_s: float,
+                            timed: int) -> None:
+        """The guard's interval for `backend` on the calls `what` describes, sized on this machine: one call in
+        `every` of each block, from `timed` checks that timed themselves (the call's and the check's seconds). The
+        latest sizing of each replaces the one before."""
+        with self._lock:
+            self._guard_sizing[(backend, what)] = {
+                "backend": backend, "calls": what, "interval": every, "call_ms": round(call_s * 1e3, 4),
+                "check_ms": round(check_s * 1e3, 4), "timed_checks": timed}
+
     def _guard_entry(self, site, backend) -> dict:
         return self._guard.setdefault((site, backend), {"checks": 0, "max_error": None, "every": None,
                                                          "failures": []})
@@ -87,6 +99,7 @@ class Recorder:
             self._reasons.clear()
             self._errors.clear()
             self._guard.clear()
+            self._guard_sizing.clear()
 
     @property
     def total_calls(self) -> int:
@@ -109,8 +122,9 @@ class Recorder:
             errors = [{"site": site, "backend": backend, "error": error} for (site, backend), error in self._errors.items()]
             guard = [{"site": site, "backend": backend, "checks": e["checks"], "max_error": e["max_error"],
                       "every": e["every"], "failures": list(e["failures"])} for (site, backend), e in sorted(self._guard.items())]
+            sizing = [dict(entry) for _, entry in sorted(self._guard_sizing.items())]
         return {"label": self.label, "calls": sum(r["calls"] for r in rows), "rows": rows, "errors": errors,
-                "guard": guard}
+                "guard": guard, "guard_sizing": sizing}
 
     def summary(self) -> str:
         snap = self.snapshot()
@@ -134,6 +148,10 @@ class Recorder:
                 line += (f"; FAILED: {failure['reason']}, " + (f"recomputed with {failure['replacement']} and demoted"
                                                               if failure["replacement"] else "no exact backend left"))
             lines.append(line)
+        for sized in snap["guard_sizing"]:
+            lines.append(f"  quality guard interval for {sized['backend']} on {sized['calls']}: one call in "
+                         f"{sized['interval']} of each block, sized on this machine (call {sized['call_ms']:.3g} ms, "
+                         f"check {sized['check_ms']:.3g} ms, {counted(sized['timed_checks'], 'timed check')})")
         return "\n".join(lines)
 
 

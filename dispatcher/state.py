@@ -219,7 +219,7 @@ def model_scope(model: str):
 
 def set_quality_guard(mode: str = guard.DEFAULT_MODE, every: int | None = None) -> None:
     """Process default of the quality guard (see dispatcher.guard): 'quantised' | 'all' | 'off'; every: one call in
-    N of each call site after its first (0 / None: sized by the call's cost)."""
+    N of each call site after its first (0 / None: sized on this machine, guard_sizing.py)."""
     global _default_guard
     _default_guard = guard.settings(mode, every)
     _defaults_changed()
@@ -231,5 +231,5 @@ def active_guard() -> tuple:
 
 def quality_guard(mode: str = "all", every: int | None = None):
     """The quality guard for the calls inside the block (mode 'quantised' | 'all' | 'off'; every: one call in N of
-    each call site after its first, 0 / None: sized by the call's cost)."""
+    each call site after its first, 0 / None: sized on this machine, guard_sizing.py)."""
     return _scoped(None, guard=guard.settings(mode, every))

@@ -110,6 +110,11 @@ class _Relabel:
         if target is not None:
             target(site, backend, reason, replacement)
 
+    def record_guard_sizing(self, backend, what, every, call_s, check_s, timed):
+        target = getattr(self.target, "record_guard_sizing", None)
+        if target is not None:
+            target(backend, what, every, call_s, check_s, timed)
+
 
 _passing_on = threading.local()  # ids of the overrides passing a call on in this thread (a loop comes back to one)
 

@@ -146,9 +146,10 @@ SET_FIELDS = (
                     "restarts, and this node's report and badge name the block."),
     v.Field("guard_every", "int", default=DEFAULT_EVERY, min=0, max=100000, optional=True,
             tooltip="After its first call, each block is checked again once in this many of its calls (the blocks "
-                    "take turns, so a few are checked each step). 0 (the default): sized by each call's cost, so "
-                    "the checks take at most 1% of the attention time (a video model's long calls are checked "
-                    "every 10 steps or so, SDXL's short ones far less often). On a failed check the call is "
+                    "take turns, so a few are checked each step). 0 (the default): sized on this machine from what "
+                    "its first checks and the calls they check take, so the checks take at most 1% of the "
+                    "attention time (a video model's long calls are checked every few steps, SDXL's short ones "
+                    "far less often; the report says the interval and the times). On a failed check the call is "
                     "recomputed exactly, the kernel demoted for that block of this model, and this node's report "
                     "says so."),
 )

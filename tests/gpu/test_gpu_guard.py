@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import dispatcher
 from dispatcher import Recorder, dispatch_attention_fn, recording
-from dispatcher import guard, guard_check
+from dispatcher import guard, guard_check, guard_sizing
 from dispatcher.inputs import describe_call
 from dispatcher.reference import exact_attention, sample_rows
 
@@ -45,7 +45,7 @@ def test_a_passing_check_records_its_error():
     q, k, v = sdxl_like()
     rec = Recorder()
     with recording(rec):
-        out = [dispatch_attention_fn(q, k, v, backend=name, guard_every=2) for _ in range(3)][-1]
+        out = [dispatch_attention_fn(q, k, v, backend=name, guard_every=2, call_site="self #0") for _ in range(3)][-1]
     (g,) = rec.snapshot()["guard"]
     assert g["checks"] == 2 and not g["failures"] and 0 < g["max_error"] < 1e-2
     torch.testing.assert_close(out, exact(q, k, v))
@@ -58,7 +58,8 @@ def test_a_failing_check_recomputes_the_call_and_demotes_the_kernel():
     ref = exact(q, k, v)
     rec = Recorder()
     with recording(rec):
-        outs = [dispatch_attention_fn(q, k, v, backend=name, guard_every=2) for _ in range(4)]  # checks 1 and 3
+        outs = [dispatch_attention_fn(q, k, v, backend=name, guard_every=2, call_site="self #0")
+                for _ in range(4)]  # checks 1 and 3
     (g,) = rec.snapshot()["guard"]
     assert g["checks"] == 2 and g["failures"] and g["failures"][0]["replacement"]
     for i in (0, 2, 3):  # call 2 was not checked (the guard samples); 3 was recomputed, 4 ran exactly
@@ -184,7 +185,8 @@ def test_the_checks_extra_peak_memory_on_wan_14b_is_a_few_mb():
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_the_check_costs_what_the_cost_model_says(name):
     """Measures (prints) a check's time against SDPA's call on the same inputs; asserts only that the model's
-    check_seconds is within 3x of it (the constants are provisional until re-fitted from bench/guard_cost.py)."""
+    check_seconds (the prior, guard_sizing.py) is within 3x of it (the constants are provisional until re-fitted
+    from bench/guard_cost.py)."""
     q, k, v = shaped(name)
     out = exact(q, k, v)
     inputs = describe_call(q, k, v, None, 0.0, False, None, False, False, "BSHD")
@@ -203,7 +205,42 @@ def test_the_check_costs_what_the_cost_model_says(name):
 
     check = timed(lambda: guard_check.check_terms(q, k, v, out, offset=offset, stride=stride).tolist())
     call = timed(lambda: exact(q, k, v))
-    model = guard.check_seconds(inputs)
+    model = guard_sizing.check_seconds(inputs)
     print(f"{name}: check {check * 1e3:.3f} ms (model {model * 1e3:.3f}), SDPA call {call * 1e3:.3f} ms, "
-          f"interval {guard.interval(inputs)}")
+          f"interval {guard_sizing.interval_of(call, check)} (model {guard_sizing.interval(inputs)})")
     assert model / 3 <= check <= model * 3
+
+
+def test_the_interval_is_sized_from_cuda_timings():
+    """guard_every = 0 on CUDA: the first checks time the call (events, or its host time where larger) and
+    themselves (their launch and their kernels); the sized interval and its times agree with the call and the
+    check timed apart on the same inputs (within 2x: the first checks are few) and the report says it."""
+    kernel, _ = drifting(good_calls=10**9)
+    name = dispatcher.register_backend("g_sized", kernel, devices=("cuda",), quantised=True).name
+    q, k, v = shaped("flux")
+    out = exact(q, k, v)
+    rec = Recorder()
+    with recording(rec):
+        for block in range(2 * guard_sizing.TIMED_CHECKS):
+            dispatch_attention_fn(q, k, v, backend=name, call_site=f"self #{block}")
+    (sized,) = rec.snapshot()["guard_sizing"]
+    offset, stride = guard_check.rotating_rows(q.shape[1], guard.ROWS, "self #0", 0)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed(fn, n=20):
+        fn()
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    call_ms = timed(lambda: exact(q, k, v))
+    check_ms = timed(lambda: guard_check.check_terms(q, k, v, out, offset=offset, stride=stride).tolist())
+    print(f"sized {sized}; apart: call {call_ms:.3f} ms, check {check_ms:.3f} ms")
+    assert call_ms / 2 <= sized["call_ms"] <= call_ms * 2 and check_ms / 2 <= sized["check_ms"] <= check_ms * 2
+    # at most what the times give (one sizing at most multiplies the prior by GROWTH; the report rounds the times)
+    assert 1 <= sized["interval"] <= guard_sizing.interval_of(sized["call_ms"] / 1e3, sized["check_ms"] / 1e3) + 1
+    assert "sized on this machine" in rec.summary()

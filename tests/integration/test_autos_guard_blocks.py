@@ -188,7 +188,7 @@ def test_schema_lists_the_autos_first_and_the_new_inputs(comfy):
     optional = info["input"]["optional"]
     assert optional["quality_guard"][1]["options"] == ["quantised kernels", "every kernel", "off"]
     assert optional["quality_guard"][1]["default"] == "quantised kernels"
-    assert optional["guard_every"][1]["default"] == 0 and optional["guard_every"][1]["min"] == 0  # 0: sized by cost
+    assert optional["guard_every"][1]["default"] == 0 and optional["guard_every"][1]["min"] == 0  # 0: sized on the machine
     assert optional["block_start"][1]["default"] == 0 and optional["block_end"][1]["default"] == -1
     for name in ("quality_guard", "guard_every", "block_start", "block_end"):
         assert optional[name][1]["tooltip"], name
@@ -307,7 +307,7 @@ def failures_by_site(report) -> dict:
 @pytest.mark.parametrize("model", ["wan", "sd15"])
 def test_a_kernel_wrong_on_one_block_is_caught_at_that_blocks_first_call(comfy, model):
     """The quantised kernel is wrong on one block's self-attention only, at the default guard settings (interval
-    sized by cost: far longer than this run). ComfyUI 0.3.64's WAN passes no block position (the block is the
+    sized on this machine; the first call of every block is checked whatever it is). ComfyUI 0.3.64's WAN passes no block position (the block is the
     call's place in the forward: "self #1"); the UNet passes transformer_index ("middle.self #1.0"). That block's
     first call is compared and recomputed: the kernel's one wrong output never reaches the latent, which equals
     the exact run's; the kernel keeps serving the other blocks; the report and its text name the block."""
