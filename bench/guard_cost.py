@@ -2,7 +2,8 @@
 
     python bench/guard_cost.py [--backend native] [--guard all] [--every 0] [--rounds 40] [--json PATH]
     python bench/guard_cost.py --scenario one-bad-block [--backend auto_fast] [--blocks 30] [--steps 20]
-                               [--bad-block 7] [--bad-from-step 0] [--outlier 100] [--shared-site] [--json PATH]
+                               [--bad-block 7] [--bad-from-step 0] [--every 0] [--outlier 100] [--shared-site]
+                               [--device cuda|cpu] [--kernel int8-sim] [--json PATH]
     python bench/guard_cost.py --scenario check-time [--shapes wan1.3b,wan14b,flux,sdxl,sdxl-cross] [--json PATH]
     python bench/guard_cost.py --scenario call-cost [--shapes wan14b] [--backend auto_fast] [--blocks 30] [--json PATH]
 
@@ -10,7 +11,7 @@ Cost (the default scenario, `sdxl-cost`): one "step" is the 140 attention calls 
 cfg batch 2, in the model's order and with its call sites, each block named as the ComfyUI node names it
 ("output.self #21"): 10 blocks at 4096 tokens and 60 at 1024, each a self-attention and a cross-attention on 77
 text tokens. Steps with the guard off and on (`--guard`, `--every`: one call in N of each block after its first;
-0, the default, sizes N by the call's cost) alternate, each sample timing `--steps` steps with CUDA events; the
+0, the default, sizes N on this machine from the first checks' timings) alternate, each sample timing `--steps` steps with CUDA events; the
 medians give the guard's cost per step, in ms and as a share of a whole SDXL step (`--step-ms`, the model's
 measured step time: bench/comfy_model_step.py --model sdxl). The model's other layers are left out on purpose:
 the guard adds host and GPU work only to attention calls, and timed alone they show that added work without the
@@ -23,25 +24,29 @@ outlier channel the queries ignore (`--outlier` times the keys' scale), so exact
 quantised kernels go far off (every Sage kernel 0.49 on the H200, FA3 2.3e-3). `--steps` forwards of all blocks,
 with the guard at its default (or `--every`); from step `--bad-from-step` on (0: from the start) the bad block has
 the outlier. Every output is compared with exact attention: a call past `--spoiled-at` (relative error) that the
-caller got is a spoiled call. Reports the spoiled calls (the goal: 0 from the start; within the rotation bound
-when the block turns bad mid-run), the guard's checks and failures with their blocks, and who served each block.
-`--kernel int8-sim` registers a quantised int8 kernel written here (per-tensor int8 q and k) that fails on the
-outlier block the same way, for a CPU run (`--device cpu --tokens 256 --heads 2 --head-dim 32`) or to compare.
-`--shared-site` runs it as a library user would: no call_site, so every block shares the default site "attention"
-(no block index: the guard counts and demotes per site; only a check of every call covers a block that alone goes
-wrong, see docs/python.md).
+caller got is a spoiled call. Reports the spoiled calls, in all and per block (the goal: 0 from the start; within
+the rotation bound when the block turns bad mid-run), the checks per block, the interval the guard used (with
+`--every 0` sized on this machine: the call's and the check's measured times, `sizing`) and the rotation bound it
+reported ("each block checked again within N of its calls"), the guard's failures with their blocks, and who
+served each block. `--kernel int8-sim` registers a quantised int8 kernel written here (per-tensor int8 q and k)
+that fails on the outlier block the same way, for a CPU run (`--device cpu --tokens 1024 --heads 4 --head-dim 64`,
+float32) or to compare; with an auto backend the tuner then has it alone to pick from (on a CPU SDPA beats it, where
+Sage beats SDPA on a GPU), and `auto_exact`'s stand-in is SDPA. `--shared-site` runs it as a library user would: no
+call_site, so every block shares the default site "attention" (no block index: the guard checks the site on a
+schedule no number of blocks aliases with and demotes it as a whole, see docs/auto.md).
 
 Check time (`check-time`): the guard's check (dispatcher/guard_check.py: the Triton kernel where triton imports,
 else the torch path) on the shapes of WAN 1.3B and Wan 14B self-attention, Flux and SDXL, timed with CUDA events
 per call (its verdict read, as the guard reads it) against the call it checks (`--backend`, default SDPA through
-the dispatcher with the guard off), beside what the cost model says (guard.check_seconds, guard.call_seconds) and
-the interval it sizes; and a check's extra peak memory (torch.cuda.max_memory_allocated around one check). The
-figures re-fit the cost model's provisional constants (dispatcher/guard.py).
+the dispatcher with the guard off), with the interval those times size (guard_sizing.interval_of), beside what the
+cost model says (guard_sizing.check_seconds, call_seconds: the prior before a machine has timed its checks) and the
+interval it gives; and a check's extra peak memory (torch.cuda.max_memory_allocated around one check). The figures
+re-fit the cost model's provisional constants (dispatcher/guard_sizing.py).
 
 The guard's cost on one shape's calls (`call-cost`, e.g. Wan 14B's self-attention): forwards of `--blocks` calls
-of that shape (block i is call site "self #i"), with the guard off, at its default interval, every second and every
-call, interleaved round by round in one run (`--rounds`): ms per call, the added share over guard off, and checks
-per call.
+of that shape (block i is call site "self #i"), with the guard off, at its default interval (sized on this machine:
+`sizing` says from what), every second and every call, interleaved round by round in one run (`--rounds`): ms per
+call, the added share over guard off, and checks per call.
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("--guard", default=None, choices=("all", "quantised"),
                         help="default: all (sdxl-cost, to guard an exact kernel), quantised (one-bad-block)")
     parser.add_argument("--every", type=int, default=dispatcher.guard.DEFAULT_EVERY,
-                        help="one call in N of each block after its first (0: sized by the call's cost)")
+                        help="one call in N of each block after its first (0: sized on this machine)")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--steps", type=int, default=None,
                         help="steps per timed sample (sdxl-cost, default 5); forwards (one-bad-block, default 20)")
@@ -147,7 +152,7 @@ def main(argv=None) -> int:
     added = med["on"] - med["off"]
     result = {"scenario": args.scenario, "backend": args.backend, "guard": args.guard, "every": args.every,
               "calls_per_step": len(calls), "first_step_checks": first_checks,
-              "intervals": _intervals(calls, args.every),
+              "intervals": {"given": args.every} if args.every else {"sized": recorder.snapshot()["guard_sizing"]},
               "attention_ms_per_step": {k: round(v, 4) for k, v in med.items()},
               "checks_per_step": round(checks / total_steps, 3), "added_ms_per_step": round(added, 4),
               "added_ms_per_check": round(added / max(checks / total_steps, 1e-9), 4),
@@ -157,18 +162,6 @@ def main(argv=None) -> int:
               "steps_per_sample": args.steps}
     emit(result, args.json)
     return 0
-
-
-def _intervals(calls, every) -> dict:
-    """The interval each kind of call gets (every > 0: that; 0: sized by its cost, guard.interval)."""
-    out = {}
-    for q, k, v, site in calls:
-        kind = site.split(" #")[0]
-        if kind not in out:
-            inputs = dispatcher.AttentionInputs.of(q.shape[0], q.shape[2], q.shape[1], q.shape[3], len_kv=k.shape[1],
-                                                   dtype=q.dtype, device=q.device)
-            out[kind] = every or dispatcher.guard.interval(inputs)
-    return out
 
 
 # (batch, tokens, heads, head dim, keys) of the calls the guard watches most (bf16, BSHD)
@@ -219,7 +212,7 @@ def check_time(args) -> int:
     device = _device(args)
     if device is None:
         return 2
-    from dispatcher import guard, guard_check
+    from dispatcher import guard, guard_check, guard_sizing
     from dispatcher.inputs import describe_call
     backend = args.backend or "native"
     rows = {}
@@ -247,9 +240,10 @@ def check_time(args) -> int:
         inputs = describe_call(q, k, v, None, 0.0, False, None, False, False, "BSHD")
         rows[name] = {"shape_bshd": [b, lq, h, d], "len_kv": lk, "check_ms": round(med["check"], 4),
                       "call_ms": round(med["call"], 4), "check_share_of_call": round(med["check"] / med["call"], 4),
-                      "model_check_ms": round(guard.check_seconds(inputs) * 1e3, 4),
-                      "model_call_ms": round(guard.call_seconds(inputs) * 1e3, 4),
-                      "interval": guard.interval(inputs), "check_extra_peak_mib": extra_mib,
+                      "measured_interval": guard_sizing.interval_of(med["call"] / 1e3, med["check"] / 1e3),
+                      "model_check_ms": round(guard_sizing.check_seconds(inputs) * 1e3, 4),
+                      "model_call_ms": round(guard_sizing.call_seconds(inputs) * 1e3, 4),
+                      "model_interval": guard_sizing.interval(inputs), "check_extra_peak_mib": extra_mib,
                       "path": "triton" if guard_check.uses_kernel(q, k, v, None) else "torch"}
         print(name, rows[name])
         del q, k, v, out
@@ -293,7 +287,8 @@ def call_cost(args) -> int:
             "added_share": {s: round(med[s] / med["off"] - 1, 5) for s in settings if s != "off"},
             "checks_per_call": {s: round(checks[s] / calls, 4) for s in settings if s != "off"},
             "served": sorted({r["served"] for r in recorders["default"].snapshot()["rows"]}),
-            "failures": {s: sum(len(g["failures"]) for g in r.snapshot()["guard"]) for s, r in recorders.items()}}
+            "failures": {s: sum(len(g["failures"]) for g in r.snapshot()["guard"]) for s, r in recorders.items()},
+            "sizing": recorders["default"].snapshot()["guard_sizing"]}
         print(name, shapes[name])
         del q, k, v
     emit({"scenario": "call-cost", "backend": backend, "rounds": args.rounds, "shapes": shapes,
@@ -319,7 +314,8 @@ def one_bad_block(args) -> int:
         print("needs a CUDA GPU (or --device cpu with --kernel int8-sim and small --tokens)", file=sys.stderr)
         return 2
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    backend = args.backend or _sim_kernel(args, device) or "auto_fast"
+    sim = _sim_kernel(args, device)
+    backend = args.backend or sim or "auto_fast"
     guard_mode = args.guard or "quantised"
     steps = args.steps or 20
     gen = torch.Generator(device=device).manual_seed(0)
@@ -335,9 +331,12 @@ def one_bad_block(args) -> int:
     exact_norm = exact.norm()
     recorder = dispatcher.Recorder("one-bad-block")
     spoiled, errors = [], {}
+    spoiled_per_block, checks_per_block = [0] * args.blocks, [0] * args.blocks
     # A tuner of its own, in memory only: verdicts an earlier run left on disk would decide the blocks before this
     # run's scenario is seen (a second run with --bad-from-step reused the first run's demotion of the bad block).
-    tuner = dispatcher.auto.Tuner(cache_path=None)
+    # With the simulated kernel it is the one candidate (a CPU's SDPA is faster than it; Sage beats SDPA on a GPU).
+    tuner = dispatcher.auto.Tuner(cache_path=None, backends=(sim,) if sim else None)
+    checked = _checks(recorder)
     with dispatcher.auto.using(tuner), dispatcher.model_scope("bench-one-bad-block"), dispatcher.recording(recorder):
         for step in range(steps):
             for block in range(args.blocks):
@@ -348,15 +347,24 @@ def one_bad_block(args) -> int:
                 error = float((out.float() - exact).norm() / exact_norm)
                 if not error <= args.spoiled_at:
                     spoiled.append({"step": step, "block": block, "rel_error": error})
+                    spoiled_per_block[block] += 1
+                before, checked = checked, _checks(recorder)
+                checks_per_block[block] += checked - before
                 key = "bad" if bad else "good"
                 errors[key] = max(errors.get(key, 0.0), error)
     snapshot = recorder.snapshot()
-    inputs = dispatcher.AttentionInputs.of(*shape[:1], args.heads, args.tokens, args.head_dim, dtype=dtype,
-                                           device=device)
+    sizing = [s for s in snapshot["guard_sizing"] if s["backend"] == _guarded(snapshot)]
+    bounds = [g["every"] for g in snapshot["guard"] if g["every"]]
     result = {"scenario": args.scenario, "backend": backend, "guard": guard_mode, "every": args.every,
-              "interval": args.every or dispatcher.guard.interval(inputs), "blocks": args.blocks, "steps": steps,
+              # the interval the guard used: the one given, else sized on this machine (None: it never got there)
+              "interval": args.every or (sizing[0]["interval"] if sizing else None),
+              "interval_source": "given" if args.every else ("measured" if sizing else "prior"),
+              "sizing": sizing, "rotation_bound": max(bounds) if bounds else None,
+              "rotation": dispatcher.report.rotation_text(max(bounds)) if bounds else None,
+              "blocks": args.blocks, "steps": steps,
               "calls": steps * args.blocks, "bad_block": args.bad_block, "bad_from_step": args.bad_from_step,
               "outlier": args.outlier, "spoiled_at": args.spoiled_at, "spoiled_calls": len(spoiled),
+              "spoiled_per_block": spoiled_per_block, "checks_per_block": checks_per_block,
               "spoiled": spoiled[:50], "max_rel_error_served": errors,
               "guard_checks": sum(g["checks"] for g in snapshot["guard"]),
               "guard_failures": [{"site": g["site"], "backend": g["backend"], **f}
@@ -366,12 +374,26 @@ def one_bad_block(args) -> int:
                          if r["site"] == f"self #{args.bad_block}" or r["served"] != backend},
               "served_calls": {name: sum(r["calls"] for r in snapshot["rows"] if r["served"] == name)
                                for name in {r["served"] for r in snapshot["rows"]}},
+              "guard_report": [line.strip() for line in recorder.summary().splitlines() if "quality guard" in line],
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "shape_bshd": list(shape), "dtype": str(dtype)}
     if backend in dispatcher.auto.PSEUDO_BACKENDS:
         result["auto_blocks"] = {r.block: r.chosen for r in tuner.records() if r.block}
     emit(result, args.json)
     return 0
+
+
+def _checks(recorder) -> int:
+    """The guard's checks so far (passed and failed): after each call, whether that call was checked."""
+    return sum(g["checks"] for g in recorder.snapshot()["guard"])
+
+
+def _guarded(snapshot) -> str | None:
+    """The kernel the guard watched (the one it checked most)."""
+    checks = {}
+    for g in snapshot["guard"]:
+        checks[g["backend"]] = checks.get(g["backend"], 0) + g["checks"]
+    return max(checks, key=checks.get) if checks else None
 
 
 if __name__ == "__main__":

@@ -333,3 +333,36 @@ def test_the_step_table_rates_the_autos_against_the_best_pinned_kernel_and_fills
     if HAVE_MPL:
         step_table.write_png(data, str(tmp_path / "chart.png"))
         assert (tmp_path / "chart.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("every", [3, 0])
+def test_guard_bench_the_issues_scenario_on_one_shared_site(tmp_path, every):
+    """The issue's run on the CPU (fewer heads): 30 blocks behind one call site (a library caller without call_site),
+    `auto_fast` serving the simulated int8 kernel, block 7 bad from step 5 of 20. With every = 3 a fixed period
+    never checked block 7 (15 spoiled); the shared schedule catches it within its bound, block 7 only, and the
+    site is demoted whole. At the default the interval is measured on this machine (how far apart the checks fall
+    then depends on what a check costs here against a call: the JSON says from which times)."""
+    from dispatcher import guard_schedule, guard_sizing
+    out = tmp_path / "shared.json"
+    cmd = [sys.executable, "bench/guard_cost.py", "--scenario", "one-bad-block", "--device", "cpu", "--kernel",
+           "int8-sim", "--backend", "auto_fast", "--tokens", "256", "--heads", "2", "--head-dim", "32", "--blocks",
+           "30", "--bad-block", "7", "--steps", "20", "--bad-from-step", "5", "--shared-site", "--every", str(every),
+           "--json", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    per_block = result["spoiled_per_block"]
+    assert len(per_block) == 30 and sum(per_block) == per_block[7] == result["spoiled_calls"]
+    assert sum(result["checks_per_block"]) == result["guard_checks"]
+    assert f"within {result['rotation_bound']} of its calls" in result["rotation"]
+    if every:
+        bound = guard_schedule.shared(every).bound
+        assert result["interval"] == every and result["interval_source"] == "given" and result["sizing"] == []
+        assert [f["site"] for f in result["guard_failures"]] == ["attention"]  # caught; the site demoted whole
+        assert per_block[7] <= bound - 1 and result["checks_per_block"][7] >= 1
+        return
+    (sized,) = result["sizing"]
+    assert result["interval_source"] == "measured" and result["interval"] == sized["interval"] >= 1
+    assert sized["interval"] <= guard_sizing.interval_of(sized["call_ms"] / 1e3, sized["check_ms"] / 1e3)
+    assert any("sized on this machine" in line for line in result["guard_report"])
