@@ -169,8 +169,10 @@ def run_process(argv: list[str], env: dict, limit_s: float, log_path: Path) -> t
     in `log_path`; past the limit the whole group is ended (SIGTERM, then SIGKILL)."""
     started = time.monotonic()
     with open(log_path, "wb") as log:
+        # a process group of its own in this session: killed whole at its limit, and by the machine's own cleanup
+        # when the call returns (a new session, as the background build has, would outlive it)
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, process_group=0)
+                                stdin=subprocess.DEVNULL, preexec_fn=os.setpgrp)
         try:
             return proc.wait(timeout=max(limit_s, 0.1)), False, time.monotonic() - started
         except subprocess.TimeoutExpired:
@@ -374,8 +376,10 @@ class Run:
             m, here = self.marker(other), self.record["items"].get(other, {})
             if m and m["status"] == "ok":
                 return MET, ""
-            if m or here.get("status") == "skipped" or other not in {i.name for i in self.items}:
-                return NEVER, f"{other} did not succeed here" if m or here else f"{other} is not run in this call"
+            if m or other not in {i.name for i in self.items}:
+                return NEVER, f"{other} did not succeed" if m else f"{other} is not run in this call"
+            if here.get("status") in ("skipped", "no time", "cut"):  # it will not run in this call
+                return NEVER, f"{other} was {here['status']} in this call"
             return LATER, f"waits for {other}"
         raise ValueError(f"{item.name}: unknown need {name!r}")
 

@@ -156,9 +156,11 @@ def test_an_item_past_its_own_limit_is_stopped_with_its_children(tmp_path):
 
 def test_needs_order_the_items_and_name_what_is_missing(tmp_path):
     items = [writes("needs-b", needs=("after:b",)), writes("b"), writes("gpu", needs=("gpu",)),
-             writes("after-gpu", needs=("after:gpu",)), writes("comfy", needs=("comfyui",))]
+             writes("after-gpu", needs=("after:gpu",)), writes("comfy", needs=("comfyui",)),
+             writes("long", estimate=10_000), writes("after-long", needs=("after:long",))]
     summary = call(tmp_path, "--deadline", "60", items=items)
     status = {n: (e["status"], e.get("why", "")) for n, e in summary["items"].items()}
+    assert status["after-long"] == ("skipped", "long was no time in this call") and summary["seconds"] < 30
     assert status["b"][0] == status["needs-b"][0] == "ok"  # run as soon as b was done
     assert status["gpu"] == ("skipped", "no CUDA GPU visible to torch")
     assert status["after-gpu"][0] == "skipped" and "gpu" in status["after-gpu"][1]
