@@ -8,9 +8,9 @@ tokens, 57 blocks), the SDXL UNet at 1024x1024 or the SD1.5 UNet at 512x512, bot
     (--model tiny, tiny-sd1.5 or tiny-flux for a CPU smoke run)
 
 --table runs every model of --models (default sd1.5,sdxl,flux,wan1.3b) for ComfyUI's own attention, each exact
-kernel that can run here pinned (policy strict), auto_exact and auto_fast, eager, and compiled for the models of
---compiled-models (default wan1.3b,flux), and writes one table (--json; bench/step_table.py draws its chart and
-fills the README's slot):
+kernel that can run here pinned (policy strict; --kernels names them), auto_exact and auto_fast, eager, and compiled
+for the models of --compiled-models (default wan1.3b,flux), and writes one table (--json; bench/step_table.py draws
+its chart and fills the README's slot); --modes eager or compiled runs one mode only:
 
     COMFYUI_PATH=/path/to/ComfyUI python bench/comfy_model_step.py --table --runs 20 --json step-table.json
 
@@ -136,6 +136,9 @@ def main() -> int:
     parser.add_argument("--table", action="store_true", help="the models x attention table (see the docstring)")
     parser.add_argument("--models", default="sd1.5,sdxl,flux,wan1.3b", help="--table: the models")
     parser.add_argument("--compiled-models", default="wan1.3b,flux", help="--table: the models also timed compiled")
+    parser.add_argument("--modes", default="eager,compiled",
+                        help="--table: eager, compiled (for --compiled-models) or both; one mode of a model fits a "
+                             "short GPU run (bench/gpu_run.py splits the table so)")
     parser.add_argument("--kernels", default=None,
                         help="--table: the exact kernels pinned (default: every exact kernel that can run here)")
     parser.add_argument("--json")
@@ -286,14 +289,26 @@ def table(args, adapter, dispatcher, device, dtype, operations) -> int:
     import gc
 
     import torch
-    kernels = [k for k in args.kernels.split(",") if k] if args.kernels else exact_kernels(dispatcher)
-    compiled_models = {m for m in args.compiled_models.split(",") if m}
     rows, failed, tuning = [], {}, {}
+    kernels = exact_kernels(dispatcher)
+    if args.kernels:  # those asked for that can run here; the others are named with their reasons
+        kernels = []
+        for name in [k for k in args.kernels.split(",") if k]:
+            if dispatcher.availability_reasons(name):
+                failed[f"pinned {name}"] = "unavailable: " + "; ".join(dispatcher.availability_reasons(name))
+                print(f"{name:16} {failed[f'pinned {name}'][:100]}")
+            else:
+                kernels.append(name)
+    compiled_models = {m for m in args.compiled_models.split(",") if m}
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - {"eager", "compiled"}:
+        raise SystemExit(f"--modes {args.modes}: eager, compiled or eager,compiled")
     for model_name in [m for m in args.models.split(",") if m]:
         print(f"== {model_name}")
         torch.manual_seed(0)
         forward_args = build_model(CONFIGS[model_name], device, dtype, operations)
-        for mode in ["eager"] + (["compiled"] if model_name in compiled_models else []):
+        for mode in [m for m in ("eager", "compiled")
+                     if m in modes and (m == "eager" or model_name in compiled_models)]:
             configs = {"comfy default": ({}, None)}
             for name in kernels:  # strict: a pinned kernel that cannot run a call fails its row, never falls back
                 configs[name] = make_config(adapter, dispatcher, model_name, name, name, policy="strict")
