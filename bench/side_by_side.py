@@ -19,6 +19,9 @@ relies on: its error on noise says nothing of its error on a video model, and th
 --inputs outlier: N(0,1) with one key channel of random sign and size 100 that the queries ignore (exact attention
 is unchanged; tests/gpu/test_gpu_guard.py's outlier block, where every Sage kernel is 0.24 off).
 --tau sets sol_attn's routing threshold (default 1.0, comfy_kitchen's).
+--fp8-parts (with flash_3_fp8 among the backends, where it runs): its three stages timed apart in the same rounds,
+`fp8_parts_ms`: `quantise` (dispatcher/quantise.py: the fused Triton kernels where Triton runs), `kernel`
+(FlashAttention-3's FP8 forward on those inputs) and `restore` (V's mean added back to the output).
 """
 
 from __future__ import annotations
@@ -50,6 +53,18 @@ def inputs(kind: str, b: int, h: int, length: int, d: int, device, dtype):
     return q, k, v
 
 
+def fp8_parts(q, k, v) -> dict:
+    """flash_3_fp8's stages on these tensors, each a function to time: the quantisation, the kernel on its
+    inputs, the output's restore (in place on one output: timing only)."""
+    from dispatcher import quantise
+    from dispatcher.backends.flash import fp8_forward
+    prepared = quantise.quantise(q, k, v)
+    out, _ = fp8_forward(prepared, None, False, False)
+    return {"quantise": lambda: quantise.quantise(q, k, v),
+            "kernel": lambda: fp8_forward(prepared, None, False, False),
+            "restore": lambda: quantise.restore(out, prepared)}
+
+
 def cannot_run(name: str) -> list[str]:
     """Why backend `name` cannot run on this machine ([] when it can; the autos always can)."""
     if name in dispatcher.auto.PSEUDO_BACKENDS:
@@ -66,6 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--inputs", choices=("noise", "local", "outlier"), default="noise")
     parser.add_argument("--tau", type=float, default=DEFAULT_TAU, help="sol_attn's routing threshold")
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--fp8-parts", action="store_true", help="also time flash_3_fp8's stages apart")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     b, h, length, d = (int(x) for x in args.shape.split(","))
@@ -90,7 +106,9 @@ def main(argv=None) -> int:
             picked = out.transpose(1, 2)[:, :, rows.to(device)] if rows is not None else out.transpose(1, 2)
             errors[name] = float(f"{relative_error(picked.double(), reference):.3e}")
             del out, picked
-        times = time_interleaved(fns, device, warmup=3, runs=args.runs, target_s=0.2)
+        parts = fp8_parts(q, k, v) if args.fp8_parts and "flash_3_fp8" in names else {}
+        times = time_interleaved(fns + list(parts.values()), device, warmup=3, runs=args.runs, target_s=0.2)
+        times, part_times = times[:len(fns)], times[len(fns):]
     served = {row["requested"]: row["served"] for row in recorder.snapshot()["rows"]}
     result = {"shape_bhld": [b, h, length, d], "dtype": str(dtype).replace("torch.", ""), "runs": args.runs,
               "inputs": args.inputs, "grid": list(video_grid(length)) if args.inputs == "local" else None,
@@ -101,6 +119,7 @@ def main(argv=None) -> int:
               "served": {name: served.get(name, name) for name in names},
               f"speedup_of_{names[0]}": {name: round(t / times[0], 4) for name, t in zip(names[1:], times[1:])},
               "rel_error_vs_float64": errors,
+              **({"fp8_parts_ms": {part: round(t, 3) for part, t in zip(parts, part_times)}} if parts else {}),
               "skipped": skipped,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               # why each auto picked what it did: every candidate's verdict, timing and reason

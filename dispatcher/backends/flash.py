@@ -109,15 +109,22 @@ def _fa3_fp8_probe():
     torch.cuda.synchronize()
 
 
-def fp8_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *, kernel=None):
-    """FlashAttention-3's FP8 forward on `quantise.quantise`'s inputs (per-head e4m3 scales, K and V smoothed);
-    the bfloat16 output gets V's mean back and the caller's dtype, the log-sum-exp the smoothing's shift."""
+def fp8_forward(prepared: quantise.Fp8Inputs, scale, is_causal: bool, return_lse: bool, kernel=None):
+    """FlashAttention-3's FP8 forward on `quantise.quantise`'s inputs: (its bfloat16 output, V's mean not yet added
+    back; its (B, L, H) log-sum-exp of the smoothed keys' scores, or None)."""
     kernel = kernel or _fa3_pip()
-    prepared = quantise.quantise(q, k, v)
     result = kernel(prepared.q, prepared.k, prepared.v, softmax_scale=scale, causal=is_causal,
                     q_descale=prepared.q_descale, k_descale=prepared.k_descale, v_descale=prepared.v_descale,
                     return_attn_probs=return_lse)
-    out, lse = _out_and_lse(result, True) if return_lse else (_out_and_lse(result, False), None)
+    return _out_and_lse(result, True) if return_lse else (_out_and_lse(result, False), None)
+
+
+def fp8_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, *, kernel=None):
+    """FlashAttention-3's FP8 forward on `quantise.quantise`'s inputs (per-head e4m3 scales, K and V smoothed; fused
+    in Triton on the GPU); the bfloat16 output gets V's mean back and the caller's dtype, the log-sum-exp the
+    smoothing's shift."""
+    prepared = quantise.quantise(q, k, v)
+    out, lse = fp8_forward(prepared, scale, is_causal, return_lse, kernel)
     out = quantise.restore(out, prepared).to(q.dtype)
     if not return_lse:
         return out
