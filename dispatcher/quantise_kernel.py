@@ -33,6 +33,11 @@ TINY = 1e-12  # the descale of an all-zero head (quantise._TINY): its values sta
 BLOCK_L = 32  # tokens per loop step: a (32, D) float32 tile per accumulator
 MAX_SPLITS = 32  # runs of tokens per head: the cast reduces at most this many partials per channel
 MIN_TOKENS_PER_SPLIT = 256  # below it a run costs more to launch and reduce than it streams
+# Smoothing modes: nothing subtracted; each channel's mean over tokens (K); a channel's mean only where it is an
+# offset, larger than 1/OFFSET_SHARE of the channel's range (V; about half a standard deviation of 10^3-10^5
+# Gaussian tokens): see `quantise`'s docstring for why V's zero-mean channels are left alone.
+SMOOTHING = {"none": 0, "mean": 1, "offsets": 2}
+OFFSET_SHARE = 16.0
 
 _SM_COUNTS: dict = {}
 
@@ -59,30 +64,31 @@ def _splits(device: torch.device, heads: int, length: int) -> tuple[int, int]:
     return -(-length // per_split), per_split
 
 
-def quantise_one(x: torch.Tensor, heads_kv: int, smooth: bool
+def quantise_one(x: torch.Tensor, heads_kv: int, smooth: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(B, L, H, D) -> (its e4m3 (B, L, H, D) contiguous, float32 descale (B, Hk), float32 mean (B, Hk, D) or None).
+    """(B, L, H, D) -> (its e4m3 (B, L, H, D) contiguous, float32 descale (B, Hk), float32 shift (B, Hk, D) or None).
 
-    One descale per key/value head: query heads j*G..j*G+G-1 share head j's (FlashAttention-3's order). With
-    `smooth` (keys and values: H == Hk) the mean over tokens is subtracted per channel first."""
+    One descale per key/value head: query heads j*G..j*G+G-1 share head j's (FlashAttention-3's order). `smooth`
+    (a SMOOTHING key; keys and values only, H == Hk) says what is subtracted per channel first: the shift."""
     b, length, heads, dim = x.shape
     group = heads // heads_kv
-    if smooth and group != 1:
+    mode = SMOOTHING[smooth]
+    if mode and group != 1:
         raise ValueError("smoothing is per key/value head: x must have heads_kv heads")
     splits, per_split = _splits(x.device, b * heads, length)
     partials = torch.empty((3, b * heads, splits, dim), device=x.device, dtype=torch.float32)
     out = torch.empty((b, length, heads, dim), device=x.device, dtype=torch.float8_e4m3fn)
     descale = torch.empty((b, heads_kv), device=x.device, dtype=torch.float32)
-    mean = torch.empty((b, heads_kv, dim), device=x.device, dtype=torch.float32) if smooth else descale
+    mean = torch.empty((b, heads_kv, dim), device=x.device, dtype=torch.float32) if mode else descale
     block_d = max(16, triton.next_power_of_2(dim))
     warps = 8 if block_d > 128 else 4
     grid = (b * heads, splits)
     _stats[grid](x, partials[0], partials[1], partials[2], *x.stride(), heads, length, dim, per_split,
                  per_split // BLOCK_L, BLOCK_L=BLOCK_L, BLOCK_D=block_d, num_warps=warps)
     _cast[grid](x, out, partials[0], partials[1], partials[2], descale, mean, *x.stride(), *out.stride()[:3],
-                heads, group, length, dim, per_split, per_split // BLOCK_L, splits, SMOOTH=smooth,
+                heads, group, length, dim, per_split, per_split // BLOCK_L, splits, SMOOTH=mode,
                 BLOCK_L=BLOCK_L, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=warps)
-    return out, descale, mean if smooth else None
+    return out, descale, mean if mode else None
 
 
 if triton is not None:
@@ -123,11 +129,13 @@ if triton is not None:
         y = (y + magic) - magic
         return tl.minimum(tl.maximum(y, -448.0), 448.0)
 
+    OFFSET_SHARE_C = tl.constexpr(OFFSET_SHARE)
+
     @triton.jit
     def _cast(x_ptr, out_ptr, sum_ptr, max_ptr, min_ptr, descale_ptr, mean_ptr, sxb, sxl, sxh, sxd, sob, sol, soh,
               heads, group, length, dim, per_split, steps, splits,
               SMOOTH: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-        """The head's scale (and mean) from the partials of its key/value head's group, then its run of tokens
+        """The head's scale (and shift) from the partials of its key/value head's group, then its run of tokens
         cast to e4m3."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -145,14 +153,16 @@ if triton is not None:
             at = rows[:, None] * dim + d[None, :]
             high = tl.max(tl.load(max_ptr + at, mask=tile_ok, other=float("-inf")), 0)
             low = tl.min(tl.load(min_ptr + at, mask=tile_ok, other=float("inf")), 0)
-            if SMOOTH:
+            if SMOOTH > 0:
                 mean = tl.sum(tl.load(sum_ptr + at, mask=tile_ok, other=0.0), 0) / length
+                if SMOOTH == 2:  # offsets only
+                    mean = tl.where(tl.abs(mean) * OFFSET_SHARE_C > tl.where(d_ok, high - low, 0.0), mean, 0.0)
             largest = tl.maximum(largest, tl.where(d_ok, tl.maximum(high - mean, mean - low), 0.0))
         descale = tl.maximum(tl.max(largest, 0) / 448.0, 1e-12)
         inv = 1.0 / descale
         first = split == 0
         tl.store(descale_ptr + b * (heads // group) + kv, descale, mask=first & (h % group == 0))
-        if SMOOTH:
+        if SMOOTH > 0:
             tl.store(mean_ptr + (b * heads + h) * dim + d, mean, mask=d_ok & ((d * 0 + split) == 0))
         base = x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh
         out = out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh

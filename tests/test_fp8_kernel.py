@@ -47,13 +47,15 @@ CASES = [("noise", 2, 300, 4, 2, 64, torch.bfloat16, 1), ("outlier keys", 1, 100
 rows = []
 for name, *shape in CASES:
     q, k, v = case(name, *shape)
-    got = tuple(quantise_kernel.quantise_one(x, k.shape[2], smooth) for x, smooth in ((q, False), (k, True), (v, True)))
-    ref = tuple(quantise.reference_one(x, k.shape[2], smooth) for x, smooth in ((q, False), (k, True), (v, True)))
+    modes = ((q, "none"), (k, "mean"), (v, "offsets"))
+    got = tuple(quantise_kernel.quantise_one(x, k.shape[2], smooth) for x, smooth in modes)
+    ref = tuple(quantise.reference_one(x, k.shape[2], smooth) for x, smooth in modes)
     row = {"case": name, "values": 0, "differ": 0, "most_steps": 0.0, "descale_rel": 0.0, "mean_abs": 0.0,
            "contiguous": True, "finite": True}
     for (x8, descale, mean), (r8, rdescale, rmean) in zip(got, ref):
         a, r = x8.float(), r8.float()
-        step = torch.where(r.abs() >= 2 ** -6, 2.0 ** (torch.floor(torch.log2(r.abs().clamp_min(2 ** -6))) - 3), 2.0 ** -9)
+        step = torch.where(r.abs() >= 2 ** -6, 2.0 ** (torch.floor(torch.log2(r.abs().clamp_min(2 ** -6))) - 3),
+                           2.0 ** -9)  # e4m3's spacing at r
         row["values"] += a.numel()
         row["differ"] += int((a != r).sum())
         row["most_steps"] = max(row["most_steps"], float(((a - r).abs() / step).max()))
@@ -113,11 +115,12 @@ def test_the_kernels_compile_for_the_h100_and_h200(dtype):
     def signature(fn, constants):
         types = {"x_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv",
                  **{n: "*fp32" for n in ("sum_ptr", "max_ptr", "min_ptr", "descale_ptr", "mean_ptr")}}
-        return {n: "constexpr" if n in constants else types.get(n, "i32") for n in inspect.signature(fn.fn).parameters}
+        names = inspect.signature(fn.fn).parameters
+        return {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
 
     for fn, constants in ((quantise_kernel._stats, {"BLOCK_L": 32, "BLOCK_D": 128}),
-                          (quantise_kernel._cast, {"SMOOTH": True, "BLOCK_L": 32, "BLOCK_D": 128, "BLOCK_S": 16}),
-                          (quantise_kernel._cast, {"SMOOTH": False, "BLOCK_L": 32, "BLOCK_D": 256, "BLOCK_S": 32})):
+                          (quantise_kernel._cast, {"SMOOTH": 2, "BLOCK_L": 32, "BLOCK_D": 128, "BLOCK_S": 16}),
+                          (quantise_kernel._cast, {"SMOOTH": 0, "BLOCK_L": 32, "BLOCK_D": 256, "BLOCK_S": 32})):
         compiled = triton.compile(ASTSource(fn=fn, signature=signature(fn, constants), constexprs=constants),
                                   target=GPUTarget("cuda", 90, 32))
         assert compiled.asm.get("cubin"), fn
