@@ -18,6 +18,8 @@ from one run, not from two runs' tables. A backend that cannot run here is liste
 relies on: its error on noise says nothing of its error on a video model, and the autos judge it on these values.
 --inputs outlier: N(0,1) with one key channel of random sign and size 100 that the queries ignore (exact attention
 is unchanged; tests/gpu/test_gpu_guard.py's outlier block, where every Sage kernel is 0.24 off).
+--inputs offset: N(0,1) with an offset per key and value channel drawn from N(0, 3^2), as DiT activations carry
+(what flash_3_fp8's smoothing is for).
 --tau sets sol_attn's routing threshold (default 1.0, comfy_kitchen's).
 --fp8-parts (with flash_3_fp8 among the backends, where it runs): its three stages timed apart in the same rounds,
 `fp8_parts_ms`: `quantise` (dispatcher/quantise.py: the fused Triton kernels where Triton runs), `kernel`
@@ -50,6 +52,8 @@ def inputs(kind: str, b: int, h: int, length: int, d: int, device, dtype):
         q[..., 0] = 0
         signs = torch.randint(0, 2, k.shape[:3], device=device, generator=gen).to(dtype) * 2 - 1
         k[..., 0] = signs * 100
+    if kind == "offset":
+        k, v = (x + 3 * torch.randn(1, 1, h, d, device=device, generator=gen).to(dtype) for x in (k, v))
     return q, k, v
 
 
@@ -78,7 +82,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="1,40,32760,128", help="B,H,L,D")
     parser.add_argument("--backends", default="auto_fast,_native_cudnn,native")
-    parser.add_argument("--inputs", choices=("noise", "local", "outlier"), default="noise")
+    parser.add_argument("--inputs", choices=("noise", "local", "outlier", "offset"), default="noise")
     parser.add_argument("--tau", type=float, default=DEFAULT_TAU, help="sol_attn's routing threshold")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--fp8-parts", action="store_true", help="also time flash_3_fp8's stages apart")
