@@ -2,17 +2,20 @@
 
 `quantise(q, k, v)` gives what FA3's `flash_attn_func` takes in FP8 (float8_e4m3fn q/k/v of the caller's (B, L, H, D)
 shape and one float32 descale per batch and key/value head), and what its bfloat16 output needs afterwards
-(`restore`, `lse_shift`). On a CUDA GPU with Triton it runs fused (`quantise_kernel`: two launches per tensor, each
-read twice and written once in e4m3); elsewhere `reference` computes the same numbers in torch ops (float64 on the
-CPU: the reference the kernel is tested against).
+(`restore`, `lse_shift`). On a CUDA GPU with Triton it runs fused (`quantise_kernel`: three launches per tensor, which
+is read twice and written once in e4m3); elsewhere `reference` computes the same numbers in torch ops (float64 on
+the CPU: the reference the kernel is tested against).
 
 - Scales per head, the finest FA3 takes: its sm_90 kernel reads one float per (batch, key/value head),
   `q_descale[b * stride0 + h_kv * stride1]` (hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp; `CHECK_SHAPE(q_descale,
   batch_size, num_heads_k)` in flash_api.cpp; fa3-fwd 0.0.3 is built from that source), and multiplies the
   softmax scale by q_descale * k_descale once per tile of scores and the output by v_descale once per row.
-  Per-block or per-token scales for Q and K would need the kernel to take a (B, H, ceil(L / block)) descale and
-  multiply each tile of scores by its query block's and key block's factors before the softmax; none is
-  expressible through one descale (a per-token Q scale multiplies a row of scores: a temperature, not a shift).
+  Per-token (or per-block) scales for Q and K would need the kernel to take q_descale as (B, H, Lq) and k_descale
+  as (B, Hk, Lk) and multiply each tile of float32 scores by its rows' and columns' factors before the softmax's
+  maximum (per block: the same, one factor per tile, but tied to tile sizes the kernel picks per head dim). None is
+  expressible through one descale: a per-token Q scale multiplies a row of scores (a temperature, not a shift), a
+  per-token K scale a column. What is exact through it: shifting K (below), shifting V and scaling V per channel
+  (undone on the output after), and any per-channel scaling c of Q and 1/c of K (q.k unchanged).
   They would buy little on e4m3 anyway: it is floating point (3 mantissa bits, normal over 2^-6..448), so every
   value keeps about 2^-4 relative precision whatever its size within 2^15 of its head's largest; finer scales help
   only values further below it. Emulated on noise, local and outlier inputs: per block of 128 tokens or per token,
@@ -28,15 +31,16 @@ CPU: the reference the kernel is tested against).
   times with the offsets left in (tests/test_fp8.py). A zero-mean channel is left alone: its sample mean is noise,
   and subtracting it shifts the bfloat16 values off zero, where the rounding errors of the +x and -x that one
   bfloat16 value takes no longer cancel; their sum over the tokens then comes through every query's output when
-  attention is spread wide (5.72e-2 against 5.39e-2 on noise at 32760 tokens, emulated).
+  attention is spread wide (5.64e-2 against 5.39e-2 on noise at 32760 tokens, emulated).
 
 What no scale reaches: FA3's FP8 forward rounds Q, K, P and V to e4m3. With N(0,1) inputs the rounding of Q and K
-costs about as much as that of P and V together (emulated: 3.9e-2 and 3.7e-2, 5.4e-2 in all), and SageAttention's
-per-warp INT8 Q.K rounds about a third as coarsely: it stays near 3.7e-2. Only a kernel that takes Q and K in
-another format (INT8 with per-block scales, or bf16) beside FP8 P.V would reach it.
+alone costs 3.9e-2, that of P and V alone 3.7e-2, 5.3e-2 to 5.4e-2 together (emulated at Flux's and Wan's shapes);
+SageAttention 2's INT8 Q.K with per-block scales rounds several times more finely than e4m3, so its error is about
+P and V's alone (3.9e-2 emulated with its granularity; 3.5e-2 to 3.9e-2 measured, bench/results). Only a kernel that
+takes Q and K in another format (INT8 with per-block scales, or bf16) beside FP8 P.V would reach it.
 
-`fa3_fp8_forward` is FA3's FP8 forward (its `flash_attn_func` contract) computed in float64 from these e4m3 inputs, with P rounded to e4m3 as the
-kernel rounds it (at 2^8 times its value relative to the row's maximum: FA3's `Max_offset` 8 for FP8, so P's largest
+`fa3_fp8_forward` is FA3's FP8 forward (its `flash_attn_func` contract) computed in float64 from these e4m3 inputs,
+with P rounded to e4m3 as the kernel rounds it (at 2^8 times its value relative to the row's maximum: FA3's `Max_offset` 8 for FP8, so P's largest
 lands on 256, within e4m3's range) and the row sums taken before that rounding. It does not model the online
 softmax's running maximum (the kernel scales P by the maximum so far, which only moves values up the e4m3 grid): the
 CPU reference the quantisation is tested against, and the bench's expectation for the GPU kernel.

@@ -84,7 +84,8 @@ def test_the_kernel_gives_the_float64_references_numbers_under_the_interpreter()
     are defined) runs the kernels on bf16/fp16/fp32, grouped query heads, head dims 32-256, lengths that are not a
     multiple of the tile, strided inputs, outlier keys, an all-zero head and heads 10^6 apart: every e4m3 value is
     the reference's but where a float32 value lies within rounding of an e4m3 midpoint (one step, in about 1 value
-    in 10^5: 3 of 307,200 on noise with Triton 3.9), the descales within float32 rounding, the means within float32 summation."""
+    in 10^5: 3 of 307,200 on noise with Triton 3.9), the descales within float32 rounding, the means within float32
+    summation."""
     triton = _triton_or_skip()
     if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7):
         pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run the kernels' range() over their integer "
