@@ -82,25 +82,30 @@ def quantise_one(x: torch.Tensor, heads_kv: int, smooth: str
     f32 = dict(device=x.device, dtype=torch.float32)
     partials = torch.empty((3, b * heads, runs, dim), **f32)
     descale = torch.empty((b, heads_kv), **f32)
-    shift = torch.zeros((b, heads_kv, dim), **f32) if not mode else torch.empty((b, heads_kv, dim), **f32)
+    shift = torch.empty((b, heads_kv, dim), **f32) if mode else descale  # unread without smoothing
     out = torch.empty((b, length, heads, dim), device=x.device, dtype=torch.float8_e4m3fn)
     block_d = max(16, triton.next_power_of_2(dim))
+    # sm_90 (ptxas): `_cast`'s 64 x 128 tile over 4 warps takes 64 registers a thread, `_stats`' three 32 x 128
+    # accumulators over 8 warps as many: 4 programs an SM or more, 32 kB of reads or more in flight an SM
     warps = 8 if block_d > 128 else 4
     _stats[(b * heads, runs)](x, partials[0], partials[1], partials[2], *x.stride(), heads, length, dim, per_run,
-                              per_run // BLOCK_L, BLOCK_L=BLOCK_L, BLOCK_D=block_d, num_warps=warps)
+                              per_run // BLOCK_L, BLOCK_L=BLOCK_L, BLOCK_D=block_d, num_warps=2 * warps)
     _finish[(b * heads_kv,)](partials[0], partials[1], partials[2], descale, shift, group, length, dim, runs,
                              -(-runs // FINISH_RUNS), SMOOTH=mode, BLOCK_S=FINISH_RUNS, BLOCK_D=block_d,
                              num_warps=warps)
     _cast[(b * heads, -(-length // CAST_TOKENS))](x, out, descale, shift, *x.stride(), *out.stride()[:3], heads,
-                                                  group, length, dim, BLOCK_L=CAST_TOKENS, BLOCK_D=block_d,
-                                                  num_warps=warps)
+                                                  group, length, dim, SHIFT=bool(mode), BLOCK_L=CAST_TOKENS,
+                                                  BLOCK_D=block_d, num_warps=warps)
     return out, descale, shift if mode else None
 
 
 if triton is not None:
     OFFSET_SHARE_C = tl.constexpr(OFFSET_SHARE)
+    # Lengths and run counts change from model to model: specialising on them (Triton's default for ints equal to 1
+    # or divisible by 16) would compile more variants of the kernels and gain nothing (the tensors' strides and
+    # pointers, which make the loads 16-byte vectors, are still specialised).
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["length", "per_run", "steps"])
     def _stats(x_ptr, sum_ptr, max_ptr, min_ptr, sxb, sxl, sxh, sxd, heads, length, dim, per_run, steps,
                BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
         """Per-channel sum, max and min of one run of tokens of one (batch, head)."""
@@ -127,7 +132,7 @@ if triton is not None:
         tl.store(max_ptr + at, tl.max(high, 0), mask=d_ok)
         tl.store(min_ptr + at, tl.min(low, 0), mask=d_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["length", "runs", "chunks"])
     def _finish(sum_ptr, max_ptr, min_ptr, descale_ptr, shift_ptr, group, length, dim, runs, chunks,
                 SMOOTH: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         """One (batch, key/value head): its shift per channel (SMOOTH) and its descale, over its group's heads."""
@@ -168,9 +173,9 @@ if triton is not None:
         y = (y + magic) - magic
         return tl.minimum(tl.maximum(y, -448.0), 448.0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["length"])
     def _cast(x_ptr, out_ptr, descale_ptr, shift_ptr, sxb, sxl, sxh, sxd, sob, sol, soh, heads, group, length, dim,
-              BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+              SHIFT: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
         """One tile of tokens of one (batch, head): (x - shift) / descale in e4m3."""
         bh = tl.program_id(0)
         b = bh // heads
@@ -179,7 +184,9 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         d_ok = d < dim
         inv = 1.0 / tl.load(descale_ptr + bj)
-        shift = tl.load(shift_ptr + bj * dim + d, mask=d_ok, other=0.0)
+        shift = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        if SHIFT:
+            shift = tl.load(shift_ptr + bj * dim + d, mask=d_ok, other=0.0)
         tok = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
         ok = (tok < length)[:, None] & d_ok[None, :]
         x = tl.load(x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + tok.to(tl.int64)[:, None] * sxl

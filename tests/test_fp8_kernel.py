@@ -116,7 +116,7 @@ def test_the_kernels_compile_for_the_h100_and_h200(dtype):
     from triton.compiler import ASTSource
 
     aligned = {"x_ptr", "out_ptr", "sum_ptr", "max_ptr", "min_ptr", "shift_ptr", "sxb", "sxl", "sxh", "sob", "sol",
-               "soh", "dim", "per_run"}
+               "soh", "dim"}
 
     def source(fn, constants):
         types = {"x_ptr": f"*{dtype}", "out_ptr": "*fp8e4nv",
@@ -127,11 +127,11 @@ def test_the_kernels_compile_for_the_h100_and_h200(dtype):
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names}
         return ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
 
-    for fn, constants, warps in ((quantise_kernel._stats, {"BLOCK_L": 32, "BLOCK_D": 128}, 4),
+    for fn, constants, warps in ((quantise_kernel._stats, {"BLOCK_L": 32, "BLOCK_D": 128}, 8),
                                  (quantise_kernel._finish, {"SMOOTH": 2, "BLOCK_S": 32, "BLOCK_D": 128}, 4),
                                  (quantise_kernel._finish, {"SMOOTH": 0, "BLOCK_S": 32, "BLOCK_D": 256}, 8),
-                                 (quantise_kernel._cast, {"BLOCK_L": 64, "BLOCK_D": 128}, 4),
-                                 (quantise_kernel._cast, {"BLOCK_L": 64, "BLOCK_D": 256}, 8)):
+                                 (quantise_kernel._cast, {"SHIFT": True, "BLOCK_L": 64, "BLOCK_D": 128}, 4),
+                                 (quantise_kernel._cast, {"SHIFT": False, "BLOCK_L": 64, "BLOCK_D": 256}, 8)):
         compiled = triton.compile(source(fn, constants), target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": warps})
         ptx = compiled.asm["ptx"]
