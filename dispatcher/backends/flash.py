@@ -246,9 +246,10 @@ add(BackendSpec(name="_flash_3", family="flash3",
 # Quantised: never auto_exact's; auto_fast admits it per block on the model's own activations, the guard watches it.
 # error_bound: its error on N(0,1) noise and on outlier keys, emulated in float64 (quantise.fa3_fp8_forward on the
 # pack's e4m3 inputs): 5.3e-2 at Flux's shape, 5.4e-2 at Wan's 32760 tokens (bench/fp8_schemes.py,
-# bench/results/2026-12-06-cpu-fp8-schemes.json), plus the kernel's gap to its emulation (2% on the H100 with the
-# earlier quantisation). Not yet measured with the fused quantisation on a GPU: tests/gpu/test_gpu_fp8.py holds it to
-# this bound. No scale FA3 takes brings it to Sage's (3.9e-2): its e4m3 Q.K is the difference (quantise.py).
+# bench/results/2026-12-06-cpu-fp8-schemes.json), plus the kernel's gap to its emulation (about 2% on the H100 with
+# the earlier quantisation: bench/results/README.md). Not yet measured with the fused quantisation on a GPU:
+# tests/gpu/test_gpu_fp8.py holds it to this bound. No scale FA3 takes brings it to Sage's (3.9e-2): its e4m3 Q.K
+# is the difference (quantise.py).
 add(BackendSpec(name="flash_3_fp8", family="flash3",
                 description="FlashAttention-3's FP8 forward (Hopper): e4m3 q/k/v, per-head scales, K smoothed, "
                             "V's offsets smoothed",
