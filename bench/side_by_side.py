@@ -18,7 +18,12 @@ from one run, not from two runs' tables. A backend that cannot run here is liste
 relies on: its error on noise says nothing of its error on a video model, and the autos judge it on these values.
 --inputs outlier: N(0,1) with one key channel of random sign and size 100 that the queries ignore (exact attention
 is unchanged; tests/gpu/test_gpu_guard.py's outlier block, where every Sage kernel is 0.24 off).
+--inputs offset: N(0,1) with an offset per key and value channel drawn from N(0, 3^2), as DiT activations carry
+(what flash_3_fp8's smoothing is for).
 --tau sets sol_attn's routing threshold (default 1.0, comfy_kitchen's).
+--fp8-parts (with flash_3_fp8 among the backends, where it runs): its three stages timed apart in the same rounds,
+`fp8_parts_ms`: `quantise` (dispatcher/quantise.py: the fused Triton kernels where Triton runs), `kernel`
+(FlashAttention-3's FP8 forward on those inputs) and `restore` (V's mean added back to the output).
 """
 
 from __future__ import annotations
@@ -47,7 +52,21 @@ def inputs(kind: str, b: int, h: int, length: int, d: int, device, dtype):
         q[..., 0] = 0
         signs = torch.randint(0, 2, k.shape[:3], device=device, generator=gen).to(dtype) * 2 - 1
         k[..., 0] = signs * 100
+    if kind == "offset":
+        k, v = (x + 3 * torch.randn(1, 1, h, d, device=device, generator=gen).to(dtype) for x in (k, v))
     return q, k, v
+
+
+def fp8_parts(q, k, v) -> dict:
+    """flash_3_fp8's stages on these tensors, each a function to time: the quantisation, the kernel on its
+    inputs, the output's restore (in place on one output: timing only)."""
+    from dispatcher import quantise
+    from dispatcher.backends.flash import fp8_forward
+    prepared = quantise.quantise(q, k, v)
+    out, _ = fp8_forward(prepared, None, False, False)
+    return {"quantise": lambda: quantise.quantise(q, k, v),
+            "kernel": lambda: fp8_forward(prepared, None, False, False),
+            "restore": lambda: quantise.restore(out, prepared)}
 
 
 def cannot_run(name: str) -> list[str]:
@@ -63,9 +82,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="1,40,32760,128", help="B,H,L,D")
     parser.add_argument("--backends", default="auto_fast,_native_cudnn,native")
-    parser.add_argument("--inputs", choices=("noise", "local", "outlier"), default="noise")
+    parser.add_argument("--inputs", choices=("noise", "local", "outlier", "offset"), default="noise")
     parser.add_argument("--tau", type=float, default=DEFAULT_TAU, help="sol_attn's routing threshold")
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--fp8-parts", action="store_true", help="also time flash_3_fp8's stages apart")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     b, h, length, d = (int(x) for x in args.shape.split(","))
@@ -90,7 +110,9 @@ def main(argv=None) -> int:
             picked = out.transpose(1, 2)[:, :, rows.to(device)] if rows is not None else out.transpose(1, 2)
             errors[name] = float(f"{relative_error(picked.double(), reference):.3e}")
             del out, picked
-        times = time_interleaved(fns, device, warmup=3, runs=args.runs, target_s=0.2)
+        parts = fp8_parts(q, k, v) if args.fp8_parts and "flash_3_fp8" in names else {}
+        times = time_interleaved(fns + list(parts.values()), device, warmup=3, runs=args.runs, target_s=0.2)
+        times, part_times = times[:len(fns)], times[len(fns):]
     served = {row["requested"]: row["served"] for row in recorder.snapshot()["rows"]}
     result = {"shape_bhld": [b, h, length, d], "dtype": str(dtype).replace("torch.", ""), "runs": args.runs,
               "inputs": args.inputs, "grid": list(video_grid(length)) if args.inputs == "local" else None,
@@ -101,6 +123,7 @@ def main(argv=None) -> int:
               "served": {name: served.get(name, name) for name in names},
               f"speedup_of_{names[0]}": {name: round(t / times[0], 4) for name, t in zip(names[1:], times[1:])},
               "rel_error_vs_float64": errors,
+              **({"fp8_parts_ms": {part: round(t, 3) for part, t in zip(parts, part_times)}} if parts else {}),
               "skipped": skipped,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               # why each auto picked what it did: every candidate's verdict, timing and reason
