@@ -438,3 +438,17 @@ def test_text_fields_read_back_are_bounded_and_so_is_the_report(tmp_path, backen
         grown = (len(NAMES) + 1) * cache_shape.MAX_TEXT_CHARS
         assert len(t.explain()) <= base + grown and len(json.dumps(t.report())) <= base_report + grown, (
             len(t.explain()), len(json.dumps(t.report())))
+
+
+def test_rows_whose_last_use_is_not_a_time_are_trimmed_at_the_next_write(tmp_path):
+    """A row never looked up again whose `used` is text would sort after every number: kept forever by the age and
+    least-recently-used rules. The next write drops it (a range of the index, no scan)."""
+    path = tmp_path / "tune.sqlite3"
+    for i in range(4):
+        cache.update(path, f"sig-{i}", lambda saved: _good())
+    with sqlite3.connect(path) as con:
+        con.execute("UPDATE decisions SET used = 'yesterday' WHERE signature IN ('sig-0', 'sig-1')")
+        con.execute("UPDATE decisions SET used = 1e300 WHERE signature = 'sig-2'")
+    con.close()
+    cache.update(path, "sig-4", lambda saved: _good())
+    assert set(cache.dump(path)["machines"][_key()]["decisions"]) == {"sig-3", "sig-4"}

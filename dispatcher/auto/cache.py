@@ -405,10 +405,12 @@ def _bytes_in_use(con: sqlite3.Connection) -> int:
 
 
 def _trim(con: sqlite3.Connection, machine: str) -> None:
-    """Drop this machine's decisions unused for MAX_AGE_DAYS (or whose last use is not a time), and its least
-    recently used past MAX_DECISIONS."""
-    con.execute("DELETE FROM decisions WHERE machine = ? AND (typeof(used) NOT IN ('integer', 'real') OR used < ?)",
-                (machine, time.time() - MAX_AGE_DAYS * 86400))
+    """Drop this machine's decisions unused for MAX_AGE_DAYS or whose last use is not a past time (SQLite sorts
+    text and blobs after every number: a range of the index finds them), and its least recently used past
+    MAX_DECISIONS."""
+    now_s = time.time()
+    con.execute("DELETE FROM decisions WHERE machine = ? AND used < ?", (machine, now_s - MAX_AGE_DAYS * 86400))
+    con.execute("DELETE FROM decisions WHERE machine = ? AND used > ?", (machine, now_s + 86400))
     con.execute("DELETE FROM decisions WHERE machine = ? AND signature IN (SELECT signature FROM decisions "
                 "WHERE machine = ? ORDER BY used DESC LIMIT -1 OFFSET ?)", (machine, machine, MAX_DECISIONS))
 
