@@ -266,6 +266,27 @@ def test_a_damaged_file_is_set_aside_once_and_never_more_than_the_bound(tmp_path
     assert len(said) == cache_file.MAX_SET_ASIDE + 1 and "delete them" in said[-1], said
 
 
+def test_a_database_sqlite_finds_malformed_is_set_aside_once_and_a_new_one_started(tmp_path, caplog):
+    """Its header and first page intact (it opens), its other pages overwritten: SQLite finds it malformed at the
+    first read, on a normal connection. That file is really damaged: it is set aside once, and the cache goes on."""
+    path = tmp_path / "tune.sqlite3"
+    for i in range(40):
+        cache.update(path, f"sig-{i}", lambda saved: _good(verdicts={"m": {"": {n: {
+            "status": "valid", "rel_error": 0.0, "reason": "r" * 150} for n in NAMES}}}))
+    _closed(path)
+    data = bytearray(path.read_bytes())
+    data[4096:] = b"\xa5" * (len(data) - 4096)
+    path.write_bytes(bytes(data))
+    for _ in range(3):
+        cache.lookup(path, "sig-3")
+        cache.update(path, "after", lambda saved: _good())
+    assert cache.lookup(path, "after") == _good() and set(cache.dump(path)["machines"][_key()]["decisions"]) == {
+        "after"}
+    assert len(list(tmp_path.glob("tune.sqlite3.bad*"))) == 1
+    said = _warnings(caplog)
+    assert len(said) == 1 and "it is kept as tune.sqlite3.bad" in said[0], said
+
+
 # --- a damaged row never fails a prompt --------------------------------------------------------------------------
 
 DAMAGE = {

@@ -235,11 +235,15 @@ def lookup(path: Path | None, signature_key: str) -> dict | None:
         return None  # nothing saved yet: a read creates nothing
     try:
         con, read_only = _connect(path, write=False)
-        row = con.execute("SELECT decision, used FROM decisions WHERE machine = ? AND signature = ?",
-                          (machine, signature_key)).fetchone()
     except _CACHE_ERRORS as exc:
         _forget(path)
         say(path, classify(exc), writing=False)
+        return None
+    try:
+        row = con.execute("SELECT decision, used FROM decisions WHERE machine = ? AND signature = ?",
+                          (machine, signature_key)).fetchone()
+    except sqlite3.Error as exc:
+        _trouble(path, exc, trusted=read_only is None, writing=False)
         return None
     if row is None:
         return None
@@ -275,8 +279,7 @@ def update(path: Path | None, signature_key: str, merge: Callable[[dict | None],
         except _NotSaved:
             return
         except _CACHE_ERRORS as exc:
-            _forget(path)
-            say(path, classify(exc), writing=True)
+            _trouble(path, exc, trusted=True, writing=True)  # `_write` runs statements on a writable connection
     if not made:
         previous = remembered if remembered is not None else _read_quietly(path, key)
         text, problem = fitted(merge(previous))
@@ -319,6 +322,25 @@ def _write(path: Path, key: tuple[str, str], merge, remembered: dict | None, mad
         except sqlite3.Error:
             pass
         raise
+
+
+def _trouble(path: Path, exc: BaseException, trusted: bool, writing: bool) -> None:
+    """After an error reading or writing the open cache: a file SQLite finds damaged through a normal connection
+    (`trusted`: not a read-only or immutable one, which may read a page mid-checkpoint) is set aside, once,
+    unless another process has replaced it meanwhile; anything else is said."""
+    held = getattr(_local, "connections", {}).get(str(path))
+    seen = held[1] if held is not None else None
+    _forget(path)
+    problem = classify(exc)
+    if problem.kind == "damaged" and trusted and seen is not None:
+        try:
+            with lock(path, health(path).wait()):
+                if identity(path) == seen and not not_plain(path):
+                    set_aside(path, problem.why)
+            return
+        except _CACHE_ERRORS as exc:
+            problem = classify(exc)
+    say(path, problem, writing)
 
 
 def _read_quietly(path: Path, key: tuple[str, str]) -> dict | None:

@@ -215,12 +215,15 @@ def open_database(path: Path, write: bool) -> tuple[sqlite3.Connection, Unusable
 
 
 def _open(path: Path, h: Health, create: bool) -> sqlite3.Connection:
-    if create:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        con = sqlite3.connect(str(path), timeout=h.wait(), isolation_level=None, check_same_thread=False)
-    else:  # a read creates nothing
-        con = sqlite3.connect(path.absolute().as_uri() + "?mode=rw", uri=True, timeout=h.wait(),
-                              isolation_level=None, check_same_thread=False)
+    try:
+        if create:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            con = sqlite3.connect(str(path), timeout=h.wait(), isolation_level=None, check_same_thread=False)
+        else:  # a read creates nothing
+            con = sqlite3.connect(path.absolute().as_uri() + "?mode=rw", uri=True, timeout=h.wait(),
+                                  isolation_level=None, check_same_thread=False)
+    except (OSError, sqlite3.Error) as exc:
+        raise classify(exc) from None
     try:
         version = con.execute("PRAGMA user_version").fetchone()[0]
         if version == 0:
@@ -230,9 +233,12 @@ def _open(path: Path, h: Health, create: bool) -> sqlite3.Connection:
         con.execute("PRAGMA synchronous=NORMAL")  # WAL: durable at checkpoints, never corrupt
         con.execute("PRAGMA journal_size_limit = 4194304")  # the WAL file shrinks back to 4 MB at a checkpoint
         return con
-    except BaseException as exc:
+    except (Unusable, sqlite3.Error) as exc:
         con.close()
         raise classify(exc) from None
+    except BaseException:
+        con.close()
+        raise
 
 
 def _check_format(version: int) -> None:
