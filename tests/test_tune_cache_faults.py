@@ -132,6 +132,7 @@ def _snapshot(folder: Path) -> dict:
                      _digest(p) if p.is_file() and not p.is_symlink() else None) for p in folder.iterdir()}
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="FIFOs, unix sockets and device nodes are POSIX")
 @pytest.mark.parametrize("make", NODES.values(), ids=NODES.keys())
 def test_what_is_not_a_regular_file_is_never_renamed_replaced_or_written(tmp_path, backends, caplog, make):
     """Run as root, `ATTN_DISPATCH_TUNE_CACHE=/dev/null` renamed the machine's /dev/null to /dev/null.bad and put a
@@ -150,6 +151,7 @@ def test_what_is_not_a_regular_file_is_never_renamed_replaced_or_written(tmp_pat
     assert len(said) == 1 and "left as it is" in said[0] and "not a regular file" in said[0], said
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
 def test_a_fifo_as_the_cache_is_never_opened_or_renamed(tmp_path):
     """A FIFO: opening it to read its header waits for a writer forever, and setting it aside renamed it. In a
     process of its own (a hang fails the test, not the run)."""
