@@ -808,7 +808,9 @@ class Tuner:
                             if c.median_ms is not None})
             verdicts = dict(previous.get("verdicts", {}))
             if record.judged_on == LIVE and record.model != state.UNSCOPED_MODEL:  # unscoped ones stay in memory
-                blocks = dict(verdicts.get(record.model, {}))
+                # written last, model and block: the cache keeps the most recently written ones (cache_shape.fitted)
+                blocks = dict(verdicts.pop(record.model, {}))
+                blocks.pop(record.block, None)
                 blocks[record.block] = {c.name: {"status": "valid" if c.status == "chosen" else c.status,
                                                  "rel_error": c.rel_error, "reason": c.reason}
                                         for c in record.candidates if c.status in ("chosen", "valid", "rejected")}
