@@ -365,5 +365,6 @@ def test_guard_bench_the_issues_scenario_on_one_shared_site(tmp_path, every):
         return
     (sized,) = result["sizing"]
     assert result["interval_source"] == "measured" and result["interval"] == sized["interval"] >= 1
-    assert sized["interval"] <= guard_sizing.interval_of(sized["call_ms"] / 1e3, sized["check_ms"] / 1e3)
+    # at most what the times give (a sizing at most doubles the interval in force; the JSON rounds the times)
+    assert sized["interval"] <= guard_sizing.interval_of(sized["call_ms"] / 1e3, sized["check_ms"] / 1e3) + 1
     assert any("sized on this machine" in line for line in result["guard_report"])
