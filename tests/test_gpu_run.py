@@ -271,7 +271,7 @@ def test_the_readme_has_one_figures_slot():
 def test_the_figures_read_every_kind_of_result(tmp_path):
     stem = tmp_path / "2026-12-06-h100-"
     shape = {"shape_bshd": [1, 32760, 12, 128], "len_kv": 32760, "check_ms": 0.15, "call_ms": 9.5,
-             "check_share_of_call": 0.0158, "model_check_ms": 0.2, "interval": 30, "check_extra_peak_mib": 2.0,
+             "check_share_of_call": 0.0158, "model_check_ms": 0.2, "measured_interval": 30, "model_interval": 8, "check_extra_peak_mib": 2.0,
              "path": "triton"}
     Path(f"{stem}guard-check-time.json").write_text(json.dumps({"shapes": {"wan1.3b": shape, "wan14b": {
         **shape, "check_share_of_call": 0.03, "check_extra_peak_mib": 12.5}}}))
