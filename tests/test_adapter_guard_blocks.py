@@ -6,6 +6,7 @@ A stub recorder sees every event the override forwards. The same in a real Comfy
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import importlib
@@ -422,6 +423,41 @@ def test_model_key_is_stable_and_tells_models_apart():
     assert identity.model_key(Patcher(net, weaker)) not in (key, with_lora)
     other_lora = {"0.weight": [(1.0, (torch.zeros(8, 1), torch.ones(1, 8)), 1.0, None, None)]}
     assert identity.model_key(Patcher(net, other_lora)) not in (key, with_lora)
+
+
+def test_two_checkpoints_of_one_architecture_are_two_models():
+    """The key once read the first, middle and last parameter only: two checkpoints that differed elsewhere (here
+    the second layer's weight, as a fine-tune that froze the rest leaves them) shared one key, so a kernel admitted
+    on one served the other unjudged. Every tensor is read now (SAMPLES elements of each)."""
+    base = _net()
+    tuned = copy.deepcopy(base)
+    with torch.no_grad():
+        tuned[1].weight.add_(1e-3 * torch.randn_like(tuned[1].weight))
+    assert [p.shape for p in base.parameters()] == [p.shape for p in tuned.parameters()]
+    assert identity.model_key(Patcher(base)) != identity.model_key(Patcher(tuned))
+    with torch.no_grad():  # a buffer differs (a norm's running statistics)
+        bn, bn2 = torch.nn.BatchNorm1d(8), torch.nn.BatchNorm1d(8)
+        bn2.running_mean.add_(0.5)
+    assert identity.model_key(Patcher(bn)) != identity.model_key(Patcher(bn2))
+
+
+def test_model_key_is_the_same_whatever_the_weights_memory_layout_or_in_place_patches():
+    """The same values give the same key: in another memory layout (a transposed copy, as channels_last is), and
+    with a LoRA applied in place by ComfyUI while the model is loaded (the patcher's backup holds the original)."""
+    net = _net()
+    key = identity.model_key(Patcher(net))
+    strided = copy.deepcopy(net)
+    strided[1].weight.data = strided[1].weight.data.t().contiguous().t()
+    assert not strided[1].weight.is_contiguous() and identity.model_key(Patcher(strided)) == key
+    lora = {"diffusion_model.0.weight": [(1.0, (torch.ones(8, 1), torch.ones(1, 8)), 1.0, None, None)]}
+    unloaded = Patcher(net, lora)
+    loaded = Patcher(copy.deepcopy(net), lora)
+    original = loaded.model.diffusion_model[0].weight.detach().clone()
+    with torch.no_grad():
+        loaded.model.diffusion_model[0].weight.add_(torch.ones(8, 8))  # ComfyUI's patch_model, in place
+    Dimension = collections.namedtuple("Dimension", ["weight", "inplace_update"])
+    loaded.backup = {"diffusion_model.0.weight": Dimension(original, True)}
+    assert identity.model_key(loaded) == identity.model_key(unloaded) != key
 
 
 def test_model_key_never_fails_on_odd_objects():

@@ -119,7 +119,7 @@ class Store:
                             if c.median_ms is not None})
             verdicts = dict(previous.get("verdicts", {}))
             if record.judged_on == LIVE and record.model != state.UNSCOPED_MODEL:  # unscoped ones stay in memory
-                # written last, model and block: the cache keeps the most recently written ones
+                # written last, model and block: the cache keeps the most recently written ones (cache_shape.fitted)
                 blocks = dict(verdicts.pop(record.model, {}))
                 blocks.pop(record.block, None)
                 blocks[record.block] = {c.name: {"status": "valid" if c.status == "chosen" else c.status,
