@@ -82,13 +82,14 @@ class Decision:
 
 
 def exact_stand_in(name: str, inputs: AttentionInputs | None = None, *, exact: str | None = None,
-                   usable: Callable[[str], bool] | None = None) -> str | None:
+                   usable: Callable[[str], bool] | None = None, among: list[str] | None = None) -> str | None:
     """The one choice of which exact backend serves instead of `name` (a quantised or approximate kernel where the
-    model asks for full precision, a kernel the quality guard caught): `exact` (the caller's own pick, `auto_fast`'s
-    fastest exact backend for these inputs) when given, then `name`'s fallback chain in order, the first that is
-    exact, can run `inputs` here (support.reasons; not checked without inputs) and that `usable` accepts. `name`
-    itself when it is exact and so; None when no exact backend is left."""
-    for stand_in in ([exact] if exact is not None else []) + fallback_order(name):
+    model asks for full precision, a kernel the quality guard caught, `auto`'s first candidate where nothing was
+    judged): `exact` (the caller's own pick, `auto_fast`'s fastest exact backend for these inputs) when given, then
+    `name`'s fallback chain in order (`among` instead, when given: `auto`'s candidates in priority order), the first
+    that is exact, can run `inputs` here (support.reasons; not checked without inputs) and that `usable` accepts.
+    `name` itself when it is exact and so; None when no exact backend is left."""
+    for stand_in in ([exact] if exact is not None else []) + (fallback_order(name) if among is None else among):
         if not registry.is_known(stand_in) or registry.resolver(stand_in) is not None:
             continue
         if not registry.get(stand_in).exact or (usable is not None and not usable(stand_in)):
