@@ -1,7 +1,7 @@
 """What a saved `auto` decision is, and its bounds by value: checked on every read (a hand-edited or damaged cache
 never fails a prompt) and cut to size before every write (one decision never grows without bound).
 
-A decision (`Tuner._to_disk` writes it) holds the candidates, when and how long it was tuned, each candidate's
+A decision (`Store.save` writes it) holds the candidates, when and how long it was tuned, each candidate's
 timings, and per model and block the verdicts on that model's activations; a step decision (`Tuner._replay_step`)
 holds the kernel chosen for a model's forward. What is read back is bounded: a decision's text is at most
 MAX_DECISION_CHARS, a key (a signature, a candidate's, model's or block's name) at most MAX_KEY_CHARS, a text field
@@ -80,7 +80,7 @@ def _verdicts_problem(verdicts) -> str | None:
 
 
 def decision_problem(decision) -> str | None:
-    """Why `decision` is not a decision the tuner saved (what `Tuner._to_disk` or `_replay_step` writes), or None.
+    """Why `decision` is not a decision the tuner saved (what `Store.save` or `_replay_step` writes), or None.
     Everything the tuner reads is checked here, so a hand-edited or damaged cache can never fail a prompt."""
     if not isinstance(decision, dict):
         return f"a decision is an object, not {type(decision).__name__}"
