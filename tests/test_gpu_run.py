@@ -203,6 +203,7 @@ def test_a_background_job_is_found_by_a_later_call(tmp_path):
     while later.state()[0] == "running" and time.monotonic() < deadline:
         time.sleep(0.1)
     assert later.state() == ("done", 0) and (tmp_path / "job" / "stdout").read_text() == "built\n"
+    job.proc.wait(timeout=30)  # the wrapper writes the marker, then exits: a pid is reused only once it is gone
     dead = gpu_run.Background(tmp_path / "dead")
     (tmp_path / "dead").mkdir()
     (tmp_path / "dead" / "started.json").write_text(json.dumps({"pid": job.proc.pid, "epoch": 0}))
