@@ -76,7 +76,7 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
             and (is_causal is True or is_causal is False) and (enable_gqa is True or enable_gqa is False) \
             and (return_lse is True or return_lse is False):
         arguments = (dropout_p, is_causal, scale, enable_gqa, backend, layout, policy, return_lse, call_site,
-                     recorder, model, guard)
+                     id(recorder), model, guard)  # the recorder itself, not one equal to it (its site holds it)
         try:
             site = _sites.get(arguments)
         except TypeError:  # an unhashable argument: CallSite names it

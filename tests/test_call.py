@@ -147,6 +147,21 @@ def test_a_repeat_call_reuses_its_site():
     assert seen[2].site is not seen[0].site and seen[2].site.cache_key == seen[0].site.cache_key
 
 
+def test_a_call_counts_in_its_own_recorder_even_one_equal_to_another():
+    class Equal(Recorder):  # a recorder that compares by value: another equal one must not take its calls
+        def __eq__(self, other):
+            return isinstance(other, Equal)
+
+        def __hash__(self):
+            return 0
+
+    q, k, v = qkv()
+    first, second = Equal(), Equal()
+    for recorder in (first, second, second):
+        dispatch.dispatch_attention_fn(q, k, v, backend="_native_math", recorder=recorder)
+    assert first.served_by("_native_math") == 1 and second.served_by("_native_math") == 2
+
+
 # ------------------------------------------------------------------------------------------------ the call
 
 def test_a_call_is_its_tensors_and_its_site():
