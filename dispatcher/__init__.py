@@ -17,7 +17,7 @@ from . import backends as _backends  # noqa: F401  (registers the built-in backe
 from . import auto  # noqa: F401  (registers auto_exact / auto_fast / auto: auto.tune / report / explain / clear_cache)
 from . import guard  # noqa: F401  (the quality guard's modes and bounds)
 from . import prediction, prediction_trial  # noqa: F401  (the prediction-level verdict on approximate kernels)
-from .call import AttentionCall
+from .call import AttentionCall, CallSite, tensors_key
 from .checks import AttentionInputError
 from .decisions import BackendNotSupportedError, fallback_order
 from .dispatch import PreparedAttention, dispatch_attention_fn
@@ -42,7 +42,7 @@ from .trust import TRUSTED_PUBLISHERS, trusted_publishers
 BUILTIN_NAMES = _registry.builtin_names()  # in priority order
 
 __all__ = [
-    "AttentionCall", "AttentionInputError", "AttentionInputs", "AttentionQualityError", "active_guard",
+    "AttentionCall", "CallSite", "AttentionInputError", "AttentionInputs", "AttentionQualityError", "active_guard",
     "active_model", "guard", "model_scope", "quality_guard", "set_quality_guard", "BUILTIN_NAMES",
     "BackendNotSupportedError", "BackendSpec", "BackendStatus", "BackendUnavailableError", "HeadDims", "HubKernel",
     "KernelLoadError", "LoadedKernel", "Machine", "PreparedAttention", "Recorder", "TRUSTED_PUBLISHERS",
@@ -50,5 +50,5 @@ __all__ = [
     "attention_checks", "availability_reasons", "backend_names", "current_machine", "detect", "dispatch_attention_fn",
     "fallback_order", "fallback_policy", "get_backend_spec", "list_backends", "loaded_kernels", "recording",
     "register_backend", "register_mask_format", "set_attention_backend", "set_checks", "set_fallback_policy",
-    "trusted_publishers", "auto", "unregister_backend", "use_machine", "validate_backend",
+    "tensors_key", "trusted_publishers", "auto", "unregister_backend", "use_machine", "validate_backend",
 ]
