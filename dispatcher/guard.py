@@ -244,14 +244,14 @@ class Watch:
         return replacement
 
 
-def _run(checks, call, out, spec, made: int, clock) -> tuple[str | None, float | None, bool]:
+def _run(checks, call, out, spec, nth: int, clock) -> tuple[str | None, float | None, bool]:
     """The checks in order, up to the first that finds `out` wrong: (why, or None; the relative error measured;
     whether any of them could judge the call)."""
     error, judged = None, False
     for check in checks:
         if check.judges(call):
             judged = True
-            why, measured = check.verdict(call, out, spec, made, clock)
+            why, measured = check.verdict(call, out, spec, nth, clock)
             if measured is not None:
                 error = measured
             if why is not None:

@@ -170,7 +170,8 @@ current_recorder = _recorder.get
 def recording(recorder: RecorderProtocol):
     """The calls inside the block are counted in `recorder` (a Recorder, or any other `RecorderProtocol`)."""
     if not isinstance(recorder, RecorderProtocol):
-        missing = [name for name in ("record", "record_error", "record_guard") if not hasattr(recorder, name)]
+        missing = [name for name in ("record", "record_error", "record_guard")
+                   if not callable(getattr(recorder, name, None))]
         raise TypeError(f"recording() takes a recorder (dispatcher.Recorder, or an object with the methods of "
                         f"dispatcher.events.RecorderProtocol); {type(recorder).__name__} lacks {', '.join(missing)}")
     token = _recorder.set(recorder)

@@ -25,7 +25,7 @@ adapter, dispatcher, _ = load_pack()
 blocks = importlib.import_module(f"{PACK}.nodes.blocks")
 identity = importlib.import_module(f"{PACK}.nodes.model_identity")
 reports = importlib.import_module(f"{PACK}.nodes.reports")
-events = importlib.import_module(f"{PACK}.dispatcher.events")
+events = dispatcher.events  # the pack's copy: its guard sends these
 
 qkv = functools.partial(tensors.qkv, b=1, lq=16, lk=16, h=2, d=16, flat=True)  # ComfyUI's (B, L, H*D)
 
