@@ -15,7 +15,7 @@ if not _at_least(_torch.__version__, _TORCH_FLOOR):  # said plainly, not as the 
 
 from . import backends as _backends  # noqa: F401  (registers the built-in backends)
 from . import auto  # noqa: F401  (registers auto_exact / auto_fast / auto: auto.tune / report / explain / clear_cache)
-from . import guard  # noqa: F401  (the quality guard's modes and bounds)
+from . import events, guard  # noqa: F401  (what a recorder is told; the quality guard's modes and bounds)
 from . import prediction, prediction_trial  # noqa: F401  (the prediction-level verdict on approximate kernels)
 from .call import AttentionCall, CallSite, tensors_key
 from .checks import AttentionInputError
@@ -30,6 +30,7 @@ from . import registry as _registry
 from .registry import get as get_backend_spec
 from .registry import names as backend_names
 from .registry import remove as unregister_backend
+from .events import RecorderProtocol
 from .report import Recorder, recording
 from .spec import BackendSpec, HeadDims, HubKernel
 from .guard import AttentionQualityError
@@ -45,10 +46,10 @@ __all__ = [
     "AttentionCall", "CallSite", "AttentionInputError", "AttentionInputs", "AttentionQualityError", "active_guard",
     "active_model", "guard", "model_scope", "quality_guard", "set_quality_guard", "BUILTIN_NAMES",
     "BackendNotSupportedError", "BackendSpec", "BackendStatus", "BackendUnavailableError", "HeadDims", "HubKernel",
-    "KernelLoadError", "LoadedKernel", "Machine", "PreparedAttention", "Recorder", "TRUSTED_PUBLISHERS",
-    "UnknownBackendError", "active_backend", "active_checks", "active_policy", "attention_backend",
+    "KernelLoadError", "LoadedKernel", "Machine", "PreparedAttention", "Recorder", "RecorderProtocol",
+    "TRUSTED_PUBLISHERS", "UnknownBackendError", "active_backend", "active_checks", "active_policy", "attention_backend",
     "attention_checks", "availability_reasons", "backend_names", "current_machine", "detect", "dispatch_attention_fn",
     "fallback_order", "fallback_policy", "get_backend_spec", "list_backends", "loaded_kernels", "recording",
     "register_backend", "register_mask_format", "set_attention_backend", "set_checks", "set_fallback_policy",
-    "tensors_key", "trusted_publishers", "auto", "unregister_backend", "use_machine", "validate_backend",
+    "tensors_key", "trusted_publishers", "auto", "events", "unregister_backend", "use_machine", "validate_backend",
 ]

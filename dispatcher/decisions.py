@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import caches, checks, guard, registry, support, trust
+from . import caches, checks, guard, guard_rules, registry, support, trust
 from .hub import KernelLoadError
 from .inputs import AttentionInputs
 from .machine import current_machine
@@ -45,7 +45,7 @@ class Candidate(NamedTuple):
     runner: Callable
     transpose: bool  # the kernel's layout is not the call's: swap the sequence and head axes (views)
     convert_mask: bool  # the mask needs converting to the kernel's format (False: it takes it as given)
-    guard: tuple | None = None  # the quality guard's rules for it here (guard.rules_for), None: unguarded
+    guard: guard.Rules | None = None  # the quality guard's checks of it here (guard_rules.rules_for); None: none
 
 
 @dataclass
@@ -200,7 +200,7 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, qu
                 reasons = [str(exc)]
             else:
                 decision.candidates.append(candidate(name, spec, runner, inputs, layout,
-                                                     guard.rules_for(spec, quality_guard, inputs)))
+                                                     guard_rules.rules_for(spec, quality_guard, inputs)))
                 continue
         decision.skipped.append((name, reasons))
     if not decision.candidates:

@@ -49,7 +49,7 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     length of 0) return SDPA's result (empty, or zeros for Sk = 0) without running a kernel.
     Returns the output in the input layout, and with return_lse=True also the log-sum-exp,
     (B, Sq, H) for BSHD or (B, H, Sq) for BHSD, float32.
-    recorder: count this call in it (anything with Recorder's `record`/`record_error`) instead of in the
+    recorder: count this call in it (a Recorder, or any other `events.RecorderProtocol`) instead of in the
     active `recording()` block's, without a context manager per call.
     call_site: where in the model the call comes from, its block included ("self #5"): `auto_fast` judges quantised
     kernels and the quality guard checks and demotes per call site.

@@ -87,33 +87,17 @@ def _unnumbered(transformer_options, q, k, skip_reshape: bool):
 
 
 class _Relabel:
-    """Duck-typed recorder: the dispatcher reports the name we passed; the report should show the
-    name the user asked for ("auto", or sage before a low-precision swap) and why it changed."""
+    """A recorder (dispatcher.events.RecorderProtocol) in front of the node's: the dispatcher reports the backend
+    the override passed; the report shows the one the user asked for ("auto", or sage before a low-precision swap)
+    and why it changed. Errors and the guard's events go to the node's recorder as they are."""
 
     def __init__(self, target, requested: str, notes: tuple[str, ...] = ()):
         self.target, self.requested, self.notes = target, requested, notes
+        self.record_error, self.record_guard = target.record_error, target.record_guard
         register_recorder(self)
 
     def record(self, site, requested, served, reasons=()):
         self.target.record(site, self.requested, served, self.notes + tuple(reasons))
-
-    def record_error(self, site, backend, error):
-        self.target.record_error(site, backend, error)
-
-    def record_guard(self, site, backend, checks=1, error=None, every=None):
-        target = getattr(self.target, "record_guard", None)
-        if target is not None:
-            target(site, backend, checks=checks, error=error, every=every)
-
-    def record_guard_failure(self, site, backend, reason, replacement):
-        target = getattr(self.target, "record_guard_failure", None)
-        if target is not None:
-            target(site, backend, reason, replacement)
-
-    def record_guard_sizing(self, backend, what, every, call_s, check_s, timed):
-        target = getattr(self.target, "record_guard_sizing", None)
-        if target is not None:
-            target(backend, what, every, call_s, check_s, timed)
 
 
 _passing_on = threading.local()  # ids of the overrides passing a call on in this thread (a loop comes back to one)

@@ -25,6 +25,7 @@ adapter, dispatcher, _ = load_pack()
 blocks = importlib.import_module(f"{PACK}.nodes.blocks")
 identity = importlib.import_module(f"{PACK}.nodes.model_identity")
 reports = importlib.import_module(f"{PACK}.nodes.reports")
+events = dispatcher.events  # the pack's copy: its guard sends these
 
 qkv = functools.partial(tensors.qkv, b=1, lq=16, lk=16, h=2, d=16, flat=True)  # ComfyUI's (B, L, H*D)
 
@@ -40,7 +41,8 @@ def ref(q, k, v, heads=2):
 
 
 class StubRecorder:
-    """Every event, in order: what the override forwards (through its `_Relabel`) and what the dispatcher records."""
+    """Every event, in order: what the override forwards (through its `_Relabel`) and what the dispatcher records
+    (the guard's as dispatcher.events objects)."""
 
     def __init__(self):
         self.events = []
@@ -51,14 +53,14 @@ class StubRecorder:
     def record_error(self, site, backend, error):
         self.events.append(("error", site, backend, error))
 
-    def record_guard(self, site, backend, checks=1, error=None, every=None):
-        self.events.append(("guard", site, backend, checks, error, every))
-
-    def record_guard_failure(self, site, backend, reason, replacement):
-        self.events.append(("guard_failure", site, backend, reason, replacement))
+    def record_guard(self, event):
+        self.events.append(event)
 
     def of(self, kind):
-        return [e for e in self.events if e[0] == kind]
+        """The events of `kind`: "record", "error", or a class of dispatcher.events."""
+        if isinstance(kind, str):
+            return [e for e in self.events if isinstance(e, tuple) and e[0] == kind]
+        return [e for e in self.events if isinstance(e, kind)]
 
 
 @pytest.fixture(autouse=True)
@@ -156,19 +158,18 @@ def test_quantised_backend_swap_is_kept(spy):
     assert row["requested"] == "sage" and any("low_precision_attention=False" in r for r in row["reasons"])
 
 
-def test_relabel_forwards_guard_events_to_the_recorder():
+def test_relabel_renames_the_calls_and_passes_errors_and_guard_events_on():
     stub = StubRecorder()
     relabel = adapter._Relabel(stub, "auto_fast", ("a note",))
+    assert isinstance(relabel, events.RecorderProtocol)
+    checked = events.GuardChecked("self", "sage", error=0.01, every=12)
+    failed = events.GuardFailed("cross", "sage", "relative error 0.8", "native")
     relabel.record("self", "x", "native", ("why",))
-    relabel.record_guard("self", "sage", error=0.01, every=12)
-    relabel.record_guard_failure("cross", "sage", "relative error 0.8", "native")
+    relabel.record_error("self", "sage", "raised")
+    relabel.record_guard(checked)
+    relabel.record_guard(failed)
     assert stub.events == [("record", "self", "auto_fast", "native", ("a note", "why")),
-                           ("guard", "self", "sage", 1, 0.01, 12),
-                           ("guard_failure", "cross", "sage", "relative error 0.8", "native")]
-    # a recorder without the guard methods (another pack's) is left alone
-    plain = adapter._Relabel(types.SimpleNamespace(record=lambda *a: None, record_error=lambda *a: None), "x")
-    plain.record_guard("self", "sage")
-    plain.record_guard_failure("self", "sage", "why", "native")
+                           ("error", "self", "sage", "raised"), checked, failed]
 
 
 def test_guard_catches_a_kernel_that_goes_wrong_mid_run_through_the_override(custom_backend):
@@ -188,9 +189,10 @@ def test_guard_catches_a_kernel_that_goes_wrong_mid_run_through_the_override(cus
     q, k, v = qkv()
     for _ in range(6):
         torch.testing.assert_close(fn(comfy_func, q, k, v, 2, **opts()), ref(q, k, v), atol=2e-5, rtol=1e-4)
-    assert len(stub.of("guard")) == 3
-    (failure,) = stub.of("guard_failure")
-    assert failure[2] == name and failure[4] and not dispatcher.get_backend_spec(failure[4]).quantised
+    assert len(stub.of(events.GuardChecked)) == 3
+    (failure,) = stub.of(events.GuardFailed)
+    assert failure.backend == name and failure.replacement
+    assert not dispatcher.get_backend_spec(failure.replacement).quantised
     served = [e[3] for e in stub.of("record")]
     assert served[:3] == [name] * 3 and name not in served[3:], served
     # another model's verdict is its own: the kernel serves it again
@@ -205,7 +207,7 @@ def test_guard_off_never_checks(custom_backend):
     stub = StubRecorder()
     fn = adapter.make_override(name, recorder=stub, model="t14:off", guard="off", guard_every=1)
     fn(comfy_func, *qkv(), 2, **opts())
-    assert not stub.of("guard") and not stub.of("guard_failure")
+    assert not stub.of(events.GuardChecked) and not stub.of(events.GuardFailed)
 
 
 # ------------------------------------------------------------------------------------------------ blocks

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import dispatcher
-from dispatcher import Recorder, dispatch_attention_fn, guard, guard_sizing, recording
+from dispatcher import Recorder, dispatch_attention_fn, guard, guard_rules, guard_sizing, recording
+from dispatcher.events import GuardChecked
 from dispatcher.inputs import describe_call
 from dispatcher.report import rotation_text
 from helpers.tensors import qkv, sdpa as exact
@@ -25,7 +26,7 @@ def test_the_prior_errs_on_checking_more_often():
     assert guard_sizing.interval(sig) > 1000  # what the constants alone say on a CPU
     spec = dispatcher.get_backend_spec(dispatcher.register_backend("t_prior", exact, devices=("cpu",),
                                                                    quantised=True).name)
-    assert guard.rules_for(spec, guard.DEFAULT, sig) == (guard_sizing.PRIOR_EVERY, True, True)
+    assert guard_rules.rules_for(spec, guard.DEFAULT, sig).every == guard_sizing.PRIOR_EVERY
 
 
 class Sleepy:
@@ -78,9 +79,10 @@ class StepRecorder(Recorder):
         super().__init__()
         self.checks = []
 
-    def record_guard(self, site, backend, checks=1, error=None, every=None):
-        super().record_guard(site, backend, checks, error, every)
-        self.checks.append((self.step, site, every))
+    def record_guard(self, event):
+        super().record_guard(event)
+        if isinstance(event, GuardChecked):
+            self.checks.append((self.step, event.site, event.every))
 
 
 def test_the_blocks_are_then_checked_at_the_measured_interval():
