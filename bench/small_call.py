@@ -30,6 +30,7 @@ host-side table (self CPU time per call of each op) and the Python functions and
 --before DIR: also the dispatcher and the override of the pack in another checkout (e.g. `git archive` of main),
 imported beside this one and interleaved with it ("before_dispatcher", "before_override"; with --breakdown also
 "before_override_model"): a change measured in one run, under the same load.
+The JSON names the code measured by its commit (`pack`, `before`: bench/checkout.py), not by its folder.
 --device cpu: the same configurations on float32 CPU tensors, timed by the clock alone (median_us = host_us): the
 Python layers cost what they cost on a GPU's host, less the GPU-only work (the breakdown's runner line); --stat min
 takes each configuration's fastest round instead of the median, on a CPU machine shared with other work.
@@ -46,7 +47,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from comfy_model_step import ROOT, load_pack  # bench/ is on sys.path when a script of it runs
+from checkout import revision  # bench/ is on sys.path when a script of it runs
+from comfy_model_step import ROOT, load_pack
 from output import emit
 from timing import cpu_us_per_call, host_us_per_call, interleaved_ms
 
@@ -175,11 +177,11 @@ def measure(args) -> int:
                  if "comfy" in med else {"dispatcher_minus_bare_host_us": round(host["dispatcher"] - host["bare"], 3)}),
               **({"before_minus_after_host_us": {name: round(host[f"before_{name}"] - host[name], 3)
                                                   for name in ("dispatcher", "override", "override_model")
-                                                  if f"before_{name}" in host}, "before": str(args.before)}
+                                                  if f"before_{name}" in host}, "before": revision(args.before)}
                  if args.before is not None else {}),
               "host_us": {k: round(v, 3) for k, v in host.items()},
               "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__, "rounds": args.rounds,
-              "calls": args.calls, "pack": str(args.pack), **extra}
+              "calls": args.calls, "pack": revision(args.pack), **extra}
     emit(result, args.json)
     return 0
 

@@ -150,7 +150,7 @@ def _sig_key() -> str:
     return SIG.key()
 
 
-# The shapes a hostile session wrote (issue #41): each broke every `auto` prompt until the file was deleted.
+# The shapes a hostile writer left (issue #41): each broke every `auto` prompt until the file was deleted.
 HOSTILE_FILES = {
     "decisions a list": lambda: {"format": 4, "machines": {_key(): {"decisions": []}}},
     "machines a list": lambda: {"format": 4, "machines": []},
