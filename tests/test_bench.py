@@ -368,3 +368,23 @@ def test_guard_bench_the_issues_scenario_on_one_shared_site(tmp_path, every):
     # at most what the times give (a sizing at most doubles the interval in force; the JSON rounds the times)
     assert sized["interval"] <= guard_sizing.interval_of(sized["call_ms"] / 1e3, sized["check_ms"] / 1e3) + 1
     assert any("sized on this machine" in line for line in result["guard_report"])
+
+
+def test_side_by_side_times_a_pinned_quantised_kernel_that_outlier_keys_spoil(tmp_path):
+    """A pinned quantised kernel is timed with the guard off, its error reported: on outlier keys the guard would
+    refuse it under 'strict' and end the run (seen on an H100 with Sage per warp on Flux's shape, 2026-12-06);
+    the autos keep their guard and do not serve it."""
+    import side_by_side
+    from guard_cost import int8_sim
+    name = "bench_test_int8_outlier"
+    dispatcher.register_backend(name, int8_sim, devices=("cpu",), quantised=True,
+                                description="test: per-tensor int8 q and k")
+    try:
+        out = tmp_path / "sbs.json"
+        assert side_by_side.main(["--shape", "1,2,256,32", "--inputs", "outlier", "--runs", "2", "--json", str(out),
+                                  "--backends", f"native,{name},auto_fast"]) == 0
+        result = json.loads(out.read_text())
+        assert result["rel_error_vs_float64"][name] > 0.1  # spoiled, and measured rather than refused
+        assert result["served"]["auto_fast"] != name and result["rel_error_vs_float64"]["auto_fast"] < 1e-3
+    finally:
+        dispatcher.unregister_backend(name)

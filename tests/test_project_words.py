@@ -33,6 +33,10 @@ ALLOWED_PATHS = {
     "tests/test_comfy038.py": ("/home/user/ComfyUI/custom_nodes/OtherPack",),  # another pack's module, as input
     "tests/test_node_validation.py": ("/home/me/kernels",),  # a path where a kernel name belongs, as input
     "tests/test_sage_build.py": ("/opt/cuda/bin/nvcc",),  # a stand-in nvcc
+    # the GPU machine's paths that results_table.scrub replaces, and its test's input
+    "bench/results_table.py": ("/tmp/gpu-run", "/opt/torch/", "/tmp/pytest-of-", "/tmp/("),
+    "tests/test_gpu_run.py": ("/opt/torch/.venv/bin/python3", "/work/main/", "/tmp/gpu-run/", "/tmp/sage-build.log",
+                              "/tmp/pytest-of-root/"),
 }
 
 

@@ -114,7 +114,10 @@ def test_sage_wrong_on_one_block_never_reaches_the_caller(backend, tmp_path):
         return
     verdicts = {r.block: {c.name: c.status for c in r.candidates if "sage" in c.name} for r in tuner.records()
                 if r.block}
-    assert verdicts["self #1"] and set(verdicts["self #1"].values()) == {"rejected"}, verdicts
+    # every Sage kernel judged on block 1 is rejected; the tuning budget may leave some untimed (never judged, never
+    # served: an H100 on 2026-12-06 left one so), but none is admitted there
+    assert "rejected" in verdicts["self #1"].values() and set(verdicts["self #1"].values()) <= {"rejected", "untimed"}, \
+        verdicts
     for block in ("self #0", "self #2"):
         assert "rejected" not in verdicts[block].values() and verdicts[block], verdicts
 
