@@ -35,6 +35,7 @@ class AttentionCall(NamedTuple):
     recorder: Any = None  # None: the active `recording()` block's
     model: str | None = None  # whose activations these are (accuracy verdicts are per model); None: the active scope
     guard: tuple | None = None  # (mode, every) of the quality guard; None: the active setting
+    rules: Any = None  # support.Rules that keep the call exact (its precision rules: support.call_rules); None: none
 
 
 # The fields a caller passes per call come first (the tensors and the mask): call[PER_CALL:] is the rest, fixed per

@@ -12,11 +12,13 @@ import torch
 from .call import PER_CALL, AttentionCall, new_call
 from .checks import plain_scale as _plain_scale
 from .compiled import dispatch_traced
-from .decisions import BackendNotSupportedError, fallback_order  # noqa: F401  (public names)
+from .decisions import BackendNotSupportedError, UnderRules, fallback_order, under_rules  # noqa: F401  (public)
 from .eager import LEFT, dispatch_eager, lane_for, run_lane
 from .guard import settings as _guard_settings
+from .inputs import describe_call
 from .masks import sdpa_view as _sdpa_view
 from .report import recording
+from .support import call_rules
 
 # The context-parallel router (dispatcher.parallel's, installed through `install_router`: it answers NotImplemented
 # outside its context) and a flag it turns on (`route_calls`) while any context_parallel() block is open, so a plain
@@ -32,7 +34,7 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           enable_gqa: bool = False, attention_kwargs: dict | None = None, *, backend: str | None = None,
                           layout: str = "BSHD", policy: str | None = None, return_lse: bool = False,
                           call_site: str = "attention", recorder=None, model: str | None = None,
-                          guard: str | tuple | None = None, guard_every: int | None = None):
+                          guard: str | tuple | None = None, guard_every: int | None = None, rules=None):
     """Scaled dot-product attention through the selected backend.
 
     query (B, Sq, H, D), key/value (B, Sk, Hk, D) in the default layout 'BSHD' (diffusers'), or
@@ -53,7 +55,13 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     guard / guard_every: the quality guard for this call ('quantised' | 'all' | 'off'; each call site's first call
     checked, then one in guard_every of its calls, 0 = sized on this machine by the calls' and checks' times;
     default: the active `quality_guard` setting); a (mode, every) tuple from `guard.settings` is taken as is.
+    rules: `Rules` that keep this call exact (`exact_only`, or `low_precision=False`: the model asks for full
+    precision): a quantised or approximate backend is replaced by its exact stand-in and an auto by its exact twin
+    (`kept_exact` says which, in the report's words); the recorder counts the call under the backend asked for,
+    with why another served it.
     """
+    if rules is not None and not _dynamo_compiling():  # checked again on a signature's first call, every route
+        rules = call_rules(rules)
     if guard is not None or guard_every is not None:
         if type(guard) is not tuple:
             guard = _guard_settings(guard, guard_every)
@@ -64,10 +72,10 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if _dynamo_compiling():  # dynamo traces the class call, not tuple.__new__
         return dispatch_call(AttentionCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                            attention_kwargs, backend, layout, policy, return_lse, call_site,
-                                           recorder, model, guard))
+                                           recorder, model, guard, rules))
     call = new_call(AttentionCall, (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                     attention_kwargs, backend, layout, policy, return_lse, call_site, recorder, model,
-                                    guard))
+                                    guard, rules))
     if _context_parallel_on:
         return dispatch_call(call)
     return dispatch_eager(call)
@@ -86,7 +94,7 @@ class PreparedAttention:
                  enable_gqa: bool = False, attention_kwargs: dict | None = None, backend: str | None = None,
                  layout: str = "BSHD", policy: str | None = None, return_lse: bool = False,
                  call_site: str = "attention", recorder=None, model: str | None = None,
-                 guard: str | tuple | None = None, guard_every: int | None = None):
+                 guard: str | tuple | None = None, guard_every: int | None = None, rules=None):
         if (guard is not None or guard_every is not None) and type(guard) is not tuple:
             guard = _guard_settings(guard, guard_every)
         if scale is not None and type(scale) is not float:
@@ -96,7 +104,8 @@ class PreparedAttention:
         self._rest = AttentionCall(
             query=None, key=None, value=None, attn_mask=None, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend, layout=layout, policy=policy,
-            return_lse=return_lse, call_site=call_site, recorder=recorder, model=model, guard=guard)[PER_CALL:]
+            return_lse=return_lse, call_site=call_site, recorder=recorder, model=model, guard=guard,
+            rules=None if rules is None else call_rules(rules))[PER_CALL:]
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None):
         if attn_mask is not None and type(attn_mask) is _Tensor and attn_mask.ndim == 2:
@@ -126,6 +135,20 @@ class PreparedAttention:
         self._lane = None if _dynamo_compiling() or _context_parallel_on else \
             lane_for(query, key, value, attn_mask, self._rest)
         return out
+
+
+def kept_exact(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None, *, backend: str,
+               rules, scale: float | None = None, enable_gqa: bool = False, layout: str = "BSHD") -> UnderRules:
+    """What `dispatch_attention_fn(query, key, value, attn_mask, backend=backend, rules=rules, ...)` decides for this
+    call under its rules (`under_rules`): the backend asked for, an auto's exact twin or a refused kernel's exact
+    stand-in, with the note a host's report shows (the ComfyUI override counts its full-precision calls by it)."""
+    if attn_mask is not None and type(attn_mask) is _Tensor and attn_mask.ndim == 2:
+        attn_mask = _sdpa_view(attn_mask, query, key, layout)
+    if scale is not None and type(scale) is not float:
+        scale = _plain_scale(scale)
+    call_rules(rules)
+    inputs = describe_call(query, key, value, attn_mask, 0.0, False, scale, enable_gqa, False, layout)
+    return under_rules(backend, rules, inputs)
 
 
 def install_router(route) -> None:

@@ -36,7 +36,7 @@ caches.on_forget(_shapes_only.clear)
 def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
     # One unpacking (the hot path): AttentionCall's fields by name, in order (tests/test_call_fields.py checks it).
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, \
-        policy, return_lse, call_site, recorder, model, guard = call
+        policy, return_lse, call_site, recorder, model, guard, _ = call
     _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                      attention_kwargs)
     (scoped_backend, scoped_policy, scoped_model, scoped_guard), mode = _current_scope()
@@ -90,7 +90,7 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
                 failed = [_raised(candidate, exc, policy, len(candidates) == 1)]
             else:
                 if recorder is not None:
-                    recorder.record(call_site, requested, candidate.name, ())
+                    recorder.record(call_site, requested, candidate.name, decision.notes)
                 return out
     if not validated:  # checks, attention_kwargs, a guarded or demoted kernel: the full path
         return dispatch_eager(call, by_shapes=False)
@@ -142,7 +142,7 @@ def lane_key(call: AttentionCall, requested, policy, model, guard, machine_id: i
     not be told apart by. Raises TypeError for an unhashable part (the full path then raises the real error)."""
     # Its own unpacking, in AttentionCall's order (tests/test_call_fields.py checks it).
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, _, layout, \
-        _, return_lse, call_site, _, _, _ = call
+        _, return_lse, call_site, _, _, _, rules = call
     m = attn_mask
     if m is None:
         mask = None
@@ -151,7 +151,7 @@ def lane_key(call: AttentionCall, requested, policy, model, guard, machine_id: i
     else:  # a BlockMask (or a wrong type: the full path raises the real error)
         mask = (type(m), getattr(m, "dtype", None), getattr(m, "shape", None), getattr(m, "device", None))
     common = (requested, policy, layout, query.shape, key.shape, value.shape, mask, is_causal, dropout_p > 0,
-              scale is None, enable_gqa, return_lse, machine_id, model, guard, call_site)
+              scale is None, enable_gqa, return_lse, machine_id, model, guard, call_site, rules)
     if shapes_only:
         return common
     return common + (query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
@@ -178,7 +178,7 @@ class Lane:
         self.site, self.recorder = rest[_SITE], rest[_RECORDER]
         # a fallback's reasons, recorded with each call as the full path records them (it logged them once)
         name = candidate.name
-        self.reasons = decision.reasons_for(name) if name != decision.requested else ()
+        self.reasons = decision.notes + (decision.reasons_for(name) if name != decision.requested else ())
 
 
 # Where a call's fields after the mask (Lane.rest) hold these.
@@ -271,7 +271,7 @@ def _account(decision, name, failed, recorder, call_site, requested, guard_notes
     reasons = decision.reasons_for(name) if name != decision.requested else ()
     if reasons:
         decisions.log_once(decision.requested, name, reasons)
-    reasons = guard_notes + reasons
+    reasons = decision.notes + guard_notes + reasons
     if recorder is not None:
         recorder.record(call_site, requested, name, reasons)  # requested may be a pseudo-backend ("auto")
 
@@ -286,17 +286,20 @@ def _first_call(fast_key, requested, policy, model, quality_guard, call: Attenti
     inputs = describe_call(query, key, value, attn_mask, call.dropout_p, call.is_causal, call.scale, call.enable_gqa,
                            call.return_lse, call.layout)
     sensitive, settled = False, True
-    name, exact = requested, None
-    resolve = registry.resolver(requested)
+    asked, exact, notes = requested, None, ()
+    if call.rules is not None:  # kept exact: an auto's exact twin, a refused kernel's exact stand-in
+        asked, _, notes = decisions.under_rules(requested, call.rules, inputs)
+    name = asked
+    resolve = registry.resolver(asked)
     if resolve is not None and not inputs.empty:  # nothing to choose for empty inputs (decisions.EMPTY)
         checks.check_structure(inputs)
         name, sensitive, settled = resolve(inputs, call, model=model, timing=True)
-        twin = registry.exact_twin(requested)
+        twin = registry.exact_twin(asked)
         # What replaces it where it fails: the fastest exact pick, which the decision's `exact_stand_in` puts first
         if twin is not None and not registry.get(name).exact:
             exact, twin_sensitive, twin_settled = registry.resolver(twin)(inputs, call, model=model, timing=True)
             sensitive, settled = sensitive or twin_sensitive, settled and twin_settled
-    decision = decisions.decision_for(name, policy, inputs, call.layout, model, quality_guard, exact)
+    decision = decisions.decision_for(name, policy, inputs, call.layout, model, quality_guard, exact, notes)
     if fast_key is not None and settled:  # an unsettled pick (made on noise or in a trace) is asked again next call
         if sensitive or decision.trust_sensitive:
             _fast[fast_key] = _TRUST_SENSITIVE

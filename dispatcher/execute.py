@@ -12,7 +12,7 @@ def run(candidate: Candidate, call: AttentionCall):
     # One unpacking, not nine attribute reads: this runs on every call. Its names are AttentionCall's fields, in
     # order (tests/test_call_fields.py checks every unpacking against the definition).
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, _, _, _, return_lse, \
-        _, _, _, _ = call
+        _, _, _, _, _ = call
     _, spec, runner, transpose, convert_mask, _ = candidate
     if transpose:  # permute, not transpose(1, 2): the same view, ~0.15 us cheaper each on the CPU
         query, key, value = query.permute(0, 2, 1, 3), key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3)

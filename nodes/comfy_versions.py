@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dispatcher.checks import AttentionInputError
+from ..dispatcher import AttentionInputError
 
 NODE_ID_OUT_OF_CACHE_KEY = True  # ComfyUI 0.3.64: a V3 node's cache key lacks its node id (see above)
 

@@ -12,8 +12,7 @@ import time
 import weakref
 from collections import deque
 
-from ..dispatcher.log import echo
-from ..dispatcher.report import rotation_text
+from ..dispatcher import log, rotation_text
 from .blocks import BlockId
 
 EVENT = "attention_dispatch.report"
@@ -40,7 +39,7 @@ def scrub(obj):
         return [scrub(v) for v in obj]
     if isinstance(obj, str):
         if len(obj) > REPORT_TEXT_LIMIT or not obj.isprintable():  # cut, escaped (its own line breaks kept)
-            obj = echo(obj, REPORT_TEXT_LIMIT, quote=False, keep="\n")
+            obj = log.echo(obj, REPORT_TEXT_LIMIT, quote=False, keep="\n")
         return _PATH.sub("<path>", obj) if ("/" in obj or "\\" in obj) else obj
     return obj
 

@@ -26,7 +26,7 @@ import difflib
 import math
 from typing import Callable, Iterable, Sequence
 
-from ..dispatcher.log import echo
+from ..dispatcher import log
 
 MISSING = object()  # an input the prompt does not carry: ComfyUI reports it itself (required_input_missing)
 
@@ -57,7 +57,7 @@ class Field:
 
 
 def _short(value, limit: int = 60) -> str:
-    return echo(value, limit)
+    return log.echo(value, limit)
 
 
 def _number(x) -> str:

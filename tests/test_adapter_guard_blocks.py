@@ -7,6 +7,7 @@ A stub recorder sees every event the override forwards. The same in a real Comfy
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import importlib
 import types
@@ -39,7 +40,7 @@ def ref(q, k, v, heads=2):
 
 
 class StubRecorder:
-    """Every event, in order: what the override forwards (through its `_Relabel`) and what the dispatcher records."""
+    """Every event, in order: what the dispatcher records in the override's recorder."""
 
     def __init__(self):
         self.events = []
@@ -122,52 +123,49 @@ def custom_backend():
 
 def test_override_passes_model_and_guard_settings_once_worked_out(spy):
     fn = adapter.make_override("native", model="TestModel:abc", guard="all", guard_every=3)
-    assert fn.guard == ("all", 3)  # the dispatcher's (mode, every), computed once, taken as is per call
+    assert fn.guard_setting == ("all", 3)  # the dispatcher's (mode, every), computed once, taken as is per call
     fn(comfy_func, *qkv(), 2, **opts())
     assert spy[-1]["model"] == "TestModel:abc" and spy[-1]["guard"] == ("all", 3)
     plain = adapter.make_override("native")
     plain(comfy_func, *qkv(), 2, **opts())
     assert spy[-1]["model"] is None and spy[-1]["guard"] is None  # the dispatcher's scope and default
     only_every = adapter.make_override("native", guard_every=7)
-    assert only_every.guard == ("quantised", 7)
+    assert only_every.guard_setting == ("quantised", 7)
     with pytest.raises(ValueError):
         adapter.make_override("native", guard="sometimes")
 
 
 def test_auto_fast_is_auto_exact_where_the_model_asks_for_full_precision(spy):
     q, k, v = qkv()
-    for backend in ("auto_fast", "auto", "auto_exact"):
+    for backend, kept in (("auto_fast", "auto_fast kept to exact kernels (auto_exact)"),
+                          ("auto", "auto kept to exact kernels (auto_exact)"),
+                          ("auto_exact", "auto_exact picks exact kernels only")):
         rec = dispatcher.Recorder()
         fn = adapter.make_override(backend, recorder=rec)
         out = fn(comfy_func, q, k, v, 2, low_precision_attention=False, **opts())
         torch.testing.assert_close(out, ref(q, k, v), atol=2e-5, rtol=1e-4)
-        assert spy[-1]["backend"] == "auto_exact", backend
+        assert spy[-1]["backend"] == backend and spy[-1]["rules"] == adapter.FULL_PRECISION
+        assert list(fn.config.precision_notes) == [("self", kept)]  # the dispatcher's decision, counted
         assert {r["requested"] for r in rec.snapshot()["rows"]} == {backend}  # the report shows what was asked
         fn(comfy_func, q, k, v, 2, **opts())
-        assert spy[-1]["backend"] == backend  # elsewhere as asked
+        assert spy[-1]["backend"] == backend and spy[-1]["rules"] is None  # elsewhere as asked
 
 
 def test_quantised_backend_swap_is_kept(spy):
-    rec = dispatcher.Recorder()
-    adapter.make_override("sage", recorder=rec)(comfy_func, *qkv(), 2, low_precision_attention=False, **opts())
-    assert not dispatcher.get_backend_spec(spy[-1]["backend"]).quantised
-    row, = rec.snapshot()["rows"]
-    assert row["requested"] == "sage" and any("low_precision_attention=False" in r for r in row["reasons"])
-
-
-def test_relabel_forwards_guard_events_to_the_recorder():
-    stub = StubRecorder()
-    relabel = adapter._Relabel(stub, "auto_fast", ("a note",))
-    relabel.record("self", "x", "native", ("why",))
-    relabel.record_guard("self", "sage", error=0.01, every=12)
-    relabel.record_guard_failure("cross", "sage", "relative error 0.8", "native")
-    assert stub.events == [("record", "self", "auto_fast", "native", ("a note", "why")),
-                           ("guard", "self", "sage", 1, 0.01, 12),
-                           ("guard_failure", "cross", "sage", "relative error 0.8", "native")]
-    # a recorder without the guard methods (another pack's) is left alone
-    plain = adapter._Relabel(types.SimpleNamespace(record=lambda *a: None, record_error=lambda *a: None), "x")
-    plain.record_guard("self", "sage")
-    plain.record_guard_failure("self", "sage", "why", "native")
+    """The override asks for the backend the node names, with the rules that keep the call exact: the dispatcher
+    swaps the kernel and records the call under the backend asked for, in the node's own recorder."""
+    rec = StubRecorder()
+    fn = adapter.make_override("sage", recorder=rec)
+    for _ in range(3):  # the first call decides, the next ones take the lane: each says why another served it
+        fn(comfy_func, *qkv(), 2, low_precision_attention=False, **opts())
+    assert spy[-1]["backend"] == "sage" and spy[-1]["rules"] == dispatcher.Rules(low_precision=False)
+    assert spy[-1]["recorder"] is rec  # no recorder of the override's own in between
+    ((_, note),) = fn.config.precision_notes
+    records = rec.of("record")
+    assert len(records) == 3 and len(set(records)) == 1
+    (_, site, requested, served, reasons), = set(records)
+    assert requested == "sage" and not dispatcher.get_backend_spec(served).quantised and reasons == (note,)
+    assert note.startswith(f"'sage' refused, '{served}' serves instead: ") and "low_precision_attention=False" in note
 
 
 def test_guard_catches_a_kernel_that_goes_wrong_mid_run_through_the_override(custom_backend):
@@ -267,7 +265,7 @@ def test_calls_outside_the_block_range_go_to_the_previous_override_with_the_reas
     assert {site: served for site, served in rows} == {"self #0": "previous override", "self #1": "native",
                                                         "self #2": "native", "self #3": "previous override"}
     assert rows[("self #0", "previous override")]["reasons"] == ["outside the block range 1..-2"]
-    assert not fn.block_notes
+    assert not fn.config.block_notes
     # without a previous override: ComfyUI's own attention
     fn2 = adapter.make_override("native", blocks=(0, 0))
     fn2(comfy_func, q, k, v, 2, **opts(transformer_index=1))
@@ -381,16 +379,16 @@ def test_the_default_range_costs_nothing_per_call(monkeypatch):
     monkeypatch.setattr(adapter, "in_blocks", boom)
     for rng in (None, (0, -1)):
         fn = adapter.make_override("native", blocks=rng)
-        assert fn.blocks is None
+        assert fn.config.blocks is None
         fn(comfy_func, *qkv(), 2, **opts(block_index=1, total_blocks=4))
 
 
 def test_checks_node_rebuild_keeps_model_guard_and_blocks():
     notes = {}
     fn = adapter.make_override("native", model="M:1", guard="all", guard_every=2, blocks=(1, 2), block_notes=notes)
-    rebuilt = adapter.make_override(**{**fn.attention_dispatch, "checks": "warn"})
-    assert (rebuilt.model, rebuilt.guard, rebuilt.blocks) == ("M:1", ("all", 2), (1, 2))
-    assert rebuilt.block_notes is notes
+    rebuilt = adapter.override_for(dataclasses.replace(fn.config, checks="warn"))
+    assert (rebuilt.config.model, rebuilt.guard_setting, rebuilt.config.blocks) == ("M:1", ("all", 2), (1, 2))
+    assert rebuilt.config.block_notes is notes and rebuilt.config.checks == "warn"
     assert copy.deepcopy(fn) is fn
 
 
@@ -567,17 +565,18 @@ def test_new_inputs_are_optional_for_older_prompts(nodes):
     assert nodes.SetAttentionBackend.check_inputs("native", "fallback", 0.0, 1.0) is True
     assert nodes.SetAttentionBackend.check_inputs("native", "fallback", 0.0, 1.0, -3, 4, "off", 1) is True
     (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "native", "fallback", 0.0, 1.0).result
-    assert m.override.guard == ("quantised", nodes.DEFAULT_EVERY) and m.override.blocks is None
-    assert m.override.model.startswith("FakeModel:")
+    assert m.override.guard_setting == ("quantised", nodes.guard.DEFAULT_EVERY) and m.override.config.blocks is None
+    assert m.override.config.model.startswith("FakeModel:")
 
 
 def test_set_node_passes_guard_blocks_and_model_and_reports_them(nodes):
     (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "native", "fallback", 0.0, 1.0, None, 2, -1,
                                              "every kernel", 5).result
     override = m.override
-    assert override.guard == ("all", 5) and override.blocks == (2, -1) and override.model
+    config = override.config
+    assert override.guard_setting == ("all", 5) and config.blocks == (2, -1) and config.model
     report = _report(m)  # calls with no block position (like ComfyUI 0.3.64's WAN)
-    assert report["quality_guard"] == {"mode": "all", "every": 5} and report["model"] == override.model
+    assert report["quality_guard"] == {"mode": "all", "every": 5} and report["model"] == config.model
     (unapplied,) = report["blocks"]["unapplied"]
     assert unapplied["sites"] == ["self"] and unapplied["reason"] == blocks.NO_POSITION
     assert report["guard"] and report["guard"][0]["backend"] == "native" and report["guard"][0]["checks"] == 1
@@ -609,7 +608,7 @@ def test_chained_block_ranges_name_the_scope(nodes, monkeypatch):
     assert "wins inside its block range 2..5" in got["1"]["notes"][0]
     assert "outside this node's block range 2..5 #1's backend runs" in got["2"]["notes"][0]
     # calls from blocks outside 2..5 reach the upstream node's override
-    rec_up = a.override.recorder
+    rec_up = a.override.config.recorder
     rec_up.clear()
     q, k, v = qkv()
     b.override(comfy_func, q, k, v, 2, transformer_options={"block_index": 7, "total_blocks": 10})

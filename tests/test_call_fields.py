@@ -131,9 +131,10 @@ def test_every_positional_use_of_a_call_follows_its_definition():
 
 @pytest.mark.parametrize("snippet, expected", [
     ("def f(call: AttentionCall):\n    q, k, v, m, *_ = call\n", "unpacks call"),
-    ("def f(call: AttentionCall):\n    " + ", ".join(AttentionCall._fields[:-2] + ("guard", "model")) + " = call\n",
-     "`guard` where the field is `model`"),
-    ("def f(c):\n    " + ", ".join(("_",) * 16 + ("quality_guard",)) + " = c\n", "`quality_guard` where"),
+    ("def f(call: AttentionCall):\n    " + ", ".join(AttentionCall._fields[:-3] + ("guard", "model", "rules"))
+     + " = call\n", "`guard` where the field is `model`"),
+    ("def f(c):\n    " + ", ".join(("_",) * (len(AttentionCall._fields) - 1) + ("quality_guard",)) + " = c\n",
+     "`quality_guard` where"),
     ("def f(call: AttentionCall):\n    return g(*call[:9])\n", "indexes call by position"),
     ("def f(call: Candidate):\n    _, spec, runner, convert_mask, transpose, _ = call\n", "`convert_mask` where"),
     ("def f(q, k, v):\n    return AttentionCall(q, k, v)\n", "value 0 is `q`"),
