@@ -57,8 +57,9 @@ import torch
 from ..dispatcher import (AttentionInputError, PreparedAttention, Rules, attention_checks, auto,
                           availability_reasons, backend_names, checks, dispatch_attention_fn, get_backend_spec, guard,
                           kept_exact, trusted_publishers)
-from .blocks import Ordinals, block_id, block_position, blocks_text, in_blocks
-from .comfy_versions import comfy_default_attention
+from . import comfy_versions
+from .blocks import block_id, blocks_text, in_blocks
+from .comfy_versions import Ordinals, block_position
 from .comfy_versions import peek_containers as _peek_containers
 from .comfy_versions import unwrap as _unwrap
 from .override_config import OverrideConfig
@@ -146,10 +147,10 @@ def _head_dims(q, k, v, heads) -> tuple[int, int, int]:
     dim = q.shape[-1] // heads
     if k.shape[-1] % dim:
         raise AttentionInputError(f"the key's last dim {k.shape[-1]} is not a multiple of the head dim {dim} "
-                                          f"(query {q.shape[-1]} / heads={heads})")
+                                  f"(query {q.shape[-1]} / heads={heads})")
     if v.shape[-1] % (k.shape[-1] // dim):
         raise AttentionInputError(f"the value's last dim {v.shape[-1]} does not split into the "
-                                          f"{k.shape[-1] // dim} key/value heads")
+                                  f"{k.shape[-1] // dim} key/value heads")
     kv_heads = k.shape[-1] // dim
     return dim, kv_heads, v.shape[-1] // kv_heads
 
@@ -226,7 +227,7 @@ class AttentionOverride:
         if reason is not None:
             return self._delegate(reason, None, q, k, v, heads, mask, attn_precision, skip_reshape,
                                   skip_output_reshape, kwargs, plan.site, containers=True)
-        return self._serve(plan, q.take(), k.take(), v.take(), heads, mask, skip_reshape, skip_output_reshape)
+        return self._serve(plan, *comfy_versions.take(q, k, v), heads, mask, skip_reshape, skip_output_reshape)
 
     def _route(self, q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs):
         """(plan, None) for a call this override serves, or (plan, why it is passed on): "" for a node that passes
@@ -342,7 +343,7 @@ class AttentionOverride:
             kept = kept_exact(qs, ks, vs, mask, backend=self.config.backend, rules=plan.rules, scale=plan.scale,
                               enable_gqa=plan.gqa, layout=plan.layout)
             plan.name, plan.exact = kept.backend, kept.note
-            exact = kept.note
+            exact = plan.exact
         notes, key = self.config.precision_notes, (plan.site, exact)
         notes[key] = notes.get(key, 0) + 1
 
@@ -431,16 +432,6 @@ class AttentionOverride:
         finally:
             active.discard(id(self))
 
-    def _default_func(self):
-        given = self.config.default_attention
-        try:
-            return (comfy_default_attention if given is None else given)()
-        except ImportError as error:
-            raise RuntimeError(
-                "a ComfyUI 0.38 container call (it comes without func) is passed on to ComfyUI's attention, and "
-                f"ComfyUI's default attention function cannot be imported here ({error}); outside ComfyUI, make the "
-                "override with default_attention=<a function returning the attention to run>") from error
-
     def _pass_on(self, reason, func, q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs,
                  site, containers):
         config = self.config
@@ -450,17 +441,7 @@ class AttentionOverride:
         if containers:
             seen = _peek_containers(q, k, v) if (mode or config.compare is not None) else (None, None, None)
         target = previous if to_previous else None
-        call = None
-        if containers:  # a container_function down the chain takes the containers itself; else they are taken here
-            call = None if target is None else getattr(target, "container_function", None)
-            if call is None:
-                func = self._default_func()  # a plain override, or ComfyUI's attention itself, needs func
-                if target is None:
-                    call = getattr(func, "container_function", None)
-            if call is None:
-                q, k, v = q.take(), k.take(), v.take()
-        if call is None:
-            call = (lambda *a, **kw: target(func, *a, **kw)) if target is not None else func
+        call, func, q, k, v = comfy_versions.passed_on(target, func, q, k, v, containers, config.default_attention)
         served = self.previous_label if target is not None else f"comfy:{getattr(func, '__name__', 'func')}"
         # "comfy default" asked for ComfyUI's attention: that is what served it, not a fallback.
         self._record(site, served if backend == COMFY_DEFAULT else backend, served, (reason,) if reason else ())

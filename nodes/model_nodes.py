@@ -9,7 +9,7 @@ from comfy_api.latest import io
 from ..dispatcher import (TRUSTED_PUBLISHERS, Recorder, auto, availability_reasons, backend_names, env,
                           get_backend_spec, guard, installing_helps, trusted_publishers)
 from . import blocks as _blocks
-from . import comfy_names, comfy_versions, overrides, prediction_check, raw_prompt, reports
+from . import comfy_versions, overrides, prediction_check, raw_prompt, reports
 from . import validation as v
 from .adapter import AUTO, AUTO_EXACT, AUTO_FAST, AUTOS, COMFY_DEFAULT, PASS_THROUGH, declared_options, override_for
 from .clip_patch import patch_clip
@@ -61,17 +61,17 @@ def backend_options() -> list[str]:
 
 def accepted_backends() -> list[str]:
     """Valid values the dropdown does not list: `auto`, every private `_` backend (typed, or in a workflow) and
-    ComfyUI's own attention names (nodes/comfy_names.py: resolved or explained when queued)."""
-    return [AUTO, *comfy_names.COMFY_NAMES] + [name for name in backend_names() if name.startswith("_")]
+    ComfyUI's own attention names (nodes/comfy_versions.py: resolved or explained when queued)."""
+    return [AUTO, *comfy_versions.COMFY_NAMES] + [name for name in backend_names() if name.startswith("_")]
 
 
 def unavailable_message(backend: str, policy: str) -> str | bool:
     """queue-time check: True, or why this backend cannot be used here (with the install command). ComfyUI's own
-    attention names resolve here (nodes/comfy_names.py), or say what they are."""
-    explained = comfy_names.not_offered(backend)
+    attention names resolve here (nodes/comfy_versions.py), or say what they are."""
+    explained = comfy_versions.not_offered(backend)
     if explained:
         return explained
-    backend = comfy_names.resolve(backend)
+    backend = comfy_versions.resolve(backend)
     if backend in AUTOS or backend == COMFY_DEFAULT:
         return True
     if not isinstance(backend, str) or backend not in backend_names():
@@ -385,7 +385,7 @@ def _run_wrapper(kind: str, node_id, recorder=None, compare=None, info=None, blo
             data["notes"] = list(data.get("notes", ()))
             if recorder is not None:
                 snapshot = recorder.snapshot()
-                data["recorder"] = snapshot
+                data["recorder"] = reports.with_blocks(snapshot)
                 data["summary"] = recorder.summary()
                 data["guard"] = reports.guard_results(snapshot)
                 data["fallback_every_call"] = reports.every_call_fallbacks(snapshot)
@@ -436,7 +436,7 @@ def _setup_notes(asked: str, previous, model) -> list[str]:
     """What the report says from the start: a ComfyUI name resolved, an override of another kind taken over, a
     checkpoint's embedded attention method that the override hides."""
     notes = []
-    alias = comfy_names.alias_note(asked)
+    alias = comfy_versions.alias_note(asked)
     if alias:
         notes.append(alias)
     what = overrides.kind(previous)
@@ -496,7 +496,7 @@ class SetAttentionBackend(io.ComfyNode):
     def execute(cls, model, backend, policy, start_percent, end_percent, trust=None, block_start=0, block_end=-1,
                 quality_guard=DEFAULT_GUARD, guard_every=guard.DEFAULT_EVERY, sparse=None) -> io.NodeOutput:
         node_id = cls.hidden.unique_id
-        asked, backend = backend, comfy_names.resolve(backend)
+        asked, backend = backend, comfy_versions.resolve(backend)
         m = model.clone()
         to = m.model_options.setdefault("transformer_options", {})
         previous = to.get(OVERRIDE_KEY)
@@ -570,7 +570,7 @@ class SetClipAttentionBackend(io.ComfyNode):
     @classmethod
     def execute(cls, clip, backend, policy) -> io.NodeOutput:
         node_id = cls.hidden.unique_id
-        backend = comfy_names.resolve(backend)
+        backend = comfy_versions.resolve(backend)
         c = clip.clone()
         recorder = Recorder(label=f"Set CLIP Attention Backend #{node_id}: {backend}")
         paths = patch_clip(c, override_for(OverrideConfig(backend, policy, recorder,

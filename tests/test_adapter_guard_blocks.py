@@ -23,6 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 
 adapter, dispatcher, _ = load_pack()
 blocks = importlib.import_module(f"{PACK}.nodes.blocks")
+comfy_versions = importlib.import_module(f"{PACK}.nodes.comfy_versions")
 identity = importlib.import_module(f"{PACK}.nodes.model_identity")
 reports = importlib.import_module(f"{PACK}.nodes.reports")
 
@@ -218,7 +219,7 @@ def test_guard_off_never_checks(custom_backend):
     ({"block_index": True, "total_blocks": 4}, None),
 ])
 def test_block_position(to, expected):
-    assert blocks.block_position(to) == expected
+    assert comfy_versions.block_position(to) == expected
 
 
 @pytest.mark.parametrize("rng, index, total, expected", [
@@ -229,14 +230,14 @@ def test_block_position(to, expected):
 ])
 def test_in_blocks(rng, index, total, expected):
     to = {"block_index": index, "total_blocks": total} if total else {"transformer_index": index}
-    assert blocks.in_blocks(blocks.block_position(to), rng) is expected
+    assert blocks.in_blocks(comfy_versions.block_position(to), rng) is expected
 
 
 def test_in_blocks_says_why_the_range_cannot_apply():
-    assert blocks.in_blocks(blocks.block_position({}), (2, -1)) == blocks.NO_POSITION
+    assert blocks.in_blocks(comfy_versions.block_position({}), (2, -1)) == blocks.NO_POSITION
     assert "ComfyUI 0.3.64's WAN and Flux do not" in blocks.NO_POSITION
-    assert blocks.in_blocks(blocks.block_position({"transformer_index": 3}), (-2, -1)) == blocks.NO_COUNT
-    assert blocks.in_blocks(blocks.block_position({"transformer_index": 3}), (0, -2)) == blocks.NO_COUNT
+    assert blocks.in_blocks(comfy_versions.block_position({"transformer_index": 3}), (-2, -1)) == blocks.NO_COUNT
+    assert blocks.in_blocks(comfy_versions.block_position({"transformer_index": 3}), (0, -2)) == blocks.NO_COUNT
 
 
 def test_range_problem_at_queue_time():
@@ -464,15 +465,23 @@ def test_every_call_fallbacks():
 
 
 def test_every_call_fallbacks_name_a_kind_of_site_once_when_all_its_blocks_fell_back():
-    rows = [(f"self #{i}", "flash", "native", 4, ["no flash-attn"]) for i in range(3)]
-    (every,) = reports.every_call_fallbacks(_snapshot(rows + [("cross #0", "flash", "native", 4, ["no flash-attn"])]))
+    rows = [(name(index=i), "flash", "native", 4, ["no flash-attn"]) for i in range(3)]
+    (every,) = reports.every_call_fallbacks(_snapshot(rows + [(name("cross", index=0), "flash", "native", 4,
+                                                               ["no flash-attn"])]))
     assert every["sites"] == ["cross", "self"] and every["every_site"]
     # the guard demoted the kernel on one block of three: that block alone, by name
-    rows = [("self #0", "sage", "sage", 4, []), ("self #1", "sage", "fa3", 4, ["quality guard at self #1"]),
-            ("self #2", "sage", "sage", 4, [])]
+    rows = [(name(index=0), "sage", "sage", 4, []), (name(index=1), "sage", "fa3", 4, ["quality guard at self #1"]),
+            (name(index=2), "sage", "sage", 4, [])]
     (every,) = reports.every_call_fallbacks(_snapshot(rows))
     assert every["sites"] == ["self #1"] and not every["every_site"]
     assert every["text"] == "sage fell back to fa3 on every call at self #1: quality guard at self #1"
+
+
+def name(kind="self", stream=None, index=None, inner=None) -> str:
+    """The call site the override names a block by (as `blocks.block_id` makes it: its fields kept for the report)."""
+    to = {"block_type": stream} if stream else {"cond_or_uncond": []}
+    return blocks.block_id(to, None if index is None else (index, None, inner), None, kind == "self",
+                           compiling=False).text
 
 
 def test_guard_results_and_block_results():
@@ -484,16 +493,18 @@ def test_guard_results_and_block_results():
     assert "FAILED (its output has 3 NaN/Inf values): that call was recomputed with native" in out[0]["text"]
     # blocks: the ones that passed fold into one entry per kind of site, a failed one keeps its block
     out = reports.guard_results(_snapshot([], guard=[
-        *({"site": f"self #{i}", "backend": "sage", "checks": 2, "max_error": 0.001 * i, "every": 8 + i % 3,
+        *({"site": name(index=i), "backend": "sage", "checks": 2, "max_error": 0.001 * i, "every": 8 + i % 3,
            "failures": []} for i in range(30) if i != 5),
         {"site": "self #5", "backend": "sage", "checks": 1, "max_error": None,
          "failures": [{"reason": "relative error 4.9e-01", "replacement": "fa3"}]}]))
     assert [(g["site"], g["blocks"], g["checks"]) for g in out] == [("self #5", 1, 1), ("self", 29, 58)]
+    assert [g["block"] for g in out] == [{"kind": "self", "stream": None, "index": 5, "inner": None},
+                                         {"kind": "self", "stream": None, "index": None, "inner": None}]
     assert out[0]["text"].startswith("quality guard: sage at self #5: 1 check; FAILED (relative error 4.9e-01)")
     assert "demoted for this block of this model" in out[0]["text"]
     assert out[1]["text"] == ("quality guard: sage at self (29 blocks): 58 checks, max error 2.9e-02; each block "
                               "checked again within 10 of its calls")  # the longest interval of the blocks folded
-    assert reports.site_kind("input.self #4.1") == "input.self" and reports.site_kind("cross") == "cross"
+    assert reports.site_kind(name("self", "input", 4, 1)) == "input.self" and reports.site_kind("cross") == "cross"
     b = reports.block_results({"range": [2, -1]}, {"self": blocks.NO_POSITION, "cross": blocks.NO_POSITION})
     assert b["range"] == [2, -1] and b["unapplied"][0]["sites"] == ["cross", "self"]
     assert b["unapplied"][0]["text"].startswith("block range 2..-1 not applied at cross, self: this model tells")
@@ -586,6 +597,8 @@ def test_set_node_passes_guard_blocks_and_model_and_reports_them(nodes):
     assert again["blocks"]["unapplied"] == []  # notes are per run
     (row,) = again["recorder"]["rows"]
     assert row["served"].startswith("comfy:") and row["reasons"] == ["outside the block range 2..-1"]
+    # the row carries its block's fields beside the site's text: the browser folds by them, reading no text
+    assert (row["site"], row["block"]) == ("self #1", {"kind": "self", "stream": None, "index": 1, "inner": None})
 
 
 def test_set_node_reports_a_fallback_on_every_call(nodes):

@@ -24,7 +24,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 adapter, dispatcher, _ = load_pack()
 overrides = importlib.import_module(f"{PACK}.nodes.overrides")
 comfy_versions = importlib.import_module(f"{PACK}.nodes.comfy_versions")
-comfy_names = importlib.import_module(f"{PACK}.nodes.comfy_names")
 registry = importlib.import_module(f"{PACK}.dispatcher.registry")
 support = importlib.import_module(f"{PACK}.dispatcher.support")
 FULL_PRECISION = support.Rules(low_precision=False)
@@ -355,7 +354,7 @@ def test_an_override_chain_that_loops_is_a_clear_error():
                                              ("xformers", "xformers"), ("pytorch", "native")])
 def test_comfy_names_that_are_our_kernels_are_aliases(monkeypatch, name, ours_name):
     nodes = node_stub.install(monkeypatch)
-    assert comfy_names.resolve(name) == ours_name and comfy_names.not_offered(name) is None
+    assert comfy_versions.resolve(name) == ours_name and comfy_versions.not_offered(name) is None
     assert nodes.SetAttentionBackend.check_inputs(name, "fallback", 0.0, 1.0) is True
     if name == "pytorch":  # runs the pack's native and the report says why
         (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), name, "fallback", 0.0, 1.0).result
@@ -376,8 +375,8 @@ def test_comfy_only_names_are_explained_at_queue_time(monkeypatch, name, fragmen
 def test_comfy_kitchen_int8_is_ours():
     """ComfyUI's name for comfy-kitchen's INT8 attention is the pack's backend of the same name."""
     assert "comfy_kitchen_int8" in registry.names()
-    assert comfy_names.resolve("comfy_kitchen_int8") == "comfy_kitchen_int8"
-    assert comfy_names.not_offered("comfy_kitchen_int8") is None
+    assert comfy_versions.resolve("comfy_kitchen_int8") == "comfy_kitchen_int8"
+    assert comfy_versions.not_offered("comfy_kitchen_int8") is None
 
 
 def test_another_packs_override_is_named_by_its_folder_not_its_path():

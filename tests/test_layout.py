@@ -183,10 +183,11 @@ def test_no_module_writes_another_modules_private_globals():
                                          f"{target.value.id}.{target.attr}")
 
 
-# What only one ComfyUI version has (0.38's core override nodes, its containers, a checkpoint's embedded method):
-# named by nodes/comfy_versions.py alone, so a version's quirk is found, and changed, in one module.
+# What only some ComfyUI versions have (0.38's core override nodes, its containers, a checkpoint's embedded method,
+# the UNet's block position, the forward marker block ordinals read for models that pass no position): named by
+# nodes/comfy_versions.py alone, so a version's quirk is found, and changed, in one module.
 VERSION_MARKERS = ("set_model_optimized_attention", "comfy.model_patcher", "comfy_extras.", "comfy.ldm", "peek",
-                   "comfy_attention")
+                   "comfy_attention", "transformer_index", "cond_or_uncond")
 
 
 def _code_names(tree) -> list[str]:
