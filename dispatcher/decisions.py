@@ -208,7 +208,7 @@ def empty_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
 
 def _empty_decision(requested: str, layout: str, notes: tuple[str, ...]) -> Decision:
     served = Candidate(EMPTY, registry.get("_native_math"), empty_attention, layout != "BHSD", False)
-    return Decision(requested, [served], lane=served, notes=notes)
+    return Decision(requested, [served], lane=None if notes else served, notes=notes)
 
 
 def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, quality_guard: tuple,
@@ -246,8 +246,10 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, qu
 
 
 def _lane(decision: Decision):
+    """The candidate eager.py's fast lane runs and records as served with no reason: the first, when it is the one
+    requested and no note goes with it (a stand-in's calls take the full path, which records why)."""
     first = decision.candidates[0] if decision.candidates else None
-    return first if first is not None and first.name == decision.requested else None
+    return first if first is not None and first.name == decision.requested and not decision.notes else None
 
 
 def decision_for(requested: str, policy: str, inputs: AttentionInputs, layout: str, model: str,

@@ -58,10 +58,8 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     rules: `Rules` that keep this call exact (`exact_only`, or `low_precision=False`: the model asks for full
     precision): a quantised or approximate backend is replaced by its exact stand-in and an auto by its exact twin
     (`kept_exact` says which, in the report's words); the recorder counts the call under the backend asked for,
-    with why another served it.
+    with why another served it. Checked on a signature's first call (a clear error for any other rule).
     """
-    if rules is not None and not _dynamo_compiling():  # checked again on a signature's first call, every route
-        rules = call_rules(rules)
     if guard is not None or guard_every is not None:
         if type(guard) is not tuple:
             guard = _guard_settings(guard, guard_every)

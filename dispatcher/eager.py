@@ -90,7 +90,7 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
                 failed = [_raised(candidate, exc, policy, len(candidates) == 1)]
             else:
                 if recorder is not None:
-                    recorder.record(call_site, requested, candidate.name, decision.notes)
+                    recorder.record(call_site, requested, candidate.name, ())
                 return out
     if not validated:  # checks, attention_kwargs, a guarded or demoted kernel: the full path
         return dispatch_eager(call, by_shapes=False)
@@ -136,8 +136,9 @@ def lane_key(call: AttentionCall, requested, policy, model, guard, machine_id: i
     """The one key of the eager path's cache (`_fast`), for `call` under the resolved scope (requested backend,
     policy, model, guard setting) on the machine `machine_id`. Finer than the decision's key (decisions.decision_for)
     and `auto`'s (Tuner._key): every part of the call its AttentionInputs are made from (shapes, dtypes, devices,
-    mask kind and shape, flags, whether a gradient is wanted), the call site (auto's block) and attention_kwargs'
-    keys (an auto picks among the kernels that honour them); tests/test_lanes.py checks the relation as a property.
+    mask kind and shape, flags, whether a gradient is wanted), the call site (auto's block), attention_kwargs'
+    keys (an auto picks among the kernels that honour them) and the call's rules (its exact stand-in);
+    tests/test_lanes.py checks the relation as a property.
     shapes_only: the shorter key of a `shapes_only` chain, without dtypes, devices and grad, which its kernels need
     not be told apart by. Raises TypeError for an unhashable part (the full path then raises the real error)."""
     # Its own unpacking, in AttentionCall's order (tests/test_call_fields.py checks it).
@@ -151,12 +152,12 @@ def lane_key(call: AttentionCall, requested, policy, model, guard, machine_id: i
     else:  # a BlockMask (or a wrong type: the full path raises the real error)
         mask = (type(m), getattr(m, "dtype", None), getattr(m, "shape", None), getattr(m, "device", None))
     common = (requested, policy, layout, query.shape, key.shape, value.shape, mask, is_causal, dropout_p > 0,
-              scale is None, enable_gqa, return_lse, machine_id, model, guard, call_site, rules)
-    if shapes_only:
+              scale is None, enable_gqa, return_lse, machine_id, model, guard, call_site)
+    if shapes_only:  # no rules either: a universal chain is exact, which rules that keep a call exact leave as it is
         return common
     return common + (query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
                      _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
-                     attention_kwargs and frozenset(attention_kwargs))
+                     attention_kwargs and frozenset(attention_kwargs), rules)
 
 
 class Lane:

@@ -199,6 +199,13 @@ class AttentionOverride:
             guard.settings(config.guard, config.guard_every)
         self._outside_blocks = None if config.blocks is None else \
             f"outside the block range {blocks_text(config.blocks)}"
+        # What a call needs besides the dispatch, each one test per call where the node asked for none of it:
+        # passing every call on; passing some on (a step window, a block range, a sparse kernel's dense calls);
+        # scopes around the call (trusted publishers, checks, the sparse options); checks or a comparison after it.
+        self._passes_every_call = config.backend in (COMFY_DEFAULT, PASS_THROUGH)
+        self._limited = config.window is not None or config.blocks is not None or self.sparse_options is not None
+        self._scoped = bool(config.trust or config.checks or self.sparse_options is not None)
+        self._finishing = bool(config.checks or config.compare is not None)
         self._plans: dict[tuple, _Plan] = {}
         self._ordinals = Ordinals()
 
@@ -233,9 +240,7 @@ class AttentionOverride:
         """(plan, None) for a call this override serves, or (plan, why it is passed on): "" for a node that passes
         every call on ("comfy default", Attention Checks around another pack's override)."""
         to = kwargs.get("transformer_options") or {}
-        config = self.config
-        backend = config.backend
-        if backend == COMFY_DEFAULT or backend == PASS_THROUGH:
+        if self._passes_every_call:
             _check_call(q, k, v, mask, skip_reshape)
             return _Plan("", site=_unnumbered(to, q, k, skip_reshape).text), ""
         block = signature = plan = q_shape = k_shape = None
@@ -267,13 +272,23 @@ class AttentionOverride:
                 if plan.reason is None:
                     plan.attend = self._prepared(plan)
                 self._plans[signature] = plan
+        if self._limited:
+            passed = self._passed_on_here(plan, to, position, q, skip_reshape)
+            if passed is not None:
+                return plan, passed
+        return plan, plan.reason
+
+    def _passed_on_here(self, plan, to, position, q, skip_reshape) -> str | None:
+        """Why a call this override could serve is passed on all the same (its step window, its block range, the
+        dense calls of a sparse backend's options), or None."""
+        config = self.config
         window = config.window
         if window is not None and not in_window(to, window):
-            return plan, f"outside the step window {window_text(*window)}"
+            return f"outside the step window {window_text(*window)}"
         if config.blocks is not None:
             inside = in_blocks(position, config.blocks)
             if inside is False:
-                return plan, self._outside_blocks
+                return self._outside_blocks
             if inside is not True and plan.kind not in config.block_notes:  # the range cannot apply: noted once
                 config.block_notes[plan.kind] = inside
         sparse = self.sparse_options
@@ -282,8 +297,8 @@ class AttentionOverride:
             dense = sparse.dense_reason(q.shape[2] if skip_reshape else q.shape[1],
                                         None if position is None else position[0])
             if dense is not None:
-                return plan, self._sparse_here + dense
-        return plan, plan.reason
+                return self._sparse_here + dense
+        return None
 
     def _serve(self, plan, q, k, v, heads, mask, skip_reshape, skip_output_reshape):
         """Run a planned call through the dispatcher and shape its output the way ComfyUI expects."""
@@ -298,19 +313,17 @@ class AttentionOverride:
             qs, ks, vs = qs.float(), ks.float(), vs.float()
         if mask is not None and mask.ndim != 4:
             mask = comfy_mask(mask)
-        config = self.config
         if plan.rules is not None:  # low_precision_attention=False: counted for the report, by what kept it exact
             self._count_kept_exact(plan, qs, ks, vs, mask)
         attend = plan.attend or self._unkept_attend(plan)
-        sparse = self.sparse_options
         found = None  # what the dispatcher's `warn` checks found in this call (the kernel's own output included)
-        trust, checked = config.trust, config.checks
-        if trust or checked or sparse is not None:  # scopes only when asked for: ~1 us each per call
+        if self._scoped:  # scopes only when asked for: ~1 us each per call
+            config, sparse = self.config, self.sparse_options
             with contextlib.ExitStack() as stack:
-                if trust:
-                    stack.enter_context(trusted_publishers(trust))
-                if checked:
-                    stack.enter_context(attention_checks(checked))
+                if config.trust:
+                    stack.enter_context(trusted_publishers(config.trust))
+                if config.checks:
+                    stack.enter_context(attention_checks(config.checks))
                     if config.tally is not None:
                         found = []
                         stack.enter_context(checks.reporting(found.append))
@@ -330,7 +343,7 @@ class AttentionOverride:
             out = out.flatten(2)
         elif output == "transpose":
             out = out.transpose(1, 2)
-        if checked or config.compare is not None:
+        if self._finishing:
             return self._finish(out, plan.site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, plan.scale,
                                 plan.gqa, plan.name, found)
         return out
