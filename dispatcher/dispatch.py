@@ -12,7 +12,8 @@ import torch
 from .call import PER_CALL, AttentionCall, new_call
 from .checks import plain_scale as _plain_scale
 from .compiled import dispatch_traced
-from .decisions import BackendNotSupportedError, UnderRules, fallback_order, under_rules  # noqa: F401  (public)
+from .decisions import BackendNotSupportedError, fallback_order  # noqa: F401  (public names)
+from .decisions import UnderRules, under_rules
 from .eager import LEFT, dispatch_eager, lane_for, run_lane
 from .guard import settings as _guard_settings
 from .inputs import describe_call
@@ -144,7 +145,6 @@ def kept_exact(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
         attn_mask = _sdpa_view(attn_mask, query, key, layout)
     if scale is not None and type(scale) is not float:
         scale = _plain_scale(scale)
-    call_rules(rules)
     inputs = describe_call(query, key, value, attn_mask, 0.0, False, scale, enable_gqa, False, layout)
     return under_rules(backend, rules, inputs)
 

@@ -10,9 +10,10 @@ rest of nodes/ reads these functions and names, never a version.
   `ModelPatcher.set_model_optimized_attention`) and Model Sparse Attention (`core_override` tells them apart).
 - The checkpoint (§1.7): 0.38 checkpoints may embed an attention method per module, popped as `preferred_attention`
   before any override sees it (`embedded_methods` finds them for the node's report).
-- The block a call comes from (§1.3, §1.7): newer ComfyUI's DiTs (Flux, WAN, Chroma, Lumina, ...) pass `block_index` with
-  `total_blocks`; the SD/SDXL UNet (0.3.64 and later) its `transformer_index`; 0.3.64's WAN and Flux nothing, so a
-  call is known by its ordinal in the forward (`block_position`, `Ordinals`; nodes/blocks.py names the block).
+- The block a call comes from (§1.3, §1.7): newer ComfyUI's DiTs (Flux, WAN, Chroma, Lumina, ...) pass
+  `block_index` with `total_blocks`; the SD/SDXL UNet (0.3.64 and later) its `transformer_index`; 0.3.64's WAN and
+  Flux nothing, so a call is known by its ordinal in the forward (`block_position`, `Ordinals`, `new_forward`;
+  nodes/blocks.py names the block).
 - The attention names (§1.7, §8): 0.38's registry, `--use-*-attention` flags and Model Attention Backend node name
   attention `sage`, `sage3`, `flash`, `xformers`, `pytorch`, `sub_quad`, `split`, `comfy_kitchen_int8`; the Set
   Attention Backend nodes take them as aliases where the pack runs the same kernel (`COMFY_NAMES`, `resolve`), and
