@@ -1,4 +1,4 @@
-"""Wheels for the lent GPU machine, which reaches no package index and takes at most 64 MiB per command.
+"""Wheels for a GPU machine that reaches no package index and takes at most 64 MiB per command.
 
     python bench/device_wheels.py prepare [--sets first]  # here: download, slim, split into batches under .whl/gpu/
     python bench/device_wheels.py install [--target DIR]  # there: join the carried batches, check, pip install

@@ -57,7 +57,7 @@ STEP = (PY, "bench/comfy_model_step.py", "--table", "--json", "{out}.json", "--c
 # Exact kernels pinned in the step table. flex is left out: slower than cuDNN on every model shape measured (run 5)
 # and out of memory on WAN's 32760 tokens (runs 2-3); _flash_varlen_3 is _flash_3's kernel through varlen.
 STEP_KERNELS = "native,_native_cudnn,_native_flash,_native_efficient,_flash_3,flash_4"
-SIDE = (PY, "bench/side_by_side.py", "--runs", "15", "--json", "{out}.json", "--backends",
+SIDE = (PY, "bench/side_by_side.py", "--runs", "15", "--fp8-parts", "--json", "{out}.json", "--backends",
         "_native_cudnn,_flash_3,flash_4,flash_3_fp8,sage_sm90_per_warp,auto_exact,auto_fast")
 TINY = ("--device", "cpu", "--tokens", "256", "--heads", "2", "--head-dim", "32", "--blocks", "8", "--bad-block", "3",
         "--steps", "6", "--bad-from-step", "2")  # one-bad-block at toy size

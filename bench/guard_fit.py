@@ -1,4 +1,4 @@
-"""Re-fit the guard's cost model (dispatcher/guard.py: CHECK_HOST_S, MEMORY_BYTES_S, CHECK_FLOPS) from what
+"""Re-fit the guard's cost model (dispatcher/guard_sizing.py: CHECK_HOST_S, MEMORY_BYTES_S, CHECK_FLOPS) from what
 `bench/guard_cost.py --scenario check-time` measured on a GPU (bench/gpu_run.py's item guard-check-time).
 
     python bench/guard_fit.py RESULTS/DATE-MACHINE-guard-check-time.json [--json PATH]
@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dispatcher import guard  # noqa: E402
+from dispatcher import guard_sizing as guard  # noqa: E402  (the cost model and its constants)
 from dispatcher.inputs import AttentionInputs  # noqa: E402
 
 FITTED = ("CHECK_HOST_S", "MEMORY_BYTES_S", "CHECK_FLOPS")
@@ -144,7 +144,7 @@ def fit(data: dict) -> dict:
     return {"source_device": data.get("device"), "torch": data.get("torch"), "triton": data.get("triton"),
             "current": current, "fitted": {k: float(f"{v:.3g}") for k, v in fitted.items()},
             "kept": {"KERNEL_FLOPS": guard.KERNEL_FLOPS}, "largest_relative_error_after": round(worst, 3),
-            "shapes": shapes, "note": note + "Copy the fitted constants into dispatcher/guard.py with the run they "
+            "shapes": shapes, "note": note + "Copy the fitted constants into dispatcher/guard_sizing.py with the run they "
                                              "came from; `interval_measured` is what this machine's own times give."}
 
 

@@ -11,6 +11,7 @@ fastest round of each, which a busy machine disturbs least):
 - pack: this package's `dispatch_attention_fn` on its default backend, every check it does on by default;
 - before (`--before DIR`): the pack of another checkout, imported beside this one (a change measured in one run);
 each without a mask and with a bool mask (B, 1, Sq, Sk). Needs diffusers only for its column.
+The JSON names the code measured by its commit (`pack`, `before`: bench/checkout.py), not by its folder.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from output import emit  # bench/ is on sys.path when a script of it runs
+from checkout import revision  # bench/ is on sys.path when a script of it runs
+from output import emit
 from timing import shuffled_rounds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,7 +133,8 @@ def main(argv=None) -> int:
     shape = tuple(int(x) for x in args.shape.split(","))
     calls = configurations(shape, args.device, args.pack, args.before)
     result = summarise(measure(calls, args.rounds, args.calls, args.device), args.stat)
-    result.update(pack=str(args.pack or ROOT), shape_bhsd=shape, device=args.device, rounds=args.rounds, calls=args.calls,
+    result.update(pack=revision(args.pack or ROOT), **({"before": revision(args.before)} if args.before else {}),
+                  shape_bhsd=shape, device=args.device, rounds=args.rounds, calls=args.calls,
                   torch=torch.__version__, python=sys.version.split()[0])
     try:
         import diffusers

@@ -50,7 +50,8 @@ def check_time(data: dict, file: str) -> list[dict]:
         video = name in VIDEO
         rows.append(row(f"the check on {SHAPES.get(name, name)}: its time / the call's ({s['path']})",
                         f"{s['check_share_of_call']:.2%} ({s['check_ms']:.3f} / {s['call_ms']:.3f} ms; model "
-                        f"{s['model_check_ms']:.3f} ms, interval {s['interval']})", file,
+                        f"{s['model_check_ms']:.3f} ms; interval {s['measured_interval']} measured, "
+                        f"{s['model_interval']} modelled)", file,
                         "<= 2%" if video else "", s["check_share_of_call"] <= 0.02 if video else None))
         if s.get("check_extra_peak_mib") is not None and name == "wan14b":
             rows.append(row(f"the check's extra peak memory on {SHAPES[name]}", f"{s['check_extra_peak_mib']} MiB",

@@ -20,9 +20,9 @@ kernel's GPU time, the host, not the kernel, sets the pace.
 --breakdown: where the pack's host time per call goes, by timing the repeat path with its outer layers peeled off
 one at a time (`breakdown_layers`; `host_us` gets each layer, `breakdown_us` the differences, `increments`): the
 four views a (B, L, H, D) caller's call takes (3 in, 1 out), `native`'s GPU branch (SDPA's priority order),
-`execute.run` on the decided candidate, the eager path's lookup, the entry, the override over the prepared call it
-makes, and the override in a model (SDXL's block options, the node's recorder). --order sets SDPA's priority order
-first: `sdpa` = torch's own (flash first: what a ComfyUI process with the override has, so `native` writes
+`execute.run_tensors` on the decided candidate, the eager path's lookup, the entry, the override over the prepared
+call it makes, and the override in a model (SDXL's block options, the node's recorder). --order sets SDPA's priority
+order first: `sdpa` = torch's own (flash first: what a ComfyUI process with the override has, so `native` writes
 cuDNN-first and back on every call), `cudnn` = cuDNN first (nothing written), `found` = leave it.
 --inference-mode runs every call under torch.inference_mode(), as ComfyUI samples. --profile adds torch.profiler's
 host-side table (self CPU time per call of each op) and the Python functions and builtins one call runs
@@ -30,6 +30,7 @@ host-side table (self CPU time per call of each op) and the Python functions and
 --before DIR: also the dispatcher and the override of the pack in another checkout (e.g. `git archive` of main),
 imported beside this one and interleaved with it ("before_dispatcher", "before_override"; with --breakdown also
 "before_override_model"): a change measured in one run, under the same load.
+The JSON names the code measured by its commit (`pack`, `before`: bench/checkout.py), not by its folder.
 --device cpu: the same configurations on float32 CPU tensors, timed by the clock alone (median_us = host_us): the
 Python layers cost what they cost on a GPU's host, less the GPU-only work (the breakdown's runner line); --stat min
 takes each configuration's fastest round instead of the median, on a CPU machine shared with other work.
@@ -46,7 +47,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from comfy_model_step import ROOT, load_pack  # bench/ is on sys.path when a script of it runs
+from checkout import revision  # bench/ is on sys.path when a script of it runs
+from comfy_model_step import ROOT, load_pack
 from output import emit
 from timing import cpu_us_per_call, host_us_per_call, interleaved_ms
 
@@ -175,11 +177,11 @@ def measure(args) -> int:
                  if "comfy" in med else {"dispatcher_minus_bare_host_us": round(host["dispatcher"] - host["bare"], 3)}),
               **({"before_minus_after_host_us": {name: round(host[f"before_{name}"] - host[name], 3)
                                                   for name in ("dispatcher", "override", "override_model")
-                                                  if f"before_{name}" in host}, "before": str(args.before)}
+                                                  if f"before_{name}" in host}, "before": revision(args.before)}
                  if args.before is not None else {}),
               "host_us": {k: round(v, 3) for k, v in host.items()},
               "gpu": torch.cuda.get_device_name() if cuda else None, "torch": torch.__version__, "rounds": args.rounds,
-              "calls": args.calls, "pack": str(args.pack), **extra}
+              "calls": args.calls, "pack": revision(args.pack), **extra}
     emit(result, args.json)
     return 0
 
@@ -208,9 +210,9 @@ BREAKDOWN = ("views", "run", "eager", "prepared")  # breakdown_layers' names ("p
 def breakdown_layers(dispatcher, q4, k4, v4) -> dict:
     """The repeat path of `dispatch_attention_fn(q4, k4, v4)` ((B, L, H, D) views) with its outer layers peeled off,
     each returning the same tensor: "views" (bare SDPA plus the four views a (B, L, H, D) call takes), "run" (the
-    decided candidate through `execute.run`, on a call described once), "eager" (the eager path on that call), and
-    "prepared" (the call the override makes, on (B, H, L, D) views: no view of its own). With "bare",
-    "runner", "dispatcher" and "override" from main, `increments` attributes the host time."""
+    decided candidate through `execute.run_tensors`, on a site made once, as the eager path runs it), "eager" (the
+    eager path on that call), and "prepared" (the call the override makes, on (B, H, L, D) views: no view of its own).
+    With "bare", "runner", "dispatcher" and "override" from main, `increments` attributes the host time."""
     modules = sys.modules
     eager, execute = modules[f"{dispatcher.__name__}.eager"], modules[f"{dispatcher.__name__}.execute"]
     call_type = modules[f"{dispatcher.__name__}.call"].AttentionCall
@@ -218,11 +220,12 @@ def breakdown_layers(dispatcher, q4, k4, v4) -> dict:
     dispatcher.dispatch_attention_fn(q4, k4, v4)  # decided: its candidate is the one the repeat calls run
     lanes = [d.lane for d in eager._fast.values() if getattr(d, "lane", None) is not None and d.lane.transpose]
     call = call_type(q4, k4, v4)
+    site = call.site
     qb, kb, vb = (t.transpose(1, 2) for t in (q4, k4, v4))
     prepared = dispatcher.PreparedAttention(layout="BHSD")
     return {
         "views": lambda: sdpa(q4.permute(0, 2, 1, 3), k4.permute(0, 2, 1, 3), v4.permute(0, 2, 1, 3)).permute(0, 2, 1, 3),
-        "run": lambda: execute.run(lanes[0], call),
+        "run": lambda: execute.run_tensors(lanes[0], q4, k4, v4, None, site),
         "eager": lambda: eager.dispatch_eager(call),
         "prepared": lambda: prepared(qb, kb, vb),
     }

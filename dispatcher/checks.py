@@ -65,17 +65,18 @@ def _real(x) -> bool:
 
 
 _PLAIN = (float, int)
-_Tensor = torch.Tensor  # bound once: check_arguments runs on every call
+_Tensor = torch.Tensor  # bound once: check_tensors runs on every call
 
 
 def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                     attention_kwargs) -> None:
-    """The arguments that are not shapes, on every call (a few type checks, no device sync; ~0.3 us).
+    """`check_tensors` and `check_site`'s checks of the flags, for a caller that holds the arguments apart."""
+    check_tensors(query, key, value, attn_mask)
+    _check_flags(dropout_p, is_causal, scale, enable_gqa, return_lse, attention_kwargs)
 
-    A wrong type is a TypeError and a wrong value an AttentionInputError, each naming the argument, before
-    any kernel sees it: a kernel would misread it (bool("no") is True for is_causal) or raise, and a kernel
-    that raises is demoted for the call's signature, which a bad argument must never cause.
-    """
+
+def check_tensors(query, key, value, attn_mask) -> None:
+    """The types of a call's tensors and mask, on every call (no device sync)."""
     if not (isinstance(query, _Tensor) and isinstance(key, _Tensor) and isinstance(value, _Tensor)):
         for name, tensor in (("query", query), ("key", key), ("value", value)):
             if not isinstance(tensor, torch.Tensor):
@@ -83,6 +84,25 @@ def check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, e
     if attn_mask is not None and not isinstance(attn_mask, _Tensor) and type(attn_mask).__name__ != "BlockMask":
         raise TypeError(f"attn_mask must be a torch.Tensor, a FlexAttention BlockMask or None; "
                         f"got {type(attn_mask).__name__}")
+
+
+def check_site(site) -> None:
+    """The arguments of a call that are not its tensors (a `CallSite`), once, when the site is made.
+
+    A wrong type is a TypeError and a wrong value an AttentionInputError, each naming the argument, before
+    any kernel sees it: a kernel would misread it (bool("no") is True for is_causal) or raise, and a kernel
+    that raises is demoted for the call's signature, which a bad argument must never cause.
+    """
+    _check_flags(site.dropout_p, site.is_causal, site.scale, site.enable_gqa, site.return_lse, site.attention_kwargs)
+    for name in ("backend", "policy", "layout", "call_site", "model", "guard"):  # parts of the site's key
+        try:
+            hash(getattr(site, name))
+        except TypeError:
+            raise TypeError(f"{name} must be a string (guard: a (mode, every) tuple) or None; got "
+                            f"{type(getattr(site, name)).__name__}") from None
+
+
+def _check_flags(dropout_p, is_causal, scale, enable_gqa, return_lse, attention_kwargs) -> None:
     if not ((is_causal is True or is_causal is False) and (enable_gqa is True or enable_gqa is False)
             and (return_lse is True or return_lse is False)):
         for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa), ("return_lse", return_lse)):

@@ -28,13 +28,13 @@ from typing import Any, Callable, NamedTuple, get_type_hints
 import torch
 
 from . import caches, checks, decisions, registry, state, support
-from .call import AttentionCall, new_call
+from .call import SITE_FIELDS, TENSOR_FIELDS, AttentionCall, CallSite, new_call
 from .custom_ops import define_once
 from .eager import dispatch_eager
 from .execute import run
 from .inputs import AttentionInputs, describe_call
 from .report import by_serial, current_recorder
-from .support import Rules
+from .rules import Rules, other_rules
 
 # _candidate_key(served backend, layout) -> the Candidate a traced plan runs. Forgotten with the decisions: a
 # compiled graph guards on the entry it read, so it traces again, and plans again, once the entry is gone.
@@ -54,7 +54,7 @@ _FIELDS = tuple(f.name for f in fields(AttentionInputs))
 
 def _eager():
     if not _eager_path:
-        _eager_path.append(torch.compiler.disable(dispatch_eager))
+        _eager_path.append(torch.compiler.disable(dispatch_eager))  # keys a site made in the trace (eager.py)
     return _eager_path[0]
 
 
@@ -199,13 +199,14 @@ def _runtime_op():
 
 
 class _Carried(NamedTuple):
-    """How the runtime op carries one of AttentionCall's fields."""
+    """How the runtime op carries one of a call's fields (its tensors' and its site's)."""
     arguments: tuple[str, ...]  # its arguments in the op's schema ("type name"); none: not carried
     to_op: Callable | None = None  # the call's value -> a tuple of the arguments' values; None: the value itself
     from_op: Callable | None = None  # the arguments' values -> the call's value; None: the one argument itself
 
 
-# Schema types of AttentionCall's annotations; a field whose annotation is not here needs an entry in _NOT_PLAIN.
+# Schema types of the annotations of AttentionCall's tensors and CallSite's fields; a field whose annotation is not
+# here needs an entry in _NOT_PLAIN.
 _SCHEMA_TYPES = {torch.Tensor: "Tensor", float: "float", bool: "bool", str: "str", float | None: "float?",
                  str | None: "str?"}
 # The fields no schema type holds as they are.
@@ -219,7 +220,7 @@ _NOT_PLAIN = {
     # (mode, every) as its two parts
     "guard": _Carried(("str? guard_mode", "int guard_every"), lambda guard: (None, 0) if guard is None else guard,
                       lambda mode, every: None if mode is None else (mode, every)),
-    # the precision rules a call carries (support.call_rules), as their two flags
+    # the precision rules a call carries (rules.call_rules), as their two flags
     "rules": _Carried(("bool? exact_only", "bool? low_precision"), lambda rules: _precision(rules),
                       lambda exact_only, low_precision: _rules_of(exact_only, low_precision)),
 }
@@ -234,16 +235,20 @@ def _rules_of(exact_only, low_precision):
     return None if exact_only is None else Rules(exact_only=exact_only, low_precision=low_precision)
 
 
+_ANNOTATIONS = {**get_type_hints(AttentionCall), **get_type_hints(CallSite)}
+
+
 def _plain(name: str) -> _Carried:
-    annotation = get_type_hints(AttentionCall)[name]
+    annotation = _ANNOTATIONS[name]
     if annotation not in _SCHEMA_TYPES:
-        raise TypeError(f"AttentionCall.{name} ({annotation}) has no schema type for the runtime op: add its "
+        raise TypeError(f"the call's {name} ({annotation}) has no schema type for the runtime op: add its "
                         f"annotation to compiled._SCHEMA_TYPES or the field to compiled._NOT_PLAIN")
     return _Carried((f"{_SCHEMA_TYPES[annotation]} {name}",))
 
 
-# The runtime op's arguments: AttentionCall's fields in its order (the one definition), each as it is carried.
-_OP_FIELDS = tuple((name, _NOT_PLAIN.get(name) or _plain(name)) for name in AttentionCall._fields)
+# The runtime op's arguments: the call's tensors, then its site's fields, each in its definition's order (call.py),
+# each as it is carried.
+_OP_FIELDS = tuple((name, _NOT_PLAIN.get(name) or _plain(name)) for name in TENSOR_FIELDS + SITE_FIELDS)
 OP_SCHEMA = "(" + ", ".join(a for _, carried in _OP_FIELDS for a in carried.arguments) + ") -> (Tensor, Tensor)"
 _OP_ARGUMENT_NAMES = tuple(a.rsplit(" ", 1)[1] for _, carried in _OP_FIELDS for a in carried.arguments)
 
@@ -271,13 +276,28 @@ def _op_arguments(call: AttentionCall) -> tuple:
     return arguments
 
 
+_TENSORS = len(TENSOR_FIELDS)
+# The sites the runtime op's calls were made at: their fields' values (as _call_of has them) -> the CallSite, made
+# and keyed once. Cleared when full.
+_op_sites: dict[tuple, CallSite] = {}
+_MAX_OP_SITES = 256
+
+
 def _call_of(arguments: tuple) -> AttentionCall:
     """The call the runtime op's arguments carry (the inverse of _op_arguments); runs on every call of the op, so
-    it splices the few converted fields into the arguments rather than rebuilding every field."""
+    it splices the few converted fields into the arguments rather than rebuilding every field, and keeps the
+    sites it made."""
     values = list(arguments)
     for at, count, from_op in _CONVERTED_BACK:
         values[at:at + count] = (from_op(*values[at:at + count]),)
-    return new_call(AttentionCall, values)
+    fields = tuple(values[_TENSORS:])
+    site = _op_sites.get(fields)
+    if site is None:
+        site = CallSite(**dict(zip(SITE_FIELDS, fields)))
+        if len(_op_sites) >= _MAX_OP_SITES:
+            _op_sites.clear()
+        _op_sites[fields] = site
+    return new_call(AttentionCall, (*values[:_TENSORS], site))
 
 
 def _define(name: str):
@@ -286,7 +306,10 @@ def _define(name: str):
         # The eager path itself (this body also runs when the op is traced by make_fx or export).
         described = _call_of(arguments)
         result = dispatch_eager(described)
-        out, lse = result if described.return_lse else (result, described.query.new_empty(0, dtype=torch.float32))
+        if described.site.return_lse:
+            out, lse = result
+        else:
+            out, lse = result, described.query.new_empty(0, dtype=torch.float32)
         # An op's outputs are fresh, dense tensors, as the fake below promises the compiler.
         return out.contiguous(), lse.contiguous()
 
@@ -307,13 +330,16 @@ def _serial_of(recorder) -> int | None:
 def _as_op(call: AttentionCall):
     """The call as one opaque op whose body is the eager path (real sizes and values at run time)."""
     out, lse = _runtime_op()(*_op_arguments(call))
-    return (out, lse) if call.return_lse else out
+    return (out, lse) if call.site.return_lse else out
 
 
 def dispatch_traced(call: AttentionCall):
-    query, key, value, attn_mask, layout = call.query, call.key, call.value, call.attn_mask, call.layout
-    attention_kwargs, return_lse = call.attention_kwargs, call.return_lse
-    serial = _serial_of(call.recorder)
+    query, key, value, attn_mask, site = call.query, call.key, call.value, call.attn_mask, call.site
+    rules = site.rules
+    if rules is not None and (type(rules) is not Rules or other_rules(rules)):
+        return _eager()(call)  # a site made in a trace is unchecked: the eager path names the problem
+    layout, attention_kwargs, return_lse = site.layout, site.attention_kwargs, site.return_lse
+    serial = _serial_of(site.recorder)
     shaped = serial is not None and query.dim() == key.dim() == value.dim() == 4 and layout in ("BSHD", "BHSD")
     opaque = (not attention_kwargs and (attn_mask is None or isinstance(attn_mask, torch.Tensor))
               and not (query.requires_grad or key.requires_grad or value.requires_grad))
@@ -324,13 +350,12 @@ def dispatch_traced(call: AttentionCall):
     inputs = None
     if shaped:
         checks.check_shapes(query, key, value, layout)
-        inputs = describe_call(query, key, value, attn_mask, call.dropout_p, call.is_causal, call.scale,
-                               call.enable_gqa, return_lse, layout)
+        inputs = describe_call(query, key, value, attn_mask, site.dropout_p, site.is_causal, site.scale,
+                               site.enable_gqa, return_lse, layout)
     # Plain constants (dynamo hands an assume_constant_result function no real dataclass instance).
     signature = None if inputs is None else tuple(getattr(inputs, f) for f in _FIELDS)
-    rules = call.rules
-    plan = _traced_plan(call.backend, call.policy, signature, layout, call.call_site, serial,
-                        tuple(sorted(attention_kwargs)) if attention_kwargs else (), call.model, call.guard,
+    plan = _traced_plan(site.backend, site.policy, signature, layout, site.call_site, serial,
+                        tuple(sorted(attention_kwargs)) if attention_kwargs else (), site.model, site.guard,
                         None if rules is None else _precision(rules))
     if plan is None:
         return _eager()(call)

@@ -13,9 +13,10 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import caches, checks, guard, registry, support, trust
+from . import caches, checks, guard, guard_rules, registry, support, trust
 from .hub import KernelLoadError
 from .inputs import AttentionInputs
+from .rules import call_rules
 from .machine import current_machine
 from .log import logger
 
@@ -45,7 +46,7 @@ class Candidate(NamedTuple):
     runner: Callable
     transpose: bool  # the kernel's layout is not the call's: swap the sequence and head axes (views)
     convert_mask: bool  # the mask needs converting to the kernel's format (False: it takes it as given)
-    guard: tuple | None = None  # the quality guard's rules for it here (guard.rules_for), None: unguarded
+    guard: guard.GuardRules | None = None  # the quality guard's checks of it here (guard_rules.rules_for); None: none
 
 
 @dataclass
@@ -85,13 +86,14 @@ class Decision:
 
 
 def exact_stand_in(name: str, inputs: AttentionInputs | None = None, *, exact: str | None = None,
-                   usable: Callable[[str], bool] | None = None) -> str | None:
+                   usable: Callable[[str], bool] | None = None, among: list[str] | None = None) -> str | None:
     """The one choice of which exact backend serves instead of `name` (a quantised or approximate kernel where the
-    model asks for full precision, a kernel the quality guard caught): `exact` (the caller's own pick, `auto_fast`'s
-    fastest exact backend for these inputs) when given, then `name`'s fallback chain in order, the first that is
-    exact, can run `inputs` here (support.reasons; not checked without inputs) and that `usable` accepts. `name`
-    itself when it is exact and so; None when no exact backend is left."""
-    for stand_in in ([exact] if exact is not None else []) + fallback_order(name):
+    model asks for full precision, a kernel the quality guard caught, `auto`'s first candidate where nothing was
+    judged): `exact` (the caller's own pick, `auto_fast`'s fastest exact backend for these inputs) when given, then
+    `name`'s fallback chain in order (`among` instead, when given: `auto`'s candidates in priority order), the first
+    that is exact, can run `inputs` here (support.reasons; not checked without inputs) and that `usable` accepts.
+    `name` itself when it is exact and so; None when no exact backend is left."""
+    for stand_in in ([exact] if exact is not None else []) + (fallback_order(name) if among is None else among):
         if not registry.is_known(stand_in) or registry.resolver(stand_in) is not None:
             continue
         if not registry.get(stand_in).exact or (usable is not None and not usable(stand_in)):
@@ -102,7 +104,7 @@ def exact_stand_in(name: str, inputs: AttentionInputs | None = None, *, exact: s
 
 
 class UnderRules(NamedTuple):
-    """What a call asking for `requested` is decided for under its rules (`support.call_rules`: kept exact)."""
+    """What a call asking for `requested` is decided for under its rules (`rules.call_rules`: kept exact)."""
     backend: str  # the backend asked for, an auto's exact twin, or a refused kernel's exact stand-in
     note: str  # what kept the call exact, in words a host's report shows
     reasons: tuple[str, ...]  # recorded with every call it serves: why the backend asked for does not (or none)
@@ -114,7 +116,7 @@ def under_rules(requested: str, rules, inputs: AttentionInputs | None = None) ->
     (`auto_fast` -> `auto_exact`); a kernel the rules refuse (quantised, approximate) is replaced by its exact
     stand-in for `inputs` (`exact_stand_in`; none that runs them: the chain's first, whose refusal the decision then
     says); an exact kernel serves itself. Rules that keep nothing exact (None, the default) change nothing."""
-    rules = support.call_rules(rules)
+    rules = call_rules(rules)
     if rules is None:
         return UnderRules(requested, "", ())
     if registry.resolver(requested) is not None:
@@ -236,7 +238,7 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, qu
                 reasons = [str(exc)]
             else:
                 decision.candidates.append(candidate(name, spec, runner, inputs, layout,
-                                                     guard.rules_for(spec, quality_guard, inputs)))
+                                                     guard_rules.rules_for(spec, quality_guard, inputs)))
                 continue
         decision.skipped.append((name, reasons))
     if not decision.candidates:

@@ -1,7 +1,7 @@
-"""`dispatch_attention_fn`: the entry point. It describes the call once (`AttentionCall`) and routes it:
-context parallelism when a block is open, the traced routes inside torch.compile, else the eager path.
-`PreparedAttention` is the same entry with everything but the tensors fixed once, for callers that make many
-calls of one kind."""
+"""`dispatch_attention_fn`: the entry point. It describes the call once (`AttentionCall`: the tensors and a
+`CallSite`) and routes it: context parallelism when a block is open, the traced routes inside torch.compile, else
+the eager path. The sites it makes are kept per arguments (`_sites`), so a repeat call checks and keys none of them.
+`PreparedAttention` is the same entry with its site made once, for callers that make many calls of one kind."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from .call import PER_CALL, AttentionCall, new_call
+from .call import AttentionCall, CallSite, new_call
 from .checks import plain_scale as _plain_scale
 from .compiled import dispatch_traced
 from .decisions import BackendNotSupportedError, fallback_order  # noqa: F401  (public names)
@@ -19,7 +19,6 @@ from .guard import settings as _guard_settings
 from .inputs import describe_call
 from .masks import sdpa_view as _sdpa_view
 from .report import recording
-from .support import call_rules
 
 # The context-parallel router (dispatcher.parallel's, installed through `install_router`: it answers NotImplemented
 # outside its context) and a flag it turns on (`route_calls`) while any context_parallel() block is open, so a plain
@@ -28,6 +27,11 @@ _context_parallel = None
 _context_parallel_on = False
 _dynamo_compiling = torch.compiler.is_dynamo_compiling  # bound once (dynamo knows the function, not the name)
 _Tensor = torch.Tensor
+# The sites dispatch_attention_fn made: its arguments but the tensors and attention_kwargs -> the CallSite (checked
+# and keyed once). Only arguments whose equal values are equally valid come here (flags that are bools, a float
+# dropout and scale: True == 1 == 1.0 would otherwise let an invalid flag find a valid site). Cleared when full.
+_sites: dict[tuple, CallSite] = {}
+_MAX_SITES = 1024
 
 
 def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
@@ -47,7 +51,7 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     length of 0) return SDPA's result (empty, or zeros for Sk = 0) without running a kernel.
     Returns the output in the input layout, and with return_lse=True also the log-sum-exp,
     (B, Sq, H) for BSHD or (B, H, Sq) for BHSD, float32.
-    recorder: count this call in it (anything with Recorder's `record`/`record_error`) instead of in the
+    recorder: count this call in it (a Recorder, or any other `events.RecorderProtocol`) instead of in the
     active `recording()` block's, without a context manager per call.
     call_site: where in the model the call comes from, its block included ("self #5"): `auto_fast` judges quantised
     kernels and the quality guard checks and demotes per call site.
@@ -59,7 +63,7 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     rules: `Rules` that keep this call exact (`exact_only`, or `low_precision=False`: the model asks for full
     precision): a quantised or approximate backend is replaced by its exact stand-in and an auto by its exact twin
     (`kept_exact` says which, in the report's words); the recorder counts the call under the backend asked for,
-    with why another served it. Checked on a signature's first call (a clear error for any other rule).
+    with why another served it. Checked when the call's site is made (a clear error for any other rule).
     """
     if guard is not None or guard_every is not None:
         if type(guard) is not tuple:
@@ -68,13 +72,31 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
         attn_mask = _sdpa_view(attn_mask, query, key, layout)  # (B, Sk) key padding: (B, 1, 1, Sk)
     if scale is not None and type(scale) is not float:
         scale = _plain_scale(scale)
-    if _dynamo_compiling():  # dynamo traces the class call, not tuple.__new__
-        return dispatch_call(AttentionCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                           attention_kwargs, backend, layout, policy, return_lse, call_site,
-                                           recorder, model, guard, rules))
-    call = new_call(AttentionCall, (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                    attention_kwargs, backend, layout, policy, return_lse, call_site, recorder, model,
-                                    guard, rules))
+    if _dynamo_compiling():  # dynamo traces the class call, not tuple.__new__, and keeps no site
+        return dispatch_call(AttentionCall(query, key, value, attn_mask, CallSite(
+            dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+            attention_kwargs=attention_kwargs, backend=backend, layout=layout, policy=policy, return_lse=return_lse,
+            call_site=call_site, recorder=recorder, model=model, guard=guard, rules=rules)))
+    site = arguments = None
+    if attention_kwargs is None and type(dropout_p) is float and (scale is None or type(scale) is float) \
+            and (is_causal is True or is_causal is False) and (enable_gqa is True or enable_gqa is False) \
+            and (return_lse is True or return_lse is False):
+        arguments = (dropout_p, is_causal, scale, enable_gqa, backend, layout, policy, return_lse, call_site,
+                     id(recorder), model, guard, rules)  # the recorder itself, not one equal to it (its site holds it)
+        try:
+            site = _sites.get(arguments)
+        except TypeError:  # an unhashable argument: CallSite names it
+            arguments = None
+    if site is None:
+        site = CallSite(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                        attention_kwargs=attention_kwargs, backend=backend, layout=layout, policy=policy,
+                        return_lse=return_lse, call_site=call_site, recorder=recorder, model=model, guard=guard,
+                        rules=rules)
+        if arguments is not None:
+            if len(_sites) >= _MAX_SITES:
+                _sites.clear()
+            _sites[arguments] = site
+    call = new_call(AttentionCall, (query, key, value, attn_mask, site))
     if _context_parallel_on:
         return dispatch_call(call)
     return dispatch_eager(call)
@@ -82,12 +104,12 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 class PreparedAttention:
     """`dispatch_attention_fn` with every argument but the tensors fixed once: `prepared(query, key, value,
-    attn_mask=None)` validates, dispatches and records each call exactly as `dispatch_attention_fn(query, key,
-    value, attn_mask, **fixed)` would, without taking a dozen keywords apart on every call (the ComfyUI override
-    keeps one per call signature, and calls `keyed`). The arguments are those of `dispatch_attention_fn`, checked on
-    each call."""
+    attn_mask=None)` dispatches and records each call exactly as `dispatch_attention_fn(query, key, value,
+    attn_mask, **fixed)` would, its site (`site`: a `CallSite`) made, checked and keyed once, here (the ComfyUI
+    override keeps one per call signature, and calls `keyed`). The arguments are those of `dispatch_attention_fn`;
+    a bad one raises here."""
 
-    __slots__ = ("_rest", "_layout", "_lane")
+    __slots__ = ("_site", "_layout", "_lane")
 
     def __init__(self, *, dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                  enable_gqa: bool = False, attention_kwargs: dict | None = None, backend: str | None = None,
@@ -99,29 +121,31 @@ class PreparedAttention:
         if scale is not None and type(scale) is not float:
             scale = _plain_scale(scale)
         self._layout, self._lane = layout, None
-        # AttentionCall's fields after those a call passes (the tensors and the mask), named once, in its order
-        self._rest = AttentionCall(
-            query=None, key=None, value=None, attn_mask=None, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend, layout=layout, policy=policy,
-            return_lse=return_lse, call_site=call_site, recorder=recorder, model=model, guard=guard,
-            rules=None if rules is None else call_rules(rules))[PER_CALL:]
+        self._site = CallSite(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                              attention_kwargs=attention_kwargs, backend=backend, layout=layout, policy=policy,
+                              return_lse=return_lse, call_site=call_site, recorder=recorder, model=model, guard=guard,
+                              rules=rules)
+
+    @property
+    def site(self) -> CallSite:
+        return self._site
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None):
         if attn_mask is not None and type(attn_mask) is _Tensor and attn_mask.ndim == 2:
             attn_mask = _sdpa_view(attn_mask, query, key, self._layout)
         if _dynamo_compiling():
-            return dispatch_call(AttentionCall(query, key, value, attn_mask, *self._rest))
-        call = new_call(AttentionCall, (query, key, value, attn_mask) + self._rest)
+            return dispatch_call(AttentionCall(query, key, value, attn_mask, self._site))
+        call = new_call(AttentionCall, (query, key, value, attn_mask, self._site))
         if _context_parallel_on:
             return dispatch_call(call)
         return dispatch_eager(call)
 
     def keyed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None):
         """The same call, for a caller that keeps one PreparedAttention per call signature at least as fine as the
-        eager path's key (every shape, dtype and device; the mask's dtype, shape and device): the ComfyUI override's
-        plans. Once a call was served, the next ones run its lane (`eager.Lane`: the decided kernel, with what the
-        lane re-checks itself) without the entry, the key or the lookup; a call the lane cannot take goes the full
-        way, which leaves the lane for what is in force then. Never a lane inside torch.compile or while a
+        eager path's key (a key built by `call.tensors_key` on the tensors the views are made from): the ComfyUI
+        override's plans. Once a call was served, the next ones run its lane (`eager.Lane`: the decided kernel, with
+        what the lane re-checks itself) without the entry, the key or the lookup; a call the lane cannot take goes
+        the full way, which leaves the lane for what is in force then. Never a lane inside torch.compile or while a
         context_parallel() block is open (its calls are routed)."""
         if attn_mask is not None and type(attn_mask) is _Tensor and attn_mask.ndim == 2:
             attn_mask = _sdpa_view(attn_mask, query, key, self._layout)
@@ -132,7 +156,7 @@ class PreparedAttention:
                 return out
         out = self(query, key, value, attn_mask)  # the mask is a (B, 1, 1, Sk) view by now: taken as it is
         self._lane = None if _dynamo_compiling() or _context_parallel_on else \
-            lane_for(query, key, value, attn_mask, self._rest)
+            lane_for(query, key, value, attn_mask, self._site)
         return out
 
 
@@ -170,7 +194,8 @@ def dispatch_call(call: AttentionCall):
     """Route one described call (context parallelism, traced, eager)."""
     if _context_parallel_on:  # a dispatcher.parallel.context_parallel() block is open somewhere
         # The routed call's local calls count in the active recorder: make it the one given by argument.
-        with recording(call.recorder) if call.recorder is not None else contextlib.nullcontext():
+        recorder = call.site.recorder
+        with recording(recorder) if recorder is not None else contextlib.nullcontext():
             routed = _context_parallel(call)
         if routed is not NotImplemented:
             return routed

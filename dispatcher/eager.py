@@ -2,10 +2,11 @@
 served calls go to the quality guard of their decision (`decision.watch`, guard.py) once each.
 
 The first call of a signature validates everything and builds its `AttentionInputs`; repeat calls look
-the decision up by a key of shapes, dtypes, devices and flags read straight off the tensors (`lane_key`), and pay
-for nothing else but the checks every call gets. A caller that keys its calls at least as finely itself (the
-ComfyUI override's plans, through `PreparedAttention.keyed`) skips even that: its repeat calls run the decided
-kernel's `Lane`, which re-checks only what such a key cannot see.
+the decision up by a key of the call's site (`CallSite.cache_key`, made once per site), the scope and the tensors'
+shapes, dtypes, devices and flags read straight off them (`lane_key`, built by call.tensors_key), and pay for
+nothing else but the checks every call gets. A caller that keys its calls at least as finely itself (the ComfyUI
+override's plans, through `PreparedAttention.keyed`, keyed by the same tensors_key) skips even that: its repeat
+calls run the decided kernel's `Lane`, which re-checks only what such a key cannot see.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from . import caches, checks, decisions, registry, state, support, trust
-from .call import PER_CALL, AttentionCall, new_call
+from .call import AttentionCall, CallSite, new_call, shapes_key, tensors_key
 from .decisions import Decision
-from .execute import run
+from .execute import run, run_tensors
 from .inputs import describe_call
 from .machine import current_machine
 from .report import current_recorder
@@ -34,13 +35,17 @@ caches.on_forget(_shapes_only.clear)
 
 
 def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
-    # One unpacking (the hot path): AttentionCall's fields by name, in order (tests/test_call_fields.py checks it).
-    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, backend, layout, \
-        policy, return_lse, call_site, recorder, model, guard, _ = call
-    _check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                     attention_kwargs)
+    query, key, value, attn_mask, site = call.query, call.key, call.value, call.attn_mask, call.site
+    if type(query) is not _Tensor or type(key) is not _Tensor or type(value) is not _Tensor \
+            or (attn_mask is not None and type(attn_mask) is not _Tensor):
+        _check_tensors(query, key, value, attn_mask)  # the site was checked when it was made
+    if site.cache_key is None:  # made in a traced frame, where nothing is interned: keyed here, eagerly
+        site = site.keyed()
+        call = call._replace(site=site)
     (scoped_backend, scoped_policy, scoped_model, scoped_guard), mode = _current_scope()
-    requested = backend if backend is not None else scoped_backend
+    requested, policy, model, guard = site.backend, site.policy, site.model, site.guard
+    if requested is None:
+        requested = scoped_backend
     if policy is None:
         policy = scoped_policy
     if model is None:
@@ -48,18 +53,21 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
     if guard is None:
         guard = scoped_guard
     machine_id = id(_current_machine())  # kept alive by the decision (decision.machine), so the id stays unique
-    decision = shapes_key = None
-    if by_shapes:
+    decision = short_key = None
+    # lane_key's two keys, written out here (one Python call fewer per call; tests/test_lanes.py checks they agree)
+    if by_shapes and requested in _shapes_only:
         try:
-            if requested in _shapes_only:
-                shapes_key = lane_key(call, requested, policy, model, guard, machine_id, True)
-                decision = _fast.get(shapes_key)
-        except TypeError:  # an unhashable backend name or mask: the full path below raises the real error
-            shapes_key = None
+            short_key = _shapes_key((site.cache_key, requested, policy, model, guard, machine_id), query, key, value,
+                                    attn_mask)
+            decision = _fast.get(short_key)
+        except TypeError:  # an unhashable mask: the full path below raises the real error
+            short_key = None
     validated = decision is None
     if validated:
+        grad = _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
         try:
-            fast_key = lane_key(call, requested, policy, model, guard, machine_id, False)
+            fast_key = _tensors_key((site.cache_key, requested, policy, model, guard, machine_id, grad), query, key,
+                                    value, attn_mask)
             decision = _fast.get(fast_key)
             if decision is _TRUST_SENSITIVE:
                 decision = _fast.get((fast_key, trust.scope_key()))
@@ -69,11 +77,14 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
             decision = _first_call(fast_key, requested, policy, model, guard, call)
         if decision.shapes_only and decision.requested == requested:  # not an auto: its pick depends on more
             _shapes_only.add(requested)  # validated in full: calls of these shapes may take the shorter key
-            if shapes_key is not None:
-                _fast[shapes_key] = decision
+            if short_key is not None:
+                _fast[short_key] = decision
+    recorder = site.recorder
     if recorder is None:
         recorder = _current_recorder()
     candidates = decision.candidates
+    call_site = site.call_site
+    attention_kwargs = site.attention_kwargs
     # Backends that failed this call are demoted only once a later one serves it: a call that no backend can
     # run (a bad argument a kernel rejects, memory exhausted everywhere) raises and changes no decision.
     failed = None  # [(name, why it is demoted, the error recorded)] once one failed
@@ -83,7 +94,7 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
         candidate = decision.lane
         if candidate is not None and (not candidate.guard or decision.watch.unchecked(candidate, call_site)):
             try:
-                out = run(candidate, call)
+                out = run_tensors(candidate, query, key, value, attn_mask, site)
             except Exception as exc:
                 if not validated:  # found by its shapes alone: validate it in full before anything else
                     return dispatch_eager(call, by_shapes=False)
@@ -95,6 +106,7 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
     if not validated:  # checks, attention_kwargs, a guarded or demoted kernel: the full path
         return dispatch_eager(call, by_shapes=False)
     first, failed = (0, []) if failed is None else (1, failed)
+    return_lse = site.return_lse
     if mode != "off":
         checks.check_values({"query": query, "key": key, "value": value, "attn_mask": attn_mask}, mode, requested)
     if attention_kwargs:  # only backends that pass every key on to their kernel may run it
@@ -134,57 +146,46 @@ def dispatch_eager(call: AttentionCall, by_shapes: bool = True):
 
 def lane_key(call: AttentionCall, requested, policy, model, guard, machine_id: int, shapes_only: bool) -> tuple:
     """The one key of the eager path's cache (`_fast`), for `call` under the resolved scope (requested backend,
-    policy, model, guard setting) on the machine `machine_id`. Finer than the decision's key (decisions.decision_for)
-    and `auto`'s (Tuner._key): every part of the call its AttentionInputs are made from (shapes, dtypes, devices,
-    mask kind and shape, flags, whether a gradient is wanted), the call site (auto's block), attention_kwargs'
-    keys (an auto picks among the kernels that honour them) and the call's rules (its exact stand-in);
-    tests/test_lanes.py checks the relation as a property.
-    shapes_only: the shorter key of a `shapes_only` chain, without dtypes, devices and grad, which its kernels need
-    not be told apart by. Raises TypeError for an unhashable part (the full path then raises the real error)."""
-    # Its own unpacking, in AttentionCall's order (tests/test_call_fields.py checks it).
-    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, attention_kwargs, _, layout, \
-        _, return_lse, call_site, _, _, _, rules = call
-    m = attn_mask
-    if m is None:
-        mask = None
-    elif type(m) is _Tensor:
-        mask = (m.dtype, m.shape) if shapes_only else (m.dtype, m.shape, m.device)
-    else:  # a BlockMask (or a wrong type: the full path raises the real error)
-        mask = (type(m), getattr(m, "dtype", None), getattr(m, "shape", None), getattr(m, "device", None))
-    common = (requested, policy, layout, query.shape, key.shape, value.shape, mask, is_causal, dropout_p > 0,
-              scale is None, enable_gqa, return_lse, machine_id, model, guard, call_site)
-    if shapes_only:  # no rules either: a universal chain is exact, which rules that keep a call exact leave as it is
-        return common
-    return common + (query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
-                     _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
-                     attention_kwargs and frozenset(attention_kwargs), rules)
+    policy, model, guard setting) on the machine `machine_id` (dispatch_eager writes it out). Finer than the
+    decision's key (decisions.decision_for) and `auto`'s (Tuner._key): the site's part (`CallSite.cache_key`: the
+    flags, layout, call site (auto's block), attention_kwargs' keys, the rules that keep it exact), the scope, and
+    every part of the tensors their AttentionInputs are made from (call.tensors_key: shapes, dtypes, devices, mask
+    kind and shape) with whether a gradient is wanted; tests/test_lanes.py checks the relation as a property.
+    shapes_only: the shorter key of a `shapes_only` chain (call.shapes_key), without dtypes, devices and grad, which
+    its kernels need not be told apart by. Raises TypeError for an unhashable part (the full path then raises the
+    real error)."""
+    query, key, value, site = call.query, call.key, call.value, call.site
+    if shapes_only:
+        return shapes_key((site.cache_key, requested, policy, model, guard, machine_id), query, key, value,
+                          call.attn_mask)
+    grad = _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    return tensors_key((site.cache_key, requested, policy, model, guard, machine_id, grad), query, key, value,
+                       call.attn_mask)
 
 
 class Lane:
     """One call site's repeat call, worked out once a call of it was served (`lane_for`): the decision's first
-    candidate (its bound runner, layout transposes and mask conversion: `execute.run`; a fallback's reasons), the
-    call's fields but the tensors and the mask, and what the lane was made under, re-checked on each call
-    (`run_lane`): the scope (backend, policy, model, guard, checks mode), the machine, whether a gradient is wanted,
-    the decision's first candidate (a demotion moves it) and the caches' epoch (`caches.forget`). The tensors' own key (shapes, dtypes, devices, mask) is the
-    holder's to check: a lane is kept per signature that is at least as fine (the ComfyUI override's plans)."""
+    candidate (its bound runner, layout transposes and mask conversion: `execute.run_tensors`; a fallback's
+    reasons), the call's site, and what the lane was made under, re-checked on each call (`run_lane`): the scope
+    (backend, policy, model, guard, checks mode), the machine, whether a gradient is wanted, the decision's first
+    candidate (a demotion moves it) and the caches' epoch (`caches.forget`). The tensors' own key (shapes, dtypes,
+    devices, mask) is the holder's to check: a lane is kept per signature that is at least as fine (the ComfyUI
+    override's plans, keyed by call.tensors_key)."""
 
-    __slots__ = ("decision", "candidate", "rest", "scope", "machine", "grad", "epoch", "site", "requested",
+    __slots__ = ("decision", "candidate", "site", "scope", "machine", "grad", "epoch", "call_site", "requested",
                  "recorder", "reasons")
 
-    def __init__(self, decision, rest: tuple, scope: tuple, machine, grad: bool, requested: str):
+    def __init__(self, decision, site: CallSite, scope: tuple, machine, grad: bool, requested: str):
         candidate = decision.candidates[0]
-        self.decision, self.candidate, self.rest = decision, candidate, rest
+        self.decision, self.candidate, self.site = decision, candidate, site
         self.scope, self.machine, self.grad, self.epoch = scope, machine, grad, _epoch
         self.requested = requested
-        self.site, self.recorder = rest[_SITE], rest[_RECORDER]
+        self.call_site, self.recorder = site.call_site, site.recorder
         # a fallback's reasons, recorded with each call as the full path records them (it logged them once)
         name = candidate.name
         self.reasons = decision.notes + (decision.reasons_for(name) if name != decision.requested else ())
 
 
-# Where a call's fields after the mask (Lane.rest) hold these.
-_SITE = AttentionCall._fields.index("call_site") - PER_CALL
-_RECORDER = AttentionCall._fields.index("recorder") - PER_CALL
 LEFT = object()  # run_lane's answer when the call must take the full path
 _epoch = object()  # replaced whenever the caches forget: every lane made before is left
 
@@ -195,19 +196,19 @@ def _new_epoch() -> None:
     _epoch = object()
 
 
-def lane_for(query, key, value, attn_mask, rest: tuple) -> Lane | None:
-    """The lane of the call `(query, key, value, attn_mask) + rest` (rest: an AttentionCall's fields after the mask)
-    once a call of its signature was served, or None where repeat calls take the full path: checks on,
-    attention_kwargs, a decision not kept (an unsettled pick) or one that depends on trust settings."""
-    call = new_call(AttentionCall, (query, key, value, attn_mask) + rest)
+def lane_for(query, key, value, attn_mask, site: CallSite) -> Lane | None:
+    """The lane of the call `(query, key, value, attn_mask)` at `site` once a call of its signature was served, or
+    None where repeat calls take the full path: checks on, attention_kwargs, a decision not kept (an unsettled
+    pick) or one that depends on trust settings."""
+    call = new_call(AttentionCall, (query, key, value, attn_mask, site))
     scope = _current_scope()
     (scoped_backend, scoped_policy, scoped_model, scoped_guard), mode = scope
-    if mode != "off" or call.attention_kwargs:
+    if mode != "off" or site.attention_kwargs:
         return None
-    requested = call.backend if call.backend is not None else scoped_backend
-    policy = call.policy if call.policy is not None else scoped_policy
-    model = call.model if call.model is not None else scoped_model
-    guard = call.guard if call.guard is not None else scoped_guard
+    requested = site.backend if site.backend is not None else scoped_backend
+    policy = site.policy if site.policy is not None else scoped_policy
+    model = site.model if site.model is not None else scoped_model
+    guard = site.guard if site.guard is not None else scoped_guard
     machine = _current_machine()
     try:
         decision = _fast.get(lane_key(call, requested, policy, model, guard, id(machine), False))
@@ -216,7 +217,7 @@ def lane_for(query, key, value, attn_mask, rest: tuple) -> Lane | None:
     if type(decision) is not Decision:  # not kept, or kept per trust setting
         return None
     grad = _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    return Lane(decision, rest, scope, machine, grad, requested)
+    return Lane(decision, site, scope, machine, grad, requested)
 
 
 def run_lane(lane: Lane, query, key, value, attn_mask):
@@ -230,27 +231,29 @@ def run_lane(lane: Lane, query, key, value, attn_mask):
             or _current_scope() != lane.scope or _current_machine() is not lane.machine \
             or (_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)) != lane.grad:
         return LEFT
-    if candidate.guard and not decision.watch.unchecked(candidate, lane.site):
+    if candidate.guard and not decision.watch.unchecked(candidate, lane.call_site):
         return LEFT  # a check falls due (or the block's kernel was demoted): the full path's guard runs it
     try:
-        out = run(candidate, new_call(AttentionCall, (query, key, value, attn_mask) + lane.rest))
+        out = run_tensors(candidate, query, key, value, attn_mask, lane.site)
     except Exception:
         return LEFT
     recorder = lane.recorder
     if recorder is None:
         recorder = _current_recorder()
     if recorder is not None:
-        recorder.record(lane.site, lane.requested, candidate.name, lane.reasons)
+        recorder.record(lane.call_site, lane.requested, candidate.name, lane.reasons)
     return out
 
 
 # Bound once: module attribute reads on every call add up on the hot path.
-_check_arguments = checks.check_arguments
+_check_tensors = checks.check_tensors
 _current_scope = state.current
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _current_machine = current_machine
 _current_recorder = current_recorder
+_tensors_key = tensors_key
+_shapes_key = shapes_key
 
 
 def _raised(candidate, exc, policy, last: bool) -> tuple:
@@ -282,14 +285,14 @@ def _first_call(fast_key, requested, policy, model, quality_guard, call: Attenti
     if not registry.is_known(requested):
         raise registry.UnknownBackendError(registry.unknown_message(requested))
     policy = state.validate_policy(policy)
-    query, key, value, attn_mask = call.query, call.key, call.value, call.attn_mask
-    checks.check_shapes(query, key, value, call.layout, attn_mask)
-    inputs = describe_call(query, key, value, attn_mask, call.dropout_p, call.is_causal, call.scale, call.enable_gqa,
-                           call.return_lse, call.layout)
+    query, key, value, attn_mask, site = call.query, call.key, call.value, call.attn_mask, call.site
+    checks.check_shapes(query, key, value, site.layout, attn_mask)
+    inputs = describe_call(query, key, value, attn_mask, site.dropout_p, site.is_causal, site.scale, site.enable_gqa,
+                           site.return_lse, site.layout)
     sensitive, settled = False, True
     asked, exact, notes = requested, None, ()
-    if call.rules is not None:  # kept exact: an auto's exact twin, a refused kernel's exact stand-in
-        asked, _, notes = decisions.under_rules(requested, call.rules, inputs)
+    if site.rules is not None:  # kept exact: an auto's exact twin, a refused kernel's exact stand-in
+        asked, _, notes = decisions.under_rules(requested, site.rules, inputs)
     name = asked
     resolve = registry.resolver(asked)
     if resolve is not None and not inputs.empty:  # nothing to choose for empty inputs (decisions.EMPTY)
@@ -300,7 +303,7 @@ def _first_call(fast_key, requested, policy, model, quality_guard, call: Attenti
         if twin is not None and not registry.get(name).exact:
             exact, twin_sensitive, twin_settled = registry.resolver(twin)(inputs, call, model=model, timing=True)
             sensitive, settled = sensitive or twin_sensitive, settled and twin_settled
-    decision = decisions.decision_for(name, policy, inputs, call.layout, model, quality_guard, exact, notes)
+    decision = decisions.decision_for(name, policy, inputs, site.layout, model, quality_guard, exact, notes)
     if fast_key is not None and settled:  # an unsettled pick (made on noise or in a trace) is asked again next call
         if sensitive or decision.trust_sensitive:
             _fast[fast_key] = _TRUST_SENSITIVE

@@ -12,9 +12,14 @@ block samples other rows (rotating: ceil(L / ROWS) checks cover every query row)
 or a relative error past the kernel's guard bound, means the kernel went wrong on this block's activations: that
 call is recomputed with the fastest exact backend the decision knows (the caller gets a right result), the kernel is
 demoted for that block of this model for the rest of the process (other blocks keep it), one warning is logged, and
-the call's recorder gets the event (the ComfyUI node shows it on its badge and report route). `Watch` (one per
-decision) counts, checks, demotes and names the replacement; the eager path calls it once per served call of a
-guarded kernel.
+the call's recorder gets the event (the ComfyUI node shows it on its badge and report route).
+
+The checks are objects (`Check`; guard_rules.py holds them in `CHECKS`): the comparison above, run on the schedule,
+and a NaN/Inf check run on every call of a custom kernel. A decision's candidate carries the `GuardRules` that say
+which of them watch it (`guard_rules.rules_for`; not `support.Rules`, a caller's rules of which kernels may serve);
+its `Watch` (one per decision) counts, runs the scheduled checks when one falls due and then those of every call,
+demotes, names the replacement and tells the recorder (events.py: the `RecorderProtocol`, and `GuardChecked`,
+`GuardFailed`, `GuardSized`). A new check is one object in guard_rules.py plus its test. The eager path calls the Watch once per served call of a guarded kernel.
 
 `every` = 0 (the default) sizes the interval on this machine (guard_sizing.py): the first checks of a kernel time
 themselves and the call they check, and one call in `every` is checked so that checks cost at most `BUDGET` of the
@@ -35,16 +40,15 @@ tests/test_guard.py.
 
 from __future__ import annotations
 
-import math
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
-from . import guard_check, guard_schedule, guard_sizing
+from . import guard_schedule, guard_sizing
+from .events import GuardChecked, GuardFailed, GuardSized
 from .guard_check import ROWS  # noqa: F401  (query rows a check samples: the guard's public name)
 from .guard_sizing import BUDGET  # noqa: F401  (the checks' share of the attention time: the guard's public name)
 from .log import logger
-from .reference import non_finite, to_bhsd
 
 
 GUARD_MODES = ("quantised", "all", "off")
@@ -76,23 +80,32 @@ def settings(mode: str | None = None, every: int | None = None) -> tuple[str, in
     return mode, every
 
 
-class Rules(NamedTuple):
-    """The quality guard's rules for one backend on one signature (a decision's `Candidate.guard`)."""
-    every: int  # compare one call in N of each block (0: never); when `sized`, the prior until this machine measured
-    finite: bool  # check every output for NaN/Inf
+class Check(Protocol):
+    """One check the guard makes of a guarded kernel's output. The checks are objects in guard_rules.py (`CHECKS`):
+    which of them watch a kernel is its `GuardRules`, and the decision's Watch runs them."""
+
+    each_call: bool  # run on every served call (no call of its kernel then takes the fast lane); else scheduled
+
+    def watches(self, spec, mode: str) -> bool:
+        """Whether it watches the kernel `spec` under guard mode `mode` ('quantised' or 'all')."""
+
+    def judges(self, call) -> bool:
+        """Whether it can judge this call's output at all (a comparison cannot with dropout or a BlockMask)."""
+
+    def verdict(self, call, out: torch.Tensor, spec, nth: int, clock) -> tuple[str | None, float | None]:
+        """(why `out` is wrong, or None; the relative error it measured, or None). nth: how many scheduled checks of
+        this kernel the block had before (a sampling check takes other rows each time); clock: a guard_sizing.Clock
+        timing this scheduled check, told `launched()` once its kernels are queued (before it waits for them)."""
+
+
+class GuardRules(NamedTuple):
+    """The quality guard's rules for one backend on one signature (a decision's `Candidate.guard`, made by
+    guard_rules.rules_for): the checks that watch it, in guard_rules.CHECKS's order, and when they run. (Not
+    `support.Rules`: those are a caller's rules of which kernels may serve a call; these watch the one that does.)"""
+    scheduled: tuple  # Checks run on a block's first call, then on one call in `every` of the block
+    each_call: tuple  # Checks run on every served call
+    every: int  # the schedule's interval (0: nothing scheduled); when `sized`, the prior until this machine measured
     sized: bool  # `every` was 0: the decision's Watch sizes the interval from this machine's timings
-
-
-def rules_for(spec, guard: tuple[str, int], inputs) -> Rules | None:
-    """The guard's rules for this backend on these inputs, or None: unguarded."""
-    mode, every = guard
-    compare = mode == "all" or (mode == "quantised" and not spec.exact)
-    finite = mode != "off" and spec.custom  # a custom kernel's NaN is caught whatever else is guarded
-    if not compare and not finite:
-        return None
-    if not compare:
-        return Rules(0, finite, False)
-    return Rules(every, finite, False) if every else Rules(guard_sizing.prior(inputs), finite, True)
 
 
 def admission_bound(spec) -> float:
@@ -106,63 +119,20 @@ def bound_for(spec) -> float:
     return GUARD_MARGIN * admission_bound(spec)
 
 
-def checkable(call) -> bool:
-    """Whether a call's output can be compared with exact attention (no dropout, no BlockMask)."""
-    mask = call.attn_mask
-    return call.dropout_p == 0 and (mask is None or isinstance(mask, torch.Tensor))
-
-
-def problem(call, out: torch.Tensor, spec, rows: tuple[int, int], clock=None) -> tuple[str | None, float | None]:
-    """(why the output is wrong, or None; the relative error on the sampled rows). One device sync.
-
-    rows: (offset, stride) of the sampled query rows (guard_check.rotating_rows). The check kernel leaves its three
-    figures on the device (the error's two squared norms, the output's non-finite term); they are read in one go.
-    clock: a guard_sizing.Clock timing this check (told when its kernels are queued)."""
-    offset, stride = rows
-    with torch.no_grad():
-        terms = guard_check.check_terms(
-            call.query, call.key, call.value, out, offset=offset, stride=stride, attn_mask=call.attn_mask,
-            is_causal=call.is_causal, scale=call.scale, layout=call.layout)
-        if clock is not None:
-            clock.launched()
-        distance2, size2, non_finite = terms.tolist()
-    if non_finite != 0:  # NaN/Inf anywhere in the output (NaN != 0 too)
-        return _non_finite_problem(call, out), None
-    error = math.sqrt(distance2) / max(math.sqrt(size2), 1e-30)
-    bound = bound_for(spec)
-    if not error <= bound:
-        sampled = guard_check.sampled_count(to_bhsd(out, call.layout).shape[2], offset, stride)
-        return f"relative error {error:.2e} against exact attention on {sampled} sampled query rows " \
-               f"exceeds its guard bound {bound:.0e}", error
-    return None, error
-
-
-def finite_problem(call, out: torch.Tensor) -> str | None:
-    """The NaN/Inf check alone (one reduction, one sync): why the output is wrong, or None."""
-    with torch.no_grad():
-        term = float(guard_check.non_finite_term(out))
-    return None if term == 0 else _non_finite_problem(call, out)
-
-
-def _non_finite_problem(call, out) -> str | None:
-    if any(non_finite(t) for t in (call.query, call.key, call.value)):
-        return None  # the inputs already were: not this kernel's fault (checks mode reports inputs)
-    return f"its output has {non_finite(out)} NaN/Inf values from finite inputs"
-
-
 class Watch:
-    """What the guard keeps for one decision (one signature of one model): when each block's next check of each
-    guarded kernel falls, the blocks a kernel failed on, and each kernel's interval as sized on this machine. The
-    eager path asks `unchecked` on its fast lane; any other served call of a guarded kernel it runs with `clock`
-    started (None unless that call times itself) and hands to `after`, which says what recomputes it when it failed."""
+    """What the guard keeps for one decision (one signature of one model): when each block's next scheduled check
+    of each guarded kernel falls, the blocks a kernel failed on, and each kernel's interval as sized on this machine.
+    The eager path asks `unchecked` on its fast lane; any other served call of a guarded kernel it runs with `clock`
+    started (None unless that call times itself) and hands to `after`, which runs the checks due (the candidate's
+    `GuardRules`) and says what recomputes the call when one found it wrong."""
 
     __slots__ = ("left", "sites", "demoted", "checks", "sizing")
 
     def __init__(self):
-        self.left: dict = {}  # (kernel, site) -> calls still served unchecked before its next check
+        self.left: dict = {}  # (kernel, site) -> calls still served unchecked before its next scheduled check
         self.sites: dict = {}  # kernel -> named blocks seen (a new one's first re-check is staggered by this count)
         self.demoted: dict = {}  # (kernel, site) -> why: the kernel no longer serves that block
-        # (kernel, site) -> comparisons made: which rows the next one samples, where a shared site's schedule stands
+        # (kernel, site) -> scheduled checks made: which rows the next one samples, where a shared site's schedule is
         self.checks: dict = {}
         self.sizing: dict = {}  # kernel -> guard_sizing.Sizing (every = 0): its interval on this machine
 
@@ -170,10 +140,10 @@ class Watch:
         """Whether this call may take the fast lane without a check (then it is counted)."""
         key = (candidate.name, site)
         left = self.left.get(key)
-        if left and not candidate.guard[1]:
+        if left and not candidate.guard.each_call:
             self.left[key] = left - 1
             return True
-        return False  # a block's first call, a check falls due, a demoted block, or a NaN check on every call
+        return False  # a block's first call, a check falls due, a demoted block, or a check on every call
 
     def serves(self, candidate, site) -> bool:
         return (candidate.name, site) not in self.demoted
@@ -181,54 +151,60 @@ class Watch:
     def clock(self, candidate, call):
         """A guard_sizing.Clock started now, before `call` runs, when the check due on it times itself (its kernel's
         interval is still being sized on this machine); else None."""
-        if not candidate.guard.sized or self.left.get((candidate.name, call.call_site)):
+        rules = candidate.guard
+        if not rules.sized or self.left.get((candidate.name, call.call_site)):
             return None  # an interval given, or no check due on this call
         sizing = self.sizing.get(candidate.name)
-        if (sizing is not None and not sizing.timing) or not checkable(call):
+        if (sizing is not None and not sizing.timing) or not any(check.judges(call) for check in rules.scheduled):
             return None
         return guard_sizing.Clock(call.query.device)
 
     def after(self, decision, candidate, call, out, recorder, policy, clock=None):
-        """The guard after `candidate` served `call` (the long path): check when due. None when the output stands;
-        on a failure the kernel is demoted for this block and the fastest exact backend of the decision is returned:
-        the caller recomputes the call with it. clock: `clock`'s answer for this call, started before it ran."""
+        """The guard after `candidate` served `call` (the long path): its scheduled checks when due, then those of
+        every call. None when the output stands; on a failure the kernel is demoted for this block and the fastest
+        exact backend of the decision is returned: the caller recomputes the call with it. clock: `clock`'s answer
+        for this call, started before it ran."""
         if clock is not None:
             clock.called()
-        every, finite, sized = candidate.guard
-        site = call.call_site
-        why = error = None
-        if every:
-            key = (candidate.name, site)
-            left = self.left.get(key)
-            if left:
-                self.left[key] = left - 1
-            else:
-                sizing = self.sizing.get(candidate.name) if sized else None
-                if sized and sizing is None:
-                    sizing = self.sizing[candidate.name] = guard_sizing.Sizing(every)  # `every`: the prior
-                made = self.checks.get(key, 0)
-                if checkable(call):  # dropout or a BlockMask: nothing to compare with (counted all the same)
-                    self.checks[key] = made + 1
-                    rows = guard_check.rotating_rows(call.query.shape[1 if call.layout == "BSHD" else 2], ROWS,
-                                                     site, made)
-                    why, error = problem(call, out[0] if call.return_lse else out, candidate.spec, rows, clock)
-                    if why is None and clock is not None:
-                        changed = sizing.add(*clock.seconds())
-                        if changed is not None:
-                            _sized(candidate.name, sizing, call, recorder, changed)
-                            if changed:
-                                self._resized(candidate.name, sizing.every)
-                if sizing is not None:
-                    every = sizing.every
-                gap, bound = self._next(candidate.name, site, every, left is None, made)
-                self.left[key] = gap - 1
-                if why is None and recorder is not None and hasattr(recorder, "record_guard"):
-                    recorder.record_guard(site, candidate.name, error=error, every=bound)
-        if why is None and finite:
-            why = finite_problem(call, out[0] if call.return_lse else out)
+        rules = candidate.guard
+        output = out[0] if call.return_lse else out
+        why = self._scheduled(candidate, call, output, recorder, clock) if rules.every else None
+        if why is None and rules.each_call:
+            why = _run(rules.each_call, call, output, candidate.spec, 0, None)[0]
         if why is None:
             return None
         return self._failed(decision, candidate, call, why, recorder, policy)
+
+    def _scheduled(self, candidate, call, output, recorder, clock) -> str | None:
+        """Counts the call; on a block's first call and when a check falls due, runs the scheduled checks, times
+        them while the interval is being sized, and sets when the block's next one falls. Why the output is wrong,
+        or None."""
+        kernel, site, rules = candidate.name, call.call_site, candidate.guard
+        key = (kernel, site)
+        left = self.left.get(key)
+        if left:
+            self.left[key] = left - 1
+            return None
+        sizing = None
+        if rules.sized:
+            sizing = self.sizing.get(kernel)
+            if sizing is None:
+                sizing = self.sizing[kernel] = guard_sizing.Sizing(rules.every)  # `every`: the prior
+        made = self.checks.get(key, 0)
+        why, error, judged = _run(rules.scheduled, call, output, candidate.spec, made, clock)
+        if judged:  # dropout or a BlockMask leave nothing to compare with (counted all the same)
+            self.checks[key] = made + 1
+            if why is None and clock is not None:
+                changed = sizing.add(*clock.seconds())
+                if changed is not None:
+                    _sized(kernel, sizing, call, recorder, changed)
+                    if changed:
+                        self._resized(kernel, sizing.every)
+        gap, bound = self._next(kernel, site, rules.every if sizing is None else sizing.every, left is None, made)
+        self.left[key] = gap - 1
+        if why is None and recorder is not None:
+            recorder.record_guard(GuardChecked(site, kernel, error, bound))
+        return why
 
     def _resized(self, kernel: str, every: int) -> None:
         """A kernel's interval was sized anew: no block of it waits longer than the new interval for its next check
@@ -251,8 +227,8 @@ class Watch:
     def _failed(self, decision, candidate, call, why, recorder, policy):
         site = call.call_site
         replacement = decision.stand_in(lambda c: c.name != candidate.name and (not c.guard or self.serves(c, site)))
-        if recorder is not None and hasattr(recorder, "record_guard_failure"):
-            recorder.record_guard_failure(site, candidate.name, why, replacement.name if replacement else "")
+        if recorder is not None:
+            recorder.record_guard(GuardFailed(site, candidate.name, why, replacement.name if replacement else ""))
         if policy == "strict" or replacement is None:
             raise AttentionQualityError(
                 f"attention backend '{candidate.name}' failed the quality guard at {site}: {why}. "
@@ -269,6 +245,21 @@ class Watch:
         return replacement
 
 
+def _run(checks, call, out, spec, nth: int, clock) -> tuple[str | None, float | None, bool]:
+    """The checks in order, up to the first that finds `out` wrong: (why, or None; the relative error measured;
+    whether any of them could judge the call)."""
+    error, judged = None, False
+    for check in checks:
+        if check.judges(call):
+            judged = True
+            why, measured = check.verdict(call, out, spec, nth, clock)
+            if measured is not None:
+                error = measured
+            if why is not None:
+                return why, error, True
+    return None, error, judged
+
+
 def _sized(kernel: str, sizing, call, recorder, changed: bool) -> None:
     """A kernel's interval was sized on this machine: told to the recorder, and logged when it changed."""
     what = f"q {tuple(call.query.shape)}, k {tuple(call.key.shape)} ({call.layout})"
@@ -276,5 +267,6 @@ def _sized(kernel: str, sizing, call, recorder, changed: bool) -> None:
         logger.info("quality guard: %s on %s is checked once in %d calls of each block, sized on this machine "
                     "(call %.3g ms, check %.3g ms, from %d timed checks)", kernel, what, sizing.every,
                     sizing.call_s * 1e3, sizing.check_s * 1e3, len(sizing.calls))
-    if recorder is not None and hasattr(recorder, "record_guard_sizing"):
-        recorder.record_guard_sizing(kernel, what, sizing.every, sizing.call_s, sizing.check_s, len(sizing.calls))
+    if recorder is not None:
+        recorder.record_guard(GuardSized(kernel, what, sizing.every, sizing.call_s, sizing.check_s,
+                                         len(sizing.calls)))

@@ -3,7 +3,7 @@ the NaN/Inf test of the kernel's whole output, in one pass over the call's own t
 
 `check_terms` returns, on the call's device, three figures: ‖out_rows − ref_rows‖², ‖ref_rows‖² (over the sampled
 rows of every batch and head) and a non-finite term that is 0 exactly when the whole output is finite. The guard
-reads them with one transfer (guard.problem). Two implementations, compared by the tests:
+reads them with one transfer (guard_rules.Comparison). Two implementations, compared by the tests:
 
 - a Triton kernel (CUDA, bf16/fp16 inputs, no mask): it reads K and V once in their own dtype, split over the keys
   so that the whole GPU streams them (`_partial`: online softmax over key blocks, q·k products exact in float32

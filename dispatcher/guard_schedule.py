@@ -29,9 +29,9 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from .call import AttentionCall
+from .call import DEFAULT_CALL_SITE
 
-SHARED_SITE = AttentionCall._field_defaults["call_site"]  # "attention": the site of a caller that named no block
+SHARED_SITE = DEFAULT_CALL_SITE  # "attention": the site of a caller that named no block
 MIN_PRIME = 128  # the shared schedule's prime exceeds it: every number of blocks up to it is covered
 CANDIDATES = 8  # primes p = 1 mod every tried for the shared schedule; the one with the smallest bound is kept
 

@@ -14,9 +14,9 @@ a checked call is timed as it is served and its check until its verdict is read,
 The first checks of a kernel on one signature (one decision) time themselves; once TIMED_CHECKS have, the interval is
 sized from the check's least time and the call's median time (a first call or check that compiles a kernel is left
 out by both; the check's noise is left out, the call's kept: erring on checking more often), and sized again from
-all of them at twice as many timed checks, up to LAST_TIMED (a start slowed by other work on the machine is
-corrected); each sizing at most multiplies the interval in force by GROWTH, and a shorter one applies at once to
-every block (guard.Watch). Then it holds for the process.
+all of them every TIMED_CHECKS more, up to LAST_TIMED (a start slowed by other work on the machine is corrected);
+each sizing at most doubles the interval in force (GROWTH), and a shorter one applies at once to every block
+(guard.Watch). Then it holds for the process.
 
 Before that, the interval is the prior: the cost model below, priced from the H200's figures, capped at PRIOR_EVERY,
 so a machine those figures misprice (a CPU, where a call "cost" microseconds and the interval came out at 2,171) is
@@ -36,8 +36,8 @@ from . import guard_check
 
 BUDGET = 0.01  # of the attention time (so of a step, which also has other layers)
 TIMED_CHECKS = 5  # per kernel and signature: timed checks before the interval is first sized from them
-LAST_TIMED = 80  # sized again at 10, 20, 40 and 80 timed checks; the later checks time nothing
-GROWTH = 4  # a sizing at most multiplies the interval in force by this: checks slowed by other work on the machine
+LAST_TIMED = 80  # sized again every TIMED_CHECKS more timed checks up to this many; the later checks time nothing
+GROWTH = 2  # a sizing at most multiplies the interval in force by this: checks slowed by other work on the machine
 # cannot stretch it at once (those few checks would then be far apart, and so would the next sizing)
 PRIOR_EVERY = 8  # the most the prior may give: checks are frequent until this machine has measured itself
 MAX_EVERY = 100_000
@@ -111,7 +111,7 @@ def check_seconds(inputs, kernel: bool | None = None) -> float:
 
 class Sizing:
     """One kernel's interval on one signature (kept by its decision's guard.Watch): the prior until TIMED_CHECKS
-    checks have timed themselves, then sized from their times (again at twice as many, up to LAST_TIMED)."""
+    checks have timed themselves, then sized from their times (again every TIMED_CHECKS more, up to LAST_TIMED)."""
 
     __slots__ = ("every", "calls", "checks", "measured")
 
@@ -131,8 +131,8 @@ class Sizing:
         self.calls.append(call_s)
         self.checks.append(check_s)
         timed = len(self.calls)
-        if timed < TIMED_CHECKS or timed % TIMED_CHECKS or (timed // TIMED_CHECKS) & (timed // TIMED_CHECKS - 1):
-            return None  # sized at TIMED_CHECKS times a power of two
+        if timed % TIMED_CHECKS:
+            return None
         before = self.every if self.measured else None
         self.every, self.measured = min(interval_of(self.call_s, self.check_s), GROWTH * self.every), True
         return self.every != before

@@ -39,20 +39,58 @@ def _escaped(text: str, keep: str = "") -> str:
 def echo(value, limit: int = ECHO_LIMIT, quote: bool = True, keep: str = "") -> str:
     """`value` as safe text to echo: quoted like repr (quote=False: as str), control characters and lone surrogates
     escaped (but those in `keep`: a report's own line breaks), at most about `limit` characters, with the full
-    length said when cut ('...' (1000000 characters))."""
-    total = len(value) if isinstance(value, (str, bytes, list, tuple, dict)) else None
-    if isinstance(value, str) and len(value) > limit:
-        value = value[:limit]  # cut before repr: never a copy of the whole value
+    length said when cut ('...' (1000000 characters)). Text, bytes and containers are read only as far as the
+    text kept (`_bounded`): a 3M-item list is never turned into text whole."""
+    total = len(value) if isinstance(value, (str, bytes, bytearray, list, tuple, dict, set, frozenset)) else None
     try:
-        text = repr(value) if quote else str(value)
-    except Exception as exc:  # a value whose repr raises is still named
+        text = _bounded(value, limit * 2, quote, set()) if not isinstance(value, str) else (
+            repr(value[:limit]) if quote else value[:limit])  # cut before repr: never a copy of the whole value
+    except Exception as exc:  # a value whose repr raises (or nests past the recursion limit) is still named
         text = f"<{type(value).__name__}: repr failed with {type(exc).__name__}>"
     text = _escaped(text[:limit * 2], keep)
-    if len(text) > limit or (isinstance(value, str) and total > len(value)):
+    if len(text) > limit or (isinstance(value, str) and total > limit):
         text = text[:limit] + "\u2026"
         if total is not None:
             text += f" ({total} characters)" if isinstance(value, str) else f" (length {total})"
     return text
+
+
+_OPEN_CLOSE = {list: ("[", "]"), tuple: ("(", ")"), set: ("{", "}"), frozenset: ("frozenset({", "})"),
+               dict: ("{", "}")}
+_EMPTY = {set: "set()", frozenset: "frozenset()"}
+
+
+def _bounded(value, budget: int, quote: bool, path: set) -> str:
+    """repr(value) (quote=False: str) up to about `budget` characters, reading text, bytes and the built-in
+    containers only as far as that: a container past the budget ends in '...'. What it shows of a value that
+    fits is exactly its repr (a container that holds itself: '[...]', as repr writes it)."""
+    kind = type(value)
+    if isinstance(value, str):
+        return repr(value[:budget]) if quote else value[:budget]
+    if isinstance(value, (bytes, bytearray)):
+        return repr(value[:budget])
+    if kind not in _OPEN_CLOSE:
+        return repr(value) if quote else str(value)
+    if not value:
+        return _EMPTY.get(kind) or repr(value)
+    if id(value) in path:
+        return "{...}" if kind is dict else "[...]" if kind is list else "..."
+    path.add(id(value))
+    try:
+        parts, used = [], 0
+        for item in (value.items() if kind is dict else value):
+            if used >= budget:
+                parts.append("...")
+                break
+            left = max(1, budget - used)
+            text = (f"{_bounded(item[0], left, True, path)}: {_bounded(item[1], left, True, path)}"
+                    if kind is dict else _bounded(item, left, True, path))
+            parts.append(text)
+            used += len(text) + 2
+    finally:
+        path.discard(id(value))
+    opening, closing = _OPEN_CLOSE[kind]
+    return opening + ", ".join(parts) + ("," if kind is tuple and len(value) == 1 else "") + closing
 
 
 def _safe_arg(arg):

@@ -48,14 +48,12 @@ CPU reference the quantisation is tested against, and the bench's expectation fo
 
 from __future__ import annotations
 
-import logging
 from typing import NamedTuple
 
 import torch
 
 from . import quantise_kernel
-
-logger = logging.getLogger(__name__)
+from .log import logger
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = quantise_kernel.E4M3_MAX

@@ -10,6 +10,7 @@ import weakref
 from collections import Counter
 
 from . import registry
+from .events import GuardChecked, GuardEvent, GuardFailed, GuardSized, RecorderProtocol
 from .log import counted
 
 # Recorders by serial number: a compiled graph cannot hold a recorder object, so it names one by its
@@ -18,8 +19,8 @@ _by_serial: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _serials = itertools.count(1)
 
 
-def register(recorder) -> int:
-    """Give `recorder` (a Recorder, or any object with its record/record_error) a serial number."""
+def register(recorder: RecorderProtocol) -> int:
+    """Give `recorder` (a Recorder, or any other `RecorderProtocol`) a serial number."""
     serial = next(_serials)
     _by_serial[serial] = recorder
     recorder.serial = serial
@@ -32,7 +33,8 @@ def by_serial(serial: int):
 
 
 class Recorder:
-    """Thread-safe counters of served calls and fallbacks; one per model (or per run) in ComfyUI."""
+    """Thread-safe counters of served calls, fallbacks and the quality guard's events; one per model (or per run) in
+    ComfyUI. The library's `RecorderProtocol` (events.py)."""
 
     def __init__(self, label: str = ""):
         self.label = label
@@ -59,35 +61,30 @@ class Recorder:
         with self._lock:
             self._errors[(site, backend)] = error
 
-    def record_guard(self, site: str, backend: str, checks: int = 1, error: float | None = None,
-                     every: int | None = None) -> None:
-        """A passed quality-guard check (error: relative error on the sampled rows; every: the block is checked
-        again within this many of its calls, the rotation bound in force: the latest check's, as an interval sized
-        on this machine replaces its prior)."""
+    def record_guard(self, event: GuardEvent) -> None:
+        """What the quality guard did (events.py): a passed check adds to its block's count, keeps the largest
+        error and the rotation bound in force (the latest check's: an interval sized on this machine replaces its
+        prior); a failed one is listed with its replacement; the latest sizing of each kernel and calls replaces
+        the one before."""
         with self._lock:
-            entry = self._guard_entry(site, backend)
-            entry["checks"] += checks
-            if every is not None:
-                entry["every"] = every
-            if error is not None and (entry["max_error"] is None or error > entry["max_error"]):
-                entry["max_error"] = error
-
-    def record_guard_failure(self, site: str, backend: str, reason: str, replacement: str) -> None:
-        """A failed check: the call was recomputed with `replacement` ("" when none could), the kernel demoted."""
-        with self._lock:
-            entry = self._guard_entry(site, backend)
-            entry["checks"] += 1
-            entry["failures"].append({"reason": reason, "replacement": replacement})
-
-    def record_guard_sizing(self, backend: str, what: str, every: int, call_s: float, check_s: float,
-                            timed: int) -> None:
-        """The guard's interval for `backend` on the calls `what` describes, sized on this machine: one call in
-        `every` of each block, from `timed` checks that timed themselves (the call's and the check's seconds). The
-        latest sizing of each replaces the one before."""
-        with self._lock:
-            self._guard_sizing[(backend, what)] = {
-                "backend": backend, "calls": what, "interval": every, "call_ms": round(call_s * 1e3, 4),
-                "check_ms": round(check_s * 1e3, 4), "timed_checks": timed}
+            if type(event) is GuardChecked:
+                entry = self._guard_entry(event.site, event.backend)
+                entry["checks"] += 1
+                if event.every is not None:
+                    entry["every"] = event.every
+                if event.error is not None and (entry["max_error"] is None or event.error > entry["max_error"]):
+                    entry["max_error"] = event.error
+            elif type(event) is GuardFailed:
+                entry = self._guard_entry(event.site, event.backend)
+                entry["checks"] += 1
+                entry["failures"].append({"reason": event.reason, "replacement": event.replacement})
+            elif type(event) is GuardSized:
+                self._guard_sizing[(event.backend, event.calls)] = {
+                    "backend": event.backend, "calls": event.calls, "interval": event.every,
+                    "call_ms": round(event.call_s * 1e3, 4), "check_ms": round(event.check_s * 1e3, 4),
+                    "timed_checks": event.timed}
+            else:
+                raise TypeError(f"Recorder.record_guard takes an event of dispatcher/events.py; got {event!r}")
 
     def _guard_entry(self, site, backend) -> dict:
         return self._guard.setdefault((site, backend), {"checks": 0, "max_error": None, "every": None,
@@ -170,7 +167,13 @@ current_recorder = _recorder.get
 
 
 @contextlib.contextmanager
-def recording(recorder: Recorder):
+def recording(recorder: RecorderProtocol):
+    """The calls inside the block are counted in `recorder` (a Recorder, or any other `RecorderProtocol`)."""
+    if not isinstance(recorder, RecorderProtocol):
+        missing = [name for name in ("record", "record_error", "record_guard")
+                   if not callable(getattr(recorder, name, None))]
+        raise TypeError(f"recording() takes a recorder (dispatcher.Recorder, or an object with the methods of "
+                        f"dispatcher.events.RecorderProtocol); {type(recorder).__name__} lacks {', '.join(missing)}")
     token = _recorder.set(recorder)
     try:
         yield recorder

@@ -91,6 +91,15 @@ class HubKernel:
 
 
 @dataclass(frozen=True)
+class LastResort:
+    """Where `auto` leaves a backend out whenever another candidate can run the call (a kernel that cannot win there
+    is not worth its first call), and the reason it gives; selected by name, the backend runs as ever."""
+
+    devices: frozenset[str]  # device kinds (AttentionInputs.device_kind)
+    reason: str
+
+
+@dataclass(frozen=True)
 class BackendSpec:
     name: str
     family: str
@@ -138,6 +147,7 @@ class BackendSpec:
     # builds its inputs from and hands to the kernel around each call; None: it has none.
     options: BackendOptions | None = field(default=None, compare=False, repr=False)
     mask_format: str = "additive"  # what the kernel is handed: additive | bool | blockmask | key_padding
+    auto_last_resort: LastResort | None = None  # where `auto` times it only when nothing else can run the call
 
     @property
     def exact(self) -> bool:

@@ -10,22 +10,25 @@
 `validate_backend`, listings); `why_not(name, inputs, attention_kwargs=...)` for one call (the decision, `auto`'s
 tuner). Nothing else combines these producers, so what one of them refuses every other refuses, in the same words.
 
-A caller's own rules sit on top, as a `Rules` value (`why_not(..., rules=Rules(...))`), and refuse here too, as
+A caller's own rules sit on top, as a `Rules` value (rules.py; `why_not(..., rules=Rules(...))`), and refuse here, as
 `rules` reasons: exact kernels only (`auto_exact`), full precision (a call with low_precision_attention=False), Hub
 kernels only once fetched (`auto` never downloads), an approximate kernel only as the model's prediction verdict
 allows, a memory cap for kernels that materialise the score matrix (`auto`'s tuning, the bench), and the
-context-parallel mode a kernel is the local kernel of (ring modes need its LSE). No caller words a refusal itself.
+context-parallel mode a kernel is the local kernel of (ring modes need its LSE; no mode cuts a BlockMask or takes a
+mask with is_causal: `context_parallel_reasons`, which dispatcher.parallel asks too). No caller words a refusal
+itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from . import hub, prediction, registry, trust
 from .inputs import AttentionInputs
 from .machine import Machine
 from .requirements import Lack, Unmet
+from .rules import NO_RULES, Rules
 from .spec import STANDARD_ARGUMENTS
 
 
@@ -51,41 +54,6 @@ class WhyNot(NamedTuple):
 
 
 _KINDS = WhyNot._fields.index("lacks")  # the reason kinds come first, in order
-
-
-@dataclass(frozen=True)
-class Rules:
-    """A caller's own rules on top of what the machine and the call allow; each refuses in `why_not` (as `rules`
-    reasons), in one set of words for every caller. The default refuses nothing. (Not the fallback policy, the
-    string 'fallback' | 'strict': that says what happens after a refusal, these say what is refused.)"""
-    exact_only: bool = False  # auto_exact: exact kernels only
-    low_precision: bool = True  # False: the call asks for full precision (ComfyUI's low_precision_attention=False)
-    fetched: frozenset[str] | None = None  # Hub kernels only once their repo is here (auto never downloads); None: any
-    model: str | None = None  # an approximate kernel serves this model only as its prediction-level verdict allows
-    block: str | None = None  # ... at this call site (a verdict admits the blocks its trial judged)
-    memory_cap: int | None = None  # bytes: a kernel that materialises the score matrix only where it fits (needs inputs)
-    context_parallel: str | None = None  # the context-parallel mode it would be the local kernel of
-
-
-NO_RULES = Rules()
-# What a single call may carry to the entry (`dispatch_attention_fn(..., rules=...)`): the rules that keep it exact.
-# The others are `auto`'s and the tools' (a fetched kernel, a model's verdict, a memory cap, a context-parallel mode).
-CALL_RULES = ("exact_only", "low_precision")
-
-
-def call_rules(rules) -> Rules | None:
-    """`rules` as a call carries them: None for none (or the default, which refuses nothing); a clear error for
-    anything but a `Rules` value, or one that sets more than the rules a call takes (`CALL_RULES`)."""
-    if rules is None or rules == NO_RULES:
-        return None
-    if not isinstance(rules, Rules):
-        raise TypeError(f"rules must be a dispatcher.Rules value or None; got {type(rules).__name__}")
-    others = [f.name for f in fields(Rules) if f.name not in CALL_RULES and getattr(rules, f.name) != getattr(
-        NO_RULES, f.name)]
-    if others:
-        raise ValueError(f"a call's rules keep it exact ({', '.join(CALL_RULES)}); {', '.join(others)} "
-                         "are rules of auto's candidates and the tools, not of one call: leave them out here")
-    return rules
 
 
 def why_not(name: str, inputs: AttentionInputs | None = None, *, attention_kwargs=None,
@@ -150,9 +118,27 @@ def _rule_reasons(name: str, spec, inputs, rules: Rules, runs: bool) -> list[str
             found.append(f"it materialises the {_size(scores)} score matrix, over the memory cap of "
                          f"{_size(rules.memory_cap)}")
     mode = rules.context_parallel
-    if mode not in (None, "none") and mode not in spec.context_parallel_modes:
-        found.append(f"context-parallel mode '{mode}' merges partial attention outputs by their log-sum-exp, which "
-                     "it does not return (its spec has lse=False); Ulysses alone (ring_degree=1) runs any backend")
+    if mode not in (None, "none"):
+        if mode not in spec.context_parallel_modes:
+            found.append(f"context-parallel mode '{mode}' merges partial attention outputs by their log-sum-exp, "
+                         "which it does not return (its spec has lse=False); Ulysses alone (ring_degree=1) runs any "
+                         "backend")
+        if inputs is not None:
+            found.extend(context_parallel_reasons(inputs))
+    return found
+
+
+def context_parallel_reasons(inputs: AttentionInputs) -> list[str]:
+    """What context parallelism refuses of a call, whichever backend would run it: `why_not`'s context-parallel
+    rule on a call, and dispatcher.parallel's own check (which may run a pseudo-backend, `auto`)."""
+    found = []
+    if inputs.mask_kind == "blockmask":
+        found.append("a FlexAttention BlockMask cannot be sharded for context parallelism; pass a bool or additive "
+                     "mask tensor instead")
+    if inputs.is_causal and inputs.mask_kind != "none":
+        found.append("is_causal=True with attn_mask is not supported under context parallelism (SDPA, and the "
+                     "dispatcher outside it, apply both: the mask and the top-left causal diagonal): fold the "
+                     "diagonal into attn_mask (mask & torch.ones(Lq, Lk, dtype=torch.bool).tril()), or drop attn_mask")
     return found
 
 
@@ -245,24 +231,19 @@ class AttentionKwargsError(TypeError):
 def attention_kwargs_reasons(spec, keys) -> list[str]:
     """One reason per attention_kwargs key backend `spec` does not pass on to its kernel (a key that repeats an
     argument of dispatch_attention_fn is refused by every backend)."""
-    found = []
-    for key in sorted(keys):
-        if key in STANDARD_ARGUMENTS:
-            found.append(f"attention_kwargs key {key!r} repeats an argument of dispatch_attention_fn: pass "
-                         f"{key}=... as an argument")
-        elif not _honours(spec, key):
-            found.append(f"attention_kwargs key {key!r} is not honoured by this backend ({_honoured_by(key)})")
-    return found
+    return [_refused_key(key) for key in sorted(keys) if key in STANDARD_ARGUMENTS or not _honours(spec, key)]
 
 
-def _honouring(key: str) -> list[str]:
-    """The backends that pass attention_kwargs key `key` on to their kernel, in priority order."""
-    return _backends_where(lambda s: _honours(s, key))
-
-
-def _honoured_by(key: str) -> str:
-    names = _honouring(key)
-    return f"honoured by {', '.join(names)}" if names else "no attention backend honours it"
+def _refused_key(key: str) -> str:
+    """The one wording of a refused attention_kwargs key: `why_not`'s reason and AttentionKwargsError's line."""
+    if key in STANDARD_ARGUMENTS:
+        return (f"attention_kwargs key {key!r} repeats an argument of dispatch_attention_fn: pass {key}=... as an "
+                f"argument")
+    names = _backends_where(lambda s: _honours(s, key))  # in priority order
+    if not names:
+        return f"attention_kwargs key {key!r} is honoured by no attention backend: drop it"
+    return (f"attention_kwargs key {key!r} is honoured by {', '.join(names)} only: select one of them "
+            f"(backend='{names[0]}'), or drop the key")
 
 
 def candidates_for_attention_kwargs(requested: str, policy: str, candidates: list, attention_kwargs) -> list:
@@ -272,32 +253,23 @@ def candidates_for_attention_kwargs(requested: str, policy: str, candidates: lis
     Called once per call that has attention_kwargs, before running any candidate: a backend that would drop a
     key, or raise on it, never runs. A key that is one of the call's own arguments (scale, is_causal, ...) and
     a key no allowed backend honours raise AttentionKwargsError naming the key, the backends that honour it
-    and what to do, never blaming a backend that merely ran last.
+    and what to do (in `why_not`'s words), never blaming a backend that merely ran last.
     """
     if not attention_kwargs:
         return candidates
     keys = frozenset(attention_kwargs)
     clashing = sorted(keys & STANDARD_ARGUMENTS)
     if clashing:
-        raise AttentionKwargsError(
-            f"attention_kwargs {clashing} repeat arguments of dispatch_attention_fn: pass them as arguments "
-            f"(e.g. {clashing[0]}=...), not inside attention_kwargs")
+        raise AttentionKwargsError("; ".join(_refused_key(key) for key in clashing))
     # The predicate attention_kwargs_reasons words (no reason text is built per call: this runs on every call)
     kept = [c for c in candidates if all(_honours(c[1], key) for key in keys)]
     if kept:
         return kept
     tried = ", ".join(f"'{c[0]}'" for c in candidates)
-    lines = [f"attention backend '{requested}' ({policy} policy) cannot honour attention_kwargs "
-             f"{sorted(keys)}: none of the backends that can run this call ({tried}) passes "
-             f"{'it' if len(keys) == 1 else 'them'} on to its kernel"]
-    for key in sorted(keys):
-        names = _honouring(key)
-        if names:
-            lines.append(f"  {key!r} is honoured by {', '.join(names)}: select one of them (backend='{names[0]}'), "
-                         f"or drop the key")
-        else:
-            lines.append(f"  {key!r} is honoured by no attention backend: drop it")
-    raise AttentionKwargsError("\n".join(lines))
+    raise AttentionKwargsError("\n  ".join(
+        [f"attention backend '{requested}' ({policy} policy) cannot honour attention_kwargs {sorted(keys)}: none "
+         f"of the backends that can run this call ({tried}) passes {'it' if len(keys) == 1 else 'them'} on to its "
+         f"kernel"] + [_refused_key(key) for key in sorted(keys)]))
 
 
 # ---- listings ---------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 from packaging.version import InvalidVersion, Version
 
 # The oldest torch the pack imports on, as pyproject.toml claims it and CI's floor phase installs it (.ci/run reads
-# pyproject.toml): the oldest release the unit suite is known to pass on, and the lent GPU's image (torch 2.11.0+cu130,
+# pyproject.toml): the oldest release the unit suite is known to pass on, and the GPU machines' image (torch 2.11.0+cu130,
 # where every H200 figure was measured). 2.5 lacks SDPA's kernel priority order; on 2.6 the unit suite failed 138
 # tests (docs/python.md says where); 2.7-2.10 are untested.
 TORCH_FLOOR = "2.11"

@@ -56,7 +56,7 @@ import torch
 
 from ..dispatcher import (AttentionInputError, PreparedAttention, Rules, attention_checks, auto,
                           availability_reasons, backend_names, checks, dispatch_attention_fn, get_backend_spec, guard,
-                          kept_exact, trusted_publishers)
+                          kept_exact, tensors_key, trusted_publishers)
 from . import comfy_versions
 from .blocks import block_id, blocks_text, in_blocks
 from .comfy_versions import Ordinals, block_position
@@ -247,7 +247,7 @@ class AttentionOverride:
         position = block_position(to)  # read once: it names the block, places it in the range and sparse's dense ones
         compiling = _dynamo_compiling()
         try:  # the block first: every call is counted, passed on or not, so ordinals stay block numbers
-            q_shape, k_shape = q.shape, k.shape  # read once for both uses: each read builds a torch.Size
+            q_shape, k_shape = q.shape, k.shape
             axis = 2 if skip_reshape else 1
             block = block_id(to, position, None if compiling else self._ordinals, q_shape[axis] == k_shape[axis],
                              compiling=compiling)
@@ -256,12 +256,10 @@ class AttentionOverride:
         if not compiling and q_shape is not None:  # traced once per graph: hashing symbolic sizes would specialise them
             try:  # everything a plan depends on; not tensors or unhashable options: no plan (_plan says why)
                 # at least as fine as the eager path's key of the call it makes (PreparedAttention.keyed's lane
-                # skips that key):
-                # every dtype and device, the mask's dtype, shape and device
-                signature = (q_shape, k_shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-                             heads, None if mask is None else (mask.dtype, mask.shape, mask.device),
-                             attn_precision, skip_reshape, skip_output_reshape, kwargs.get("scale"),
-                             kwargs.get("enable_gqa", False), kwargs.get("low_precision_attention", True), block)
+                # skips that key): the dispatcher's own key of the tensors the views are made of (tensors_key)
+                signature = tensors_key((heads, attn_precision, skip_reshape, skip_output_reshape, kwargs.get("scale"),
+                                         kwargs.get("enable_gqa", False), kwargs.get("low_precision_attention", True),
+                                         block), q, k, v, mask)
                 plan = self._plans.get(signature)
             except (AttributeError, TypeError):
                 signature = plan = None

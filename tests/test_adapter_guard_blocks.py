@@ -6,6 +6,7 @@ A stub recorder sees every event the override forwards. The same in a real Comfy
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
@@ -26,6 +27,7 @@ blocks = importlib.import_module(f"{PACK}.nodes.blocks")
 comfy_versions = importlib.import_module(f"{PACK}.nodes.comfy_versions")
 identity = importlib.import_module(f"{PACK}.nodes.model_identity")
 reports = importlib.import_module(f"{PACK}.nodes.reports")
+events = dispatcher.events  # the pack's copy: its guard sends these
 
 qkv = functools.partial(tensors.qkv, b=1, lq=16, lk=16, h=2, d=16, flat=True)  # ComfyUI's (B, L, H*D)
 
@@ -41,7 +43,8 @@ def ref(q, k, v, heads=2):
 
 
 class StubRecorder:
-    """Every event, in order: what the dispatcher records in the override's recorder."""
+    """Every event, in order: what the dispatcher records in the override's recorder (the guard's as
+    dispatcher.events objects)."""
 
     def __init__(self):
         self.events = []
@@ -52,14 +55,14 @@ class StubRecorder:
     def record_error(self, site, backend, error):
         self.events.append(("error", site, backend, error))
 
-    def record_guard(self, site, backend, checks=1, error=None, every=None):
-        self.events.append(("guard", site, backend, checks, error, every))
-
-    def record_guard_failure(self, site, backend, reason, replacement):
-        self.events.append(("guard_failure", site, backend, reason, replacement))
+    def record_guard(self, event):
+        self.events.append(event)
 
     def of(self, kind):
-        return [e for e in self.events if e[0] == kind]
+        """The events of `kind`: "record", "error", or a class of dispatcher.events."""
+        if isinstance(kind, str):
+            return [e for e in self.events if isinstance(e, tuple) and e[0] == kind]
+        return [e for e in self.events if isinstance(e, kind)]
 
 
 @pytest.fixture(autouse=True)
@@ -186,9 +189,12 @@ def test_guard_catches_a_kernel_that_goes_wrong_mid_run_through_the_override(cus
     q, k, v = qkv()
     for _ in range(6):
         torch.testing.assert_close(fn(comfy_func, q, k, v, 2, **opts()), ref(q, k, v), atol=2e-5, rtol=1e-4)
-    assert len(stub.of("guard")) == 3
-    (failure,) = stub.of("guard_failure")
-    assert failure[2] == name and failure[4] and not dispatcher.get_backend_spec(failure[4]).quantised
+    # the node's own recorder hears the guard: the override puts no recorder of its own in between
+    assert isinstance(stub, events.RecorderProtocol)
+    assert len(stub.of(events.GuardChecked)) == 3
+    (failure,) = stub.of(events.GuardFailed)
+    assert failure.backend == name and failure.replacement
+    assert not dispatcher.get_backend_spec(failure.replacement).quantised
     served = [e[3] for e in stub.of("record")]
     assert served[:3] == [name] * 3 and name not in served[3:], served
     # another model's verdict is its own: the kernel serves it again
@@ -203,7 +209,7 @@ def test_guard_off_never_checks(custom_backend):
     stub = StubRecorder()
     fn = adapter.make_override(name, recorder=stub, model="t14:off", guard="off", guard_every=1)
     fn(comfy_func, *qkv(), 2, **opts())
-    assert not stub.of("guard") and not stub.of("guard_failure")
+    assert not stub.of(events.GuardChecked) and not stub.of(events.GuardFailed)
 
 
 # ------------------------------------------------------------------------------------------------ blocks
@@ -421,6 +427,41 @@ def test_model_key_is_stable_and_tells_models_apart():
     assert identity.model_key(Patcher(net, weaker)) not in (key, with_lora)
     other_lora = {"0.weight": [(1.0, (torch.zeros(8, 1), torch.ones(1, 8)), 1.0, None, None)]}
     assert identity.model_key(Patcher(net, other_lora)) not in (key, with_lora)
+
+
+def test_two_checkpoints_of_one_architecture_are_two_models():
+    """The key once read the first, middle and last parameter only: two checkpoints that differed elsewhere (here
+    the second layer's weight, as a fine-tune that froze the rest leaves them) shared one key, so a kernel admitted
+    on one served the other unjudged. Every tensor is read now (SAMPLES elements of each)."""
+    base = _net()
+    tuned = copy.deepcopy(base)
+    with torch.no_grad():
+        tuned[1].weight.add_(1e-3 * torch.randn_like(tuned[1].weight))
+    assert [p.shape for p in base.parameters()] == [p.shape for p in tuned.parameters()]
+    assert identity.model_key(Patcher(base)) != identity.model_key(Patcher(tuned))
+    with torch.no_grad():  # a buffer differs (a norm's running statistics)
+        bn, bn2 = torch.nn.BatchNorm1d(8), torch.nn.BatchNorm1d(8)
+        bn2.running_mean.add_(0.5)
+    assert identity.model_key(Patcher(bn)) != identity.model_key(Patcher(bn2))
+
+
+def test_model_key_is_the_same_whatever_the_weights_memory_layout_or_in_place_patches():
+    """The same values give the same key: in another memory layout (a transposed copy, as channels_last is), and
+    with a LoRA applied in place by ComfyUI while the model is loaded (the patcher's backup holds the original)."""
+    net = _net()
+    key = identity.model_key(Patcher(net))
+    strided = copy.deepcopy(net)
+    strided[1].weight.data = strided[1].weight.data.t().contiguous().t()
+    assert not strided[1].weight.is_contiguous() and identity.model_key(Patcher(strided)) == key
+    lora = {"diffusion_model.0.weight": [(1.0, (torch.ones(8, 1), torch.ones(1, 8)), 1.0, None, None)]}
+    unloaded = Patcher(net, lora)
+    loaded = Patcher(copy.deepcopy(net), lora)
+    original = loaded.model.diffusion_model[0].weight.detach().clone()
+    with torch.no_grad():
+        loaded.model.diffusion_model[0].weight.add_(torch.ones(8, 8))  # ComfyUI's patch_model, in place
+    Dimension = collections.namedtuple("Dimension", ["weight", "inplace_update"])
+    loaded.backup = {"diffusion_model.0.weight": Dimension(original, True)}
+    assert identity.model_key(loaded) == identity.model_key(unloaded) != key
 
 
 def test_model_key_never_fails_on_odd_objects():

@@ -343,6 +343,7 @@ def test_guard_bench_the_issues_scenario_on_one_shared_site(tmp_path, every):
     site is demoted whole. At the default the interval is measured on this machine (how far apart the checks fall
     then depends on what a check costs here against a call: the JSON says from which times)."""
     from dispatcher import guard_schedule, guard_sizing
+    from dispatcher.report import rotation_text
     out = tmp_path / "shared.json"
     cmd = [sys.executable, "bench/guard_cost.py", "--scenario", "one-bad-block", "--device", "cpu", "--kernel",
            "int8-sim", "--backend", "auto_fast", "--tokens", "256", "--heads", "2", "--head-dim", "32", "--blocks",
@@ -355,7 +356,7 @@ def test_guard_bench_the_issues_scenario_on_one_shared_site(tmp_path, every):
     per_block = result["spoiled_per_block"]
     assert len(per_block) == 30 and sum(per_block) == per_block[7] == result["spoiled_calls"]
     assert sum(result["checks_per_block"]) == result["guard_checks"]
-    assert f"within {result['rotation_bound']} of its calls" in result["rotation"]
+    assert result["rotation"] == rotation_text(result["rotation_bound"])  # "... within N of its calls"
     if every:
         bound = guard_schedule.shared(every).bound
         assert result["interval"] == every and result["interval_source"] == "given" and result["sizing"] == []
@@ -364,5 +365,6 @@ def test_guard_bench_the_issues_scenario_on_one_shared_site(tmp_path, every):
         return
     (sized,) = result["sizing"]
     assert result["interval_source"] == "measured" and result["interval"] == sized["interval"] >= 1
-    assert sized["interval"] <= guard_sizing.interval_of(sized["call_ms"] / 1e3, sized["check_ms"] / 1e3)
+    # at most what the times give (a sizing at most doubles the interval in force; the JSON rounds the times)
+    assert sized["interval"] <= guard_sizing.interval_of(sized["call_ms"] / 1e3, sized["check_ms"] / 1e3) + 1
     assert any("sized on this machine" in line for line in result["guard_report"])

@@ -11,8 +11,7 @@ import json
 import torch
 
 from dispatcher import decisions, hub, registry
-from dispatcher.auto import Tuner
-from dispatcher.auto import tuner as tuner_module
+from dispatcher.auto import TuneKey, Tuner
 from dispatcher.guard import settings as guard_settings
 from dispatcher.inputs import describe_call
 from dispatcher.machine import Machine, current_machine, use_machine
@@ -57,10 +56,10 @@ def test_autos_choice_key_reads_the_machine_key_not_its_description(monkeypatch)
     for _ in range(3):
         assert tuner.decide(inputs, model="m")[0] == "_native_math"
     assert described == []  # a hit hashed the machine's description on every call before
-    (key,) = tuner._choices
-    assert isinstance(key, tuner_module.ChoiceKey) and key.machine == current_machine().key
+    (key,) = tuner.store.choices
+    assert isinstance(key, TuneKey) and key.machine == current_machine().key
     (record,) = tuner.records()
-    assert key.tuning == record.key and tuner._records[record.key] is record
+    assert key.tuning() == record.key and tuner.store.records[record.key] is record
 
 
 def test_a_hub_load_is_keyed_by_the_build_it_gets():

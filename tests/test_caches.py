@@ -36,14 +36,14 @@ def _fill_every_cache(q, k, v):
     dispatcher.dispatch_attention_fn(q, k, v, backend="auto_exact")
     held = {"decisions": dict(decisions._decisions), "fast keys": dict(eager._fast),
             "shapes-only backends": set(eager._shapes_only), "traced candidates": dict(compiled._traced_candidates),
-            "auto's choices": dict(auto.default_tuner()._choices)}
+            "auto's choices": dict(auto.default_tuner().store.choices)}
     assert all(held.values()), {name: len(cache) for name, cache in held.items()}
 
 
 def _held():
     return {"decisions": len(decisions._decisions), "fast keys": len(eager._fast),
             "shapes-only backends": len(eager._shapes_only), "traced candidates": len(compiled._traced_candidates),
-            "auto's choices": len(auto.default_tuner()._choices)}
+            "auto's choices": len(auto.default_tuner().store.choices)}
 
 
 TRIGGERS = {

@@ -85,3 +85,52 @@ def test_reports_cut_and_escape_their_texts_keeping_their_own_line_breaks():
     assert data["errors"][1] == "bad \\ud800 \\x1b[2J"
     import json
     json.dumps(data, ensure_ascii=False).encode("utf-8")  # what the websocket sends: never raises
+
+
+class _Counted:
+    """An item whose repr counts its calls: how much of a container `echo` turned into text."""
+    calls = 0
+
+    def __repr__(self):
+        _Counted.calls += 1
+        return "i"
+
+
+@pytest.mark.parametrize("make", [list, tuple, set, frozenset, lambda items: dict.fromkeys(items, 0),
+                                  lambda items: [list(items)], lambda items: {"k": (list(items),)}],
+                         ids=["list", "tuple", "set", "frozenset", "dict", "nested list", "nested dict"])
+def test_echo_reads_only_what_it_shows_of_a_container(make):
+    """A 3M-item list became 4.8 s of repr and tens of MB of text before it was cut: echo reads a container's items
+    only as far as the text it keeps, and still says how long the value was."""
+    value = make(_Counted() for _ in range(3_000_000))
+    _Counted.calls = 0
+    text = echo(value, LOG_LIMIT)
+    assert _Counted.calls <= LOG_LIMIT and len(text) < LOG_LIMIT + 40, (_Counted.calls, len(text))
+    if isinstance(value, (list, tuple, set, frozenset)) and len(value) > 1:
+        assert text.endswith("(length 3000000)"), text[-80:]
+
+
+@pytest.mark.parametrize("value", [b"\x00" * 20_000_000, bytearray(20_000_000)])
+def test_echo_cuts_bytes_before_their_repr(value):
+    """20 MB of bytes once became an 80 MB repr before the cut (4 characters a byte)."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        text = echo(value)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20 and len(text) < 200 and "(length 20000000)" in text, (peak, text)
+
+
+@pytest.mark.parametrize("value", [[1, "a", (2,), {3}, {"k": None}], (1,), (), set(), frozenset({1}), {},
+                                   {"a": [1, 2], 3: b"x"}, [[]], "plain", b"bytes", 3.5, None])
+def test_echo_of_a_short_value_is_its_repr(value):
+    assert echo(value, 1000) == repr(value)
+    assert echo(value, 1000, quote=False) == str(value)
+
+
+def test_echo_of_a_self_containing_list_ends():
+    loop: list = [1]
+    loop.append(loop)
+    assert echo(loop) == repr(loop) == "[1, [...]]"

@@ -198,3 +198,17 @@ def test_a_call_takes_only_the_rules_that_keep_it_exact():
         dispatcher.dispatch_attention_fn(q, k, v, backend="native", rules={"low_precision": False})
     with pytest.raises(ValueError, match="memory_cap"):
         dispatcher.PreparedAttention(backend="native", rules=dispatcher.Rules(memory_cap=1))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_a_compiled_call_with_other_rules_raises_the_same_clear_error():
+    q, k, v, _ = _call(False)
+
+    def step(q, k, v, rules):
+        return dispatcher.dispatch_attention_fn(q, k, v, backend="native", rules=rules)
+
+    for rules, error, said in (({"low_precision": False}, TypeError, "rules must be a dispatcher.Rules value"),
+                               (dispatcher.Rules(memory_cap=1), ValueError, "memory_cap")):
+        torch._dynamo.reset()
+        with pytest.raises(error, match=said):
+            torch.compile(functools.partial(step, rules=rules), backend="eager")(q, k, v)

@@ -17,7 +17,7 @@ import torch
 
 import dispatcher
 from dispatcher import Machine, Recorder, auto, availability_reasons, dispatch_attention_fn, get_backend_spec
-from dispatcher import guard, model_scope, recording, use_machine
+from dispatcher import guard, guard_rules, model_scope, recording, use_machine
 from dispatcher.auto import Tuner
 from dispatcher.backends.flash import fp8_call
 from dispatcher import quantise
@@ -268,7 +268,7 @@ def test_it_is_quantised_and_only_auto_fast_and_the_guard_see_it():
     assert spec.quantised and not spec.approximate and not spec.exact and spec.precision == "quantised"
     assert auto.tuner.admission_bound(spec) == auto.FAST_BOUND and guard.bound_for(spec) == 2 * auto.FAST_BOUND == 0.1
     inputs = dispatcher.AttentionInputs.of(1, 40, 32760, 128)
-    assert guard.rules_for(spec, guard.DEFAULT, inputs)[0] >= 1  # watched by default
+    assert guard_rules.rules_for(spec, guard.DEFAULT, inputs).every >= 1  # watched by default
     h200 = cuda_machine((9, 0), **{"fa3-fwd": "0.0.3"})
     call = dispatcher.AttentionInputs.of(1, 4, 4096, 128, device="cuda")
     with use_machine(h200):

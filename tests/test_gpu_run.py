@@ -203,6 +203,7 @@ def test_a_background_job_is_found_by_a_later_call(tmp_path):
     while later.state()[0] == "running" and time.monotonic() < deadline:
         time.sleep(0.1)
     assert later.state() == ("done", 0) and (tmp_path / "job" / "stdout").read_text() == "built\n"
+    job.proc.wait(timeout=30)  # the wrapper writes the marker, then exits: a pid is reused only once it is gone
     dead = gpu_run.Background(tmp_path / "dead")
     (tmp_path / "dead").mkdir()
     (tmp_path / "dead" / "started.json").write_text(json.dumps({"pid": job.proc.pid, "epoch": 0}))
@@ -271,7 +272,7 @@ def test_the_readme_has_one_figures_slot():
 def test_the_figures_read_every_kind_of_result(tmp_path):
     stem = tmp_path / "2026-12-06-h100-"
     shape = {"shape_bshd": [1, 32760, 12, 128], "len_kv": 32760, "check_ms": 0.15, "call_ms": 9.5,
-             "check_share_of_call": 0.0158, "model_check_ms": 0.2, "interval": 30, "check_extra_peak_mib": 2.0,
+             "check_share_of_call": 0.0158, "model_check_ms": 0.2, "measured_interval": 30, "model_interval": 8, "check_extra_peak_mib": 2.0,
              "path": "triton"}
     Path(f"{stem}guard-check-time.json").write_text(json.dumps({"shapes": {"wan1.3b": shape, "wan14b": {
         **shape, "check_share_of_call": 0.03, "check_extra_peak_mib": 12.5}}}))

@@ -11,7 +11,7 @@ import torch
 import dispatcher
 from dispatcher import decisions
 from dispatcher import AttentionQualityError, Recorder, dispatch_attention_fn, guard, recording
-from dispatcher import guard_schedule, guard_sizing
+from dispatcher import guard_rules, guard_schedule, guard_sizing
 from dispatcher.call import AttentionCall
 from dispatcher.execute import run
 from dispatcher.inputs import AttentionInputs, describe_call
@@ -38,6 +38,8 @@ class Drifting:
             out = out.clone()
             out[0, 0, 0, 0] = float("nan")
             return out
+        if self.how == "shifted":
+            return out + 100.0  # finite, and past the values' range
         return out + torch.randn_like(out)  # a noisy picture
 
 
@@ -94,10 +96,9 @@ def spoiled(outs, refs, atol=1e-5):
 def compares(monkeypatch):
     """The call site of every comparison with exact attention the guard makes, in order."""
     seen = []
-    real = guard.problem
-    monkeypatch.setattr(guard, "problem",
-                        lambda call, out, spec, rows, clock=None: seen.append(call.call_site)
-                        or real(call, out, spec, rows, clock))
+    real = guard_rules.Comparison.verdict
+    monkeypatch.setattr(guard_rules.Comparison, "verdict",
+                        lambda self, call, *rest: seen.append(call.call_site) or real(self, call, *rest))
     return seen
 
 
@@ -128,7 +129,8 @@ def test_the_fast_lane_counts_unchecked_calls_and_never_serves_a_demoted_block()
     on the fast lane; a demoted block never takes it again."""
     name = register("t_lane", Drifting(good_calls=10**9))
     spec = dispatcher.get_backend_spec(name)
-    candidate = decisions.Candidate(name, spec, None, False, False, guard.Rules(3, False, False))
+    candidate = decisions.Candidate(name, spec, None, False, False,
+                                    guard.GuardRules((guard_rules.Comparison(),), (), 3, False))
     watch = guard.Watch()
     assert not watch.unchecked(candidate, "self #0")  # first call: the long way
     watch.left[(name, "self #0")] = 2  # what `after` leaves after a check with every = 3
@@ -253,6 +255,46 @@ def test_a_custom_kernel_returning_nan_is_caught_by_default():
     assert outs[0].isnan().any()  # off is off
 
 
+class Bounded:
+    """A check of this test's own: attention's output lies within the range of the values (softmax weights sum to
+    one), so an output past max|V| went wrong. `each_call`: on every call, or on the guard's schedule."""
+
+    def __init__(self, each_call):
+        self.each_call, self.seen = each_call, []
+
+    def watches(self, spec, mode):
+        return spec.custom
+
+    def judges(self, call):
+        return True
+
+    def verdict(self, call, out, spec, nth, clock):
+        self.seen.append(call.call_site)
+        top = float(call.value.abs().amax())
+        return (None if float(out.abs().amax()) <= top * 1.001 else "its output leaves the values' range"), None
+
+
+@pytest.mark.parametrize("each_call", [True, False])
+def test_a_new_check_is_one_object_in_the_list_the_watch_walks(each_call, monkeypatch):
+    """A check is one object in guard_rules.CHECKS: added there, it watches the kernels it says, runs on every call
+    or on the schedule as it says, and its failure recomputes, demotes and reaches the recorder as the built-in
+    comparison's and NaN/Inf check's do; nothing else is told of it."""
+    check = Bounded(each_call)
+    monkeypatch.setattr(guard_rules, "CHECKS", guard_rules.CHECKS + (check,))
+    kernel = Drifting(good_calls=3, how="shifted")
+    name = register(f"t_bounded_{each_call}", kernel, quantised=False)
+    rec = Recorder()
+    outs, ref = run_calls(name, 6, rec=rec, site="self #0", guard_every=1)
+    assert all(torch.allclose(out, ref, atol=1e-5) for out in outs)  # the wrong calls were recomputed
+    (entry,) = rec.snapshot()["guard"]
+    (failure,) = entry["failures"]
+    assert failure["reason"] == "its output leaves the values' range" and failure["replacement"]
+    assert kernel.calls == 4 and check.seen == ["self #0"] * 4  # demoted at its 4th call: never asked again
+    rules = guard_rules.rules_for(dispatcher.get_backend_spec(name), guard.DEFAULT, describe_call(
+        *qkv(1, 32, h=2, d=16), None, 0.0, False, None, False, False, "BSHD"))
+    assert check in (rules.each_call if each_call else rules.scheduled)
+
+
 def test_the_replacement_is_the_fastest_exact_kernel_the_decision_knows():
     """A decision told its fastest exact kernel (auto_fast tells it auto_exact's choice) recomputes with it, not
     with the next one of the kernel's own chain."""
@@ -302,9 +344,11 @@ def test_the_interval_is_sized_by_the_calls_cost(shape):
     spec = dispatcher.get_backend_spec(register("t_sized", Drifting(good_calls=10**9)))
     # the model is only the prior, capped so that it errs on checking more often: the Watch sizes it from timings
     prior = min(guard_sizing.PRIOR_EVERY, guard_sizing.interval(sig))
-    assert guard.rules_for(spec, guard.DEFAULT, sig) == (prior, True, True)
-    assert guard.rules_for(spec, ("quantised", 7), sig) == (7, True, False)  # custom: the NaN check on every call
-    assert guard.rules_for(spec, ("off", 0), sig) is None
+    compare, finite = guard_rules.Comparison(), guard_rules.Finite()
+    assert guard_rules.rules_for(spec, guard.DEFAULT, sig) == ((compare,), (finite,), prior, True)
+    # custom: the NaN check on every call
+    assert guard_rules.rules_for(spec, ("quantised", 7), sig) == ((compare,), (finite,), 7, False)
+    assert guard_rules.rules_for(spec, ("off", 0), sig) is None
 
 
 def test_the_cost_models_check_is_the_kernels_reads_and_rows():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dispatcher
-from dispatcher import Recorder, dispatch_attention_fn, guard, guard_schedule, recording
+from dispatcher import Recorder, dispatch_attention_fn, guard_rules, guard_schedule, recording
 from helpers.tensors import qkv, sdpa as exact
 
 
@@ -81,9 +81,9 @@ def test_every_one_checks_every_call():
 def test_the_watch_checks_a_shared_site_on_that_schedule(every, monkeypatch):
     """Through dispatch_attention_fn: the calls of the default site the guard compares are the schedule's."""
     compared = []
-    real = guard.problem
-    monkeypatch.setattr(guard, "problem", lambda call, out, spec, rows, clock=None: compared.append(len(calls))
-                        or real(call, out, spec, rows, clock))
+    real = guard_rules.Comparison.verdict
+    monkeypatch.setattr(guard_rules.Comparison, "verdict",
+                        lambda self, *args: compared.append(len(calls)) or real(self, *args))
     dispatcher.register_backend(f"t_sched_{every}", lambda q, k, v, **_: exact(q, k, v), devices=("cpu",),
                                 quantised=True)
     q, k, v = qkv(1, 16, h=1, d=8)

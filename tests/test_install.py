@@ -317,6 +317,16 @@ def test_cli_usage_errors(capsys):
     assert code == 2 and "not_a_backend" in err
 
 
+@pytest.mark.parametrize("name", ["", "  ", "H200 "])
+def test_cli_an_empty_or_unknown_simulated_machine_is_a_usage_error(capsys, monkeypatch, name):
+    """`--simulate ''` once planned and fetched for the real machine (an empty name is false): a name that is not a
+    simulated machine, empty or blank included, exits 2 listing the valid names, and plans nothing."""
+    monkeypatch.setattr(ip, "build", lambda *a, **k: pytest.fail("planned for an invalid --simulate name"))
+    code, out, err = run_cli(capsys, "--simulate", name)
+    assert code == 2 and out == ""
+    assert "simulated machine" in err and all(valid in err for valid in ip.SIMULATED), err
+
+
 def test_cli_never_fails_on_its_own_bug(capsys, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("simulated bug")

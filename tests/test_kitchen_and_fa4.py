@@ -16,7 +16,7 @@ import torch
 
 import dispatcher
 from dispatcher import Machine, Recorder, availability_reasons, dispatch_attention_fn, get_backend_spec, model_scope
-from dispatcher import auto, guard, recording, use_machine
+from dispatcher import auto, guard, guard_rules, recording, use_machine
 from dispatcher.auto import Tuner
 from dispatcher.backends import kitchen
 from dispatcher.inputs import AttentionInputs, describe_call
@@ -62,8 +62,9 @@ def test_the_classes():
     assert auto.tuner.admission_bound(sol) == kitchen.SOL_ATTN_BOUND and guard.bound_for(sol) == 2 * kitchen.SOL_ATTN_BOUND
     assert auto.tuner.admission_bound(int8) == auto.FAST_BOUND and guard.bound_for(int8) == 2 * auto.FAST_BOUND == 0.1
     inputs = AttentionInputs.of(1, 2, 4096, 128)
-    assert guard.rules_for(sol, guard.DEFAULT, inputs)[0] and guard.rules_for(int8, guard.DEFAULT, inputs)[0]
-    assert guard.rules_for(fa4, guard.DEFAULT, inputs) is None  # watched by default: the two that are not exact
+    assert guard_rules.rules_for(sol, guard.DEFAULT, inputs).every
+    assert guard_rules.rules_for(int8, guard.DEFAULT, inputs).every
+    assert guard_rules.rules_for(fa4, guard.DEFAULT, inputs) is None  # watched by default: the two that are not exact
 
 
 def test_what_each_needs_on_a_cpu_and_on_a_gpu_without_the_packages():

@@ -1,9 +1,11 @@
-"""The eager path's key (`eager.lane_key`) is finer than the decision's: two calls with one key are one decision.
+"""The eager path's key (`eager.lane_key`: the site's `CallSite.cache_key`, the scope, and `call.tensors_key` of the
+tensors) is finer than the decision's: two calls with one key are one decision.
 
 A property over calls drawn near each other (a base call and the same call with one or two things changed), not a
 hand-listed set of variations: whatever makes a new decision must make a new key, or a call would be served another
-call's decision (and the override's lanes, which skip the key, are kept per plan key at least as fine as this one).
-The shorter key of a `shapes_only` chain (no dtypes, devices, grad) must give the same served kernels likewise.
+call's decision (and the override's lanes, which skip the key, are kept per plan key built by the same tensors_key).
+The shorter key of a `shapes_only` chain (no dtypes, devices, grad) must give the same served kernels likewise. The
+eager path writes the key out inline: that it stores its decisions under lane_key's keys is checked too.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from dispatcher import checks, decisions, eager, state
+from dispatcher import caches, checks, decisions, eager, state
 from dispatcher.call import AttentionCall
 from dispatcher.inputs import describe_call
 from dispatcher.machine import current_machine
@@ -58,23 +60,26 @@ def _call(parts: dict) -> AttentionCall:
             "additive per head": torch.zeros(B, H, n, n), "additive (Sq, Sk)": torch.zeros(n, n)}[parts["mask"]]
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(parts["dtype"])
-    return AttentionCall(q, k, v, mask, parts["dropout_p"], parts["is_causal"], parts["scale"], parts["gqa"],
-                         parts["attention_kwargs"], parts["backend"], parts["layout"], parts["policy"],
-                         parts["return_lse"], parts["call_site"], None, parts["model"], parts["guard"])
+    return AttentionCall(q, k, v, mask, dropout_p=parts["dropout_p"], is_causal=parts["is_causal"],
+                         scale=parts["scale"], enable_gqa=parts["gqa"], attention_kwargs=parts["attention_kwargs"],
+                         backend=parts["backend"], layout=parts["layout"], policy=parts["policy"],
+                         return_lse=parts["return_lse"], call_site=parts["call_site"], model=parts["model"],
+                         guard=parts["guard"])
 
 
 def _keys_and_decision(call: AttentionCall):
     """(the fast key, the shapes-only key, the decision) of `call` as the eager path makes them, or None for a call
     it refuses (the full path raises before any key is stored)."""
     (backend, policy, model, guard), _ = state.current()
-    requested = call.backend or backend
-    policy, model, guard = call.policy or policy, call.model or model, call.guard or guard
+    site = call.site
+    requested = site.backend or backend
+    policy, model, guard = site.policy or policy, site.model or model, site.guard or guard
     machine_id = id(current_machine())
     try:
-        checks.check_shapes(call.query, call.key, call.value, call.layout, call.attn_mask)
-        inputs = describe_call(call.query, call.key, call.value, call.attn_mask, call.dropout_p, call.is_causal,
-                               call.scale, call.enable_gqa, call.return_lse, call.layout)
-        decision = decisions.decision_for(requested, state.validate_policy(policy), inputs, call.layout, model,
+        checks.check_shapes(call.query, call.key, call.value, site.layout, call.attn_mask)
+        inputs = describe_call(call.query, call.key, call.value, call.attn_mask, site.dropout_p, site.is_causal,
+                               site.scale, site.enable_gqa, site.return_lse, site.layout)
+        decision = decisions.decision_for(requested, state.validate_policy(policy), inputs, site.layout, model,
                                           guard)
     except (checks.AttentionInputError, decisions.BackendNotSupportedError, TypeError, ValueError):
         return None
@@ -119,3 +124,21 @@ def test_the_property_draws_calls_that_share_a_key_and_calls_that_do_not():
     assert double[0] != same[0] and double[1] == same[1] and double[2] is not same[2]
     masked = _keys_and_decision(_call({**base, "mask": "bool"}))
     assert masked[0] != same[0] and masked[1] != same[1]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.fixed_dictionaries({name: st.sampled_from(values) for name, values in PARTS.items()}))
+def test_the_eager_path_stores_its_decisions_under_lane_keys(parts):
+    """dispatch_eager writes lane_key out inline: a call it serves leaves its decision under lane_key's key (the
+    shorter one too, for a shapes_only chain), so the property above is about the key the path uses."""
+    caches.forget()  # from nothing: the first call stores the full key, the second the shorter one
+    call = _call(parts)
+    found = _keys_and_decision(call)
+    assume(found is not None and not parts["attention_kwargs"])
+    fast, short, decision = found
+    eager.dispatch_eager(call)
+    eager.dispatch_eager(call)  # the second call stores the shorter key of a shapes_only chain
+    stored = eager._fast.get(fast)
+    assert stored is decision or stored is eager._TRUST_SENSITIVE, parts
+    if decision.shapes_only and decision.requested == parts["backend"]:
+        assert eager._fast.get(short) is decision, parts

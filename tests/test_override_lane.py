@@ -11,6 +11,8 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from helpers import tensors
 from helpers.pack import CALLS, comfy_func, load_pack
@@ -69,7 +71,9 @@ def reference(q, k, v, heads, mask=None):
     return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask).transpose(1, 2).flatten(2)
 
 
-FULL_PATH = {"dispatch_eager", "lane_key", "_first_call", "decision_for"}
+# the eager path's steps (a repeat call of a shapes_only chain is keyed by shapes_key; the override's own plan key is
+# a tensors_key, so that name is no sign of the full path)
+FULL_PATH = {"dispatch_eager", "shapes_key", "_first_call", "decision_for"}
 
 
 def test_a_repeat_call_runs_the_lane_not_the_dispatcher():
@@ -79,7 +83,7 @@ def test_a_repeat_call_runs_the_lane_not_the_dispatcher():
     fn = adapter.make_override("native", recorder=rec)
     q, k, v = qkv()
     first, _ = entered(lambda: fn(comfy_func, q, k, v, 2, transformer_options={}))
-    assert {"dispatch_eager", "lane_key", "_first_call"} <= first
+    assert {"dispatch_eager", "tensors_key", "_first_call"} <= first
     held = len(decisions._decisions), len(eager._fast)
     steps, out = entered(lambda: fn(comfy_func, q, k, v, 2, transformer_options={}))
     assert "run_lane" in steps and not steps & (FULL_PATH | {"_plan"}), steps
@@ -243,3 +247,66 @@ def test_a_fallback_runs_on_the_lane_and_is_recorded_with_its_reasons_as_the_ful
         assert row["served"] == "native" and row["fell_back"] and row["calls"] == 3 and row["reasons"], row
     finally:
         dispatcher.unregister_backend(name)
+
+
+# ------------------------------------------------------------------------------------------------ one key
+
+dispatch_module = __import__(f"{dispatcher.__name__}.dispatch", fromlist=["dispatch"])
+state = __import__(f"{dispatcher.__name__}.state", fromlist=["state"])
+machine_module = __import__(f"{dispatcher.__name__}.machine", fromlist=["machine"])
+
+# Each part of a ComfyUI call and the values it takes (hidden size 32 over 1 or 2 heads).
+COMFY_PARTS = {
+    "lq": (8, 16), "lk": (8, 16), "heads": (1, 2), "dtype": (torch.float32, torch.float64, torch.bfloat16),
+    "mask": (None, "bool (Lq, Lk)", "additive (B, Lq, Lk)", "additive (B, 1, Lq, Lk)"),
+    "skip_reshape": (False, True), "skip_output_reshape": (False, True), "attn_precision": (None, torch.float32),
+    "scale": (None, 0.3), "low_precision_attention": (True, False),
+}
+
+
+def _comfy_call(parts: dict):
+    h, lq, lk = parts["heads"], parts["lq"], parts["lk"]
+    q, k, v = (t.to(parts["dtype"]) for t in tensors.qkv(b=2, lq=lq, lk=lk, h=h, d=32 // h, flat=True))
+    if parts["skip_reshape"]:
+        q, k, v = (t.unflatten(-1, (h, -1)).transpose(1, 2) for t in (q, k, v))
+    mask = {None: None, "bool (Lq, Lk)": torch.ones(lq, lk, dtype=torch.bool), "additive (B, Lq, Lk)":
+            torch.zeros(2, lq, lk), "additive (B, 1, Lq, Lk)": torch.zeros(2, 1, lq, lk)}[parts["mask"]]
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(parts["dtype"])
+    return (q, k, v, h), dict(mask=mask, attn_precision=parts["attn_precision"], skip_reshape=parts["skip_reshape"],
+                              skip_output_reshape=parts["skip_output_reshape"], scale=parts["scale"],
+                              low_precision_attention=parts["low_precision_attention"], transformer_options={})
+
+
+def _plan_key_and_lane_key(parts: dict):
+    """(the override's plan key, the eager path's key of the call that plan makes) for one ComfyUI call."""
+    fn = adapter.make_override("native")  # a fresh override: its one plan is this call's
+    made = []
+    real = dispatch_module.dispatch_eager
+    dispatch_module.dispatch_eager = lambda call: made.append(call) or real(call)
+    try:
+        args, kwargs = _comfy_call(parts)
+        fn(comfy_func, *args, **kwargs)
+    finally:
+        dispatch_module.dispatch_eager = real
+    (plan_key,) = fn._plans
+    (call,) = made
+    (backend, policy, model, guard), _ = state.current()
+    site = call.site
+    lane_key = eager.lane_key(call, site.backend or backend, site.policy or policy, site.model or model,
+                              site.guard or guard, id(machine_module.current_machine()), False)
+    return plan_key, lane_key
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.fixed_dictionaries({name: st.sampled_from(values) for name, values in COMFY_PARTS.items()}),
+       st.sets(st.sampled_from(sorted(COMFY_PARTS)), min_size=1, max_size=2), st.data())
+def test_one_plan_key_is_one_dispatcher_key(base, changed, data):
+    """The override's plan key (call.tensors_key of ComfyUI's tensors, with what ComfyUI passes besides) is at least
+    as fine as the eager path's key of the call the plan makes: two ComfyUI calls of one plan key make calls of one
+    eager key, so a plan's lane (which skips the eager key) never serves a call another decision is for."""
+    other = {**base, **{name: data.draw(st.sampled_from(COMFY_PARTS[name])) for name in changed}}
+    plan_a, lane_a = _plan_key_and_lane_key(base)
+    plan_b, lane_b = _plan_key_and_lane_key(other)
+    if plan_a == plan_b:
+        assert lane_a == lane_b, (base, other)

@@ -1,6 +1,6 @@
 """`python install.py --build sageattention`: the machine checks, the plan step, clean refusals, and the rollback.
 
-The real build runs on a CUDA machine only (proved on the lent H200: bench/results/README.md); here the
+The real build runs on a CUDA machine only (proved on the H200 and the H100: bench/results/README.md); here the
 compiler, pip and the GPU verification are replaced by fakes at the module's seams.
 """
 

@@ -191,6 +191,43 @@ def test_a_ring_mode_without_lse_in_the_same_words(register):
     assert support.why_not(name, rules=support.Rules(context_parallel="ulysses")).runs  # Ulysses runs anything
 
 
+@pytest.mark.parametrize("key", ["window_size", "scale", "no_such_key"])
+def test_an_attention_kwargs_key_in_the_same_words(register, key):
+    """A key a backend does not pass on to its kernel: why_not's reason is the line the call's error gives (a key
+    that repeats an argument of dispatch_attention_fn, one another backend honours, one none honours)."""
+    name = register(f"t_words_kwargs_{key}")
+    (said,) = support.why_not(name, call_inputs(), attention_kwargs={key: 1}).attention_kwargs
+    assert said.startswith(f"attention_kwargs key {key!r} ")
+    q, k, v = tensors()
+    with pytest.raises(support.AttentionKwargsError) as refused:
+        dispatcher.dispatch_attention_fn(q, k, v, backend=name, attention_kwargs={key: 1})
+    assert said in str(refused.value).splitlines()[-1]
+
+
+def block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+    return create_block_mask(lambda b, h, q, k: q >= k, None, None, L, L, device="cpu")
+
+
+@pytest.mark.parametrize("what", ["BlockMask", "mask and causal"])
+def test_a_call_context_parallelism_cannot_cut_in_the_same_words(register, what):
+    """What no backend can run under context parallelism: why_not's context-parallel rule says it of the call, and
+    context_parallel_attention refuses it in those words, with a backend or with auto (which why_not cannot name)."""
+    name = register(f"t_words_cp_{what.replace(' ', '_')}")
+    mask, causal = (block_mask(), False) if what == "BlockMask" else (bool_mask(), True)
+    q, k, v = tensors()
+    inputs = inputs_module.describe_call(q, k, v, mask, 0.0, causal, None, False, False, "BSHD")
+    (said,) = support.why_not(name, inputs, rules=support.Rules(context_parallel="ulysses")).rules
+    assert ("BlockMask" in said) if what == "BlockMask" else said.startswith("is_causal=True with attn_mask")
+    assert support.why_not(name, inputs).rules == ()  # a plain call: no context-parallel rule applies
+    ulysses = parallel.ContextParallelConfig(ulysses_degree=2)
+    for backend in (name, "auto"):
+        with pytest.raises(parallel.ContextParallelError) as refused:  # before any process group is needed
+            parallel.context_parallel_attention(call_of(q, k, v, mask, is_causal=causal, backend=backend),
+                                                config=ulysses)
+        assert str(refused.value) == said
+
+
 def test_low_precision_refused_in_the_same_words(register):
     name = register("t_words_quantised", quantised=True)
     said = the_one(support.why_not(name, rules=support.Rules(low_precision=False)))

@@ -53,9 +53,10 @@ from .cache import CACHE_FORMAT, ENV_CACHE, default_cache_path, set_default_dir 
 from .hooks import TuningProgress, set_interrupt_check, set_progress_hook  # noqa: F401  (for a host: ComfyUI's nodes)
 from .fingerprint import cpu_model, fingerprint_key, machine_fingerprint  # noqa: F401
 from ..reference import exact_attention, first_line, non_finite, relative_error, sample_rows  # noqa: F401
-from .tuner import (DEFAULT_BLOCK, DEFAULT_BUDGET_S, DEFAULT_MAX_SIGNATURES, ENV_BUDGET,  # noqa: F401
-                    ENV_MAX_SIGNATURES,
-                    FAST_BOUND, CandidateResult, Tuner, TuneRecord, pick)
+from .record import CandidateResult, TuneKey, TuneRecord  # noqa: F401
+from .timing import ENV_BUDGET, pick  # noqa: F401
+from .tuner import DEFAULT_BLOCK, DEFAULT_BUDGET_S, DEFAULT_MAX_SIGNATURES, ENV_MAX_SIGNATURES, Tuner  # noqa: F401
+from ..guard import FAST_BOUND  # noqa: F401  (auto_fast's bound on a quantised kernel's error)
 
 AUTO_EXACT = "auto_exact"
 AUTO_FAST = "auto_fast"

@@ -12,7 +12,7 @@ from . import native, flex, flash, sage, xformers, kitchen  # noqa: F401  (regis
 
 # FlashAttention-3 before 4: FA3 runs on Hopper only, where it is the faster (H100, Wan 14B self-attention: 31.25
 # against 31.65 ms) and FA4's first call JIT-compiles for about 3 s, which spent `auto`'s 2 s budget before FA3 was
-# timed (bench/results/2026-12-05-h100-wan14b-fp8-noise-session12.json); elsewhere FA3 cannot run and FA4 leads.
+# timed (bench/results/2026-12-05-h100-wan14b-fp8-noise.json); elsewhere FA3 cannot run and FA4 leads.
 PRIORITY = (
     "_flash_3", "_flash_3_hub", "_flash_varlen_3", "flash_4", "flash_4_hub", "sage_blackwell_hub",
     "_flash_3_varlen_hub", "_native_cudnn", "native", "sage_sm90_per_warp", "sage", "flash_3_fp8", "sage_hub", "comfy_kitchen_int8",

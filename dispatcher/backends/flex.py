@@ -14,7 +14,7 @@ from ..custom_ops import define_once
 from ..process_locks import shared_lock
 from ..registry import add
 from ..requirements import TorchVersion
-from ..spec import FLOATS, BackendSpec, HeadDims
+from ..spec import FLOATS, BackendSpec, HeadDims, LastResort
 
 
 def _index(bias: torch.Tensor):
@@ -254,8 +254,17 @@ def _flex(q, k, v, *, attn_mask, is_causal, scale, enable_gqa, return_lse):
     return out, lse.float()
 
 
+# On a CPU flex_attention runs eagerly through torch.compile's tracer: its first call of each signature took 4.4 s
+# and its calls 640 ms against SDPA's 24 ms (tiny SD1.5's self-attention, 2 x 256 x 8 x 40, torch 2.13 on a CI
+# runner's CPU): it never wins there, and its first call alone was 9x a CPU's whole tuning budget. `auto` leaves
+# it out there wherever another kernel can run the call (a BlockMask still gets it).
+CPU_LAST_RESORT = LastResort(frozenset({"cpu"}), "auto leaves flex out on a CPU: it runs eagerly there, its first call "
+                             "per signature traces for seconds and its calls were 25x SDPA's; select 'flex' by name "
+                             "to run it")
+
 add(BackendSpec(
     name="flex", family="flex", description="torch FlexAttention (compiled on GPUs): bool/additive/BlockMask masks",
     fn=flex_attention_backend, broadcast_kv=True, layout="BHSD", devices=frozenset({"cpu", "cuda", "rocm", "xpu"}),
     dtypes=FLOATS, head_dims=HeadDims(8), masks=frozenset({"bool", "key_padding", "additive", "blockmask"}),
-    mask_format="precise", gqa=True, lse=True, different_value_dim=True, requires=(TorchVersion("2.5"),)))
+    mask_format="precise", gqa=True, lse=True, different_value_dim=True, requires=(TorchVersion("2.5"),),
+    auto_last_resort=CPU_LAST_RESORT))

@@ -107,7 +107,7 @@ def _named(function: str, **options):
 COMMON = dict(layout="BSHD", devices=frozenset({"cuda"}), dtypes=HALF, head_dims=HeadDims(64, 128, 32), gqa=True,
               backward=False, error_bound=3e-2, quantised=True, fallback=("_native_flash", "native"))
 # The FP8-PV kernels (sm89 and sm90, and `sage`, which picks one of them there): 3.4e-2 to 3.9e-2 on N(0,1)
-# inputs, measured on the H200 by tests/gpu/test_gpu_backends.py (bench/results, 2026-12-03 fifth session).
+# inputs, measured on the H200 by tests/gpu/test_gpu_backends.py (bench/results, 2026-12-03, 21:22-22:00 UTC).
 FP8_PV = {**COMMON, "error_bound": 5e-2}
 
 add(BackendSpec(name="sage", family="sage", description="SageAttention (pip sageattention; picks its kernel per GPU)",
@@ -125,7 +125,7 @@ for name, function, capability, common in (
                     capability=capability, lse=True,
                     requires=(SAGE2, ON_CUDA), **common))
 # The pack's own (diffusers has no such entry): the sm90 kernel with Q and K quantised per warp of 16 rows instead
-# of per thread. Measured on the H200 (bench/results/README.md, 2026-12-03 fifth session): 4-5% faster on WAN's
+# of per thread. Measured on the H200 (bench/results/README.md, 2026-12-03, 21:22-22:00 UTC): 4-5% faster on WAN's
 # 32760-token calls and 25% on Flux's, with the same error against float64 (3.9e-2 on N(0,1) inputs); `auto_fast`
 # judges it on the model's own activations like any quantised kernel.
 add(BackendSpec(name="sage_sm90_per_warp", family="sage",

@@ -26,7 +26,8 @@ Masks: bool (True = attend) or additive, any rank rule the dispatcher takes, wit
 the *whole* key sequence (or 1) and the query axis 1, this rank's queries, or all queries (sliced
 here); the head axis 1 or H. Under Ulysses the query rows travel with the queries in the same
 all-to-all. ``is_causal`` means causal over the global positions. A FlexAttention BlockMask is refused
-(it cannot be cut per block here). Forward only: no backward through the collectives.
+(it cannot be cut per block here), and so is a mask with ``is_causal`` (support.context_parallel_reasons words
+both). Forward only: no backward through the collectives.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import torch
 from .. import dispatch, registry, state, support
 from ..call import AttentionCall
 from ..checks import AttentionInputError
+from ..inputs import describe_call
 from ..masks import to_4d
 from ..report import recording
 from . import comm
@@ -250,15 +252,13 @@ class _Call:
             raise registry.UnknownBackendError(registry.unknown_message(requested))
         if kv_sharded and not auto:
             check_backend(requested, config)
-        if type(attn_mask).__name__ == "BlockMask":
-            raise ContextParallelError("a FlexAttention BlockMask cannot be sharded for context parallelism; pass "
-                                       "a bool or additive mask tensor instead")
-        if call.is_causal and attn_mask is not None:
-            _fail("is_causal=True with attn_mask is not supported under context parallelism (SDPA, and the "
-                  "dispatcher outside it, apply both: the mask and the top-left causal diagonal): fold the diagonal "
-                  "into attn_mask (mask & torch.ones(Lq, Lk, dtype=torch.bool).tril()), or drop attn_mask")
         from ..checks import check_shapes
         check_shapes(query, key, value, layout)
+        refused = support.context_parallel_reasons(describe_call(
+            query, key, value, attn_mask, call.dropout_p, call.is_causal, call.scale, call.enable_gqa, call.return_lse,
+            layout))
+        if refused:
+            raise ContextParallelError("; ".join(refused))
         config.setup()
         self.config, self.requested, self.layout = config, requested, layout
         self.dropout_p, self.is_causal, self.scale = call.dropout_p, bool(call.is_causal), call.scale

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if result.status in ("built", "dry-run") else 1
 
     machine = None
-    if args.simulate:
+    if args.simulate is not None:  # '' too: an empty name is a mistake, never "this machine"
         try:
             machine = install_plan.simulated(args.simulate)
         except ValueError as exc:
@@ -87,12 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     document: dict = {"dry_run": args.dry_run, "lock_file": str(hub.lock_path())}
     try:
         plan = install_plan.build(machine, is_cached=fetch.is_cached)
-        plan_only = args.plan or args.simulate
+        plan_only = args.plan or machine is not None
         if not args.json:
             out(install_plan.render(plan))
             out("")
         if plan_only:
-            if args.simulate and not args.json:
+            if machine is not None and not args.json:
                 out(f"{fetch.PREFIX} simulated machine '{args.simulate}': nothing is fetched or installed")
         else:
             pip_results = fetch.install_packages(plan, yes=args.yes_pip, dry_run=args.dry_run, only=only, out=out)

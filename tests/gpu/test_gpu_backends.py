@@ -1,6 +1,6 @@
 """Every backend that can run on this GPU against a float64 reference, on real model shapes.
 
-GPU only (marker `gpu`, skipped without CUDA). Run on the lent H200:
+GPU only (marker `gpu`, skipped without CUDA). Run on a GPU machine:
     ATTN_GPU_RESULTS=out.json python -m pytest tests/gpu -m gpu
 Each measured relative error is appended to the JSON file named by ATTN_GPU_RESULTS.
 

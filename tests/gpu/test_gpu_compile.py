@@ -1,6 +1,6 @@
 """torch.compile(mode="reduce-overhead") on a GPU: dispatched calls inside a model inductor runs as CUDA graphs.
 
-GPU only (marker `gpu`, skipped without CUDA). Run on the lent H200:
+GPU only (marker `gpu`, skipped without CUDA). Run on a GPU machine:
     python -m pytest tests/gpu/test_gpu_compile.py -m gpu
 
 A traced call counts itself in its Recorder through a tiny op whose body is host work, which a CUDA graph replay

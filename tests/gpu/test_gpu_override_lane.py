@@ -24,7 +24,7 @@ def test_a_repeat_sdxl_call_through_the_override_runs_its_lane():
     call = (lambda: fn(comfy_func, q, k, v, 20, transformer_options={}))  # noqa: E731
     first = call()
     steps, out = entered(call)
-    assert "run_lane" in steps and "dispatch_eager" not in steps and "lane_key" not in steps, steps
+    assert "run_lane" in steps and "dispatch_eager" not in steps and "shapes_key" not in steps, steps
     torch.testing.assert_close(out, first, rtol=0, atol=0)
     bare = torch.nn.functional.scaled_dot_product_attention(
         *(t.view(2, 1024, 20, 64).transpose(1, 2).float() for t in (q, k, v))).transpose(1, 2).flatten(2)

@@ -167,7 +167,7 @@ def write_lock(path: Path, entries: list[dict]) -> Path:
 
 def load_or_skip_without_network(spec) -> None:
     """Load the Hub kernel of backend `spec` (if it has one) before a test runs it. Where the Hub cannot be reached
-    and the kernel is not in the local cache (the lent GPU machine has no network), the test is skipped with
+    and the kernel is not in the local cache (a GPU machine without network), the test is skipped with
     "no network here: <the pack's reason>"; any other failure to load (refused, broken, no build for this GPU)
     raises KernelLoadError, and so fails the test as it should."""
     if spec.hub is None:
