@@ -1,10 +1,11 @@
 """One attention call: its tensors and its site, described once at the entry point and carried unchanged to the kernel.
 
 `CallSite` is everything of a call but its tensors: dropout, the flags, the scale, attention_kwargs, the backend,
-layout, policy, call site, recorder, model and guard. It is frozen and checked once, when it is made, and it owns
-its part of every cache key of calls (`CallSite.cache_key`, a small int made once per distinct part): a caller that
-makes many calls of one kind makes its site once (`PreparedAttention`, the ComfyUI override's plans), and
-`dispatch_attention_fn` keeps the sites it made for its arguments, so a repeat call checks and hashes none of them.
+layout, policy, call site, recorder, model, guard and the rules that keep it exact. It is frozen and checked once,
+when it is made, and it owns its part of every cache key of calls (`CallSite.cache_key`, a small int made once per
+distinct part): a caller that makes many calls of one kind makes its site once (`PreparedAttention`, the ComfyUI
+override's plans), and `dispatch_attention_fn` keeps the sites it made for its arguments, so a repeat call checks and
+hashes none of them.
 
 `AttentionCall` is the tensors (query, key, value, attn_mask) and a site: a tuple, so the hot path builds one for the
 cost of a tuple (`new_call`). Its site's fields read through it by name (`call.scale` is `call.site.scale`); made
@@ -27,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .checks import check_site
+from .rules import Rules, call_rules
 
 DEFAULT_CALL_SITE = "attention"  # the site of a caller that names no block
 
@@ -44,7 +46,7 @@ def _key_part(site: CallSite) -> tuple:
     kwargs = site.attention_kwargs
     return (site.backend, site.policy, site.layout, site.is_causal, site.dropout_p > 0, site.scale is None,
             site.enable_gqa, site.return_lse, site.model, site.guard, site.call_site,
-            frozenset(kwargs) if kwargs else None)
+            frozenset(kwargs) if kwargs else None, site.rules)
 
 
 def _cache_key(site: CallSite) -> int:
@@ -76,13 +78,16 @@ class CallSite:
     recorder: Any = None  # None: the active `recording()` block's
     model: str | None = None  # whose activations these are (accuracy verdicts are per model); None: the active scope
     guard: tuple | None = None  # (mode, every) of the quality guard; None: the active setting
+    rules: Rules | None = None  # the rules that keep the call exact (rules.call_rules); None: none
     # What of the site a decision can depend on (`_key_part`) as one int, made once, here: sites of unequal parts
     # never share one. None for a site made inside a traced frame, where nothing is interned (`keyed` makes it).
     cache_key: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         check_site(self)
-        if not torch.compiler.is_dynamo_compiling():
+        if not torch.compiler.is_dynamo_compiling():  # a site made in a trace is checked when the eager path keys it
+            if self.rules is not None:  # only the rules that keep a call exact, else a clear error; the default: None
+                object.__setattr__(self, "rules", call_rules(self.rules))
             object.__setattr__(self, "cache_key", _cache_key(self))
 
     def __hash__(self) -> int:  # equal sites have equal parts (attention_kwargs, a dict, is read by its names)

@@ -34,6 +34,7 @@ from .eager import dispatch_eager
 from .execute import run
 from .inputs import AttentionInputs, describe_call
 from .report import by_serial, current_recorder
+from .rules import Rules, other_rules
 
 # _candidate_key(served backend, layout) -> the Candidate a traced plan runs. Forgotten with the decisions: a
 # compiled graph guards on the entry it read, so it traces again, and plans again, once the entry is gone.
@@ -58,10 +59,11 @@ def _eager():
 
 
 def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial, attention_kwargs_keys=(),
-                 model=None, quality_guard=None):
+                 model=None, quality_guard=None, precision=None):
     """Runs eagerly at trace time: (served backend, checks mode, whether its mask needs converting), (RUNTIME,
     checks mode, False) when the call must run as the opaque op (it needs live values: an auto's verdicts, a
-    guarded kernel), or None when the eager path must raise."""
+    guarded kernel), or None when the eager path must raise. precision: the call's rules as `_precision` gives
+    them (plain constants)."""
     _eager()
     if signature is None:
         return None
@@ -73,16 +75,19 @@ def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial,
         model = model if model is not None else state.active_model()
         quality_guard = quality_guard if quality_guard is not None else state.active_guard()
         inputs = AttentionInputs(*signature)
+        notes = ()
         chosen = requested
-        resolve = registry.resolver(requested)
+        if precision is not None:  # kept exact: an auto's exact twin, a refused kernel's exact stand-in
+            chosen, _, notes = decisions.under_rules(requested, _rules_of(*precision), inputs)
+        resolve = registry.resolver(chosen)
         if resolve is not None and not inputs.empty:  # nothing to choose for empty inputs (decisions.EMPTY)
             checks.check_structure(inputs)
-            if registry.needs_live_values(requested):
+            if registry.needs_live_values(chosen):
                 _runtime_op()
                 return RUNTIME, state.active_checks(), False, 0, 0
             # a choice made eagerly (or on disk) before, else the priority order
             chosen = resolve(inputs, None, model=model, timing=False)[0]
-        decision = decisions.decision_for(chosen, policy, inputs, layout, model, quality_guard)
+        decision = decisions.decision_for(chosen, policy, inputs, layout, model, quality_guard, notes=notes)
     except Exception:
         return None
     candidate = decision.candidates[0]
@@ -102,7 +107,7 @@ def _traced_plan(backend, policy, signature, layout, call_site, recorder_serial,
     row = 0
     if serial:  # counted by the graph on every run (_count_op), not here at trace time
         _count_op()
-        counted = (call_site, requested, name, tuple(reasons))
+        counted = (call_site, requested, name, decision.notes + tuple(reasons))
         row = _traced_rows.setdefault(counted, len(_traced_rows) + 1)
         _rows_by_number[row] = counted
     return name, state.active_checks(), candidate.convert_mask, serial, row
@@ -215,7 +220,19 @@ _NOT_PLAIN = {
     # (mode, every) as its two parts
     "guard": _Carried(("str? guard_mode", "int guard_every"), lambda guard: (None, 0) if guard is None else guard,
                       lambda mode, every: None if mode is None else (mode, every)),
+    # the precision rules a call carries (rules.call_rules), as their two flags
+    "rules": _Carried(("bool? exact_only", "bool? low_precision"), lambda rules: _precision(rules),
+                      lambda exact_only, low_precision: _rules_of(exact_only, low_precision)),
 }
+
+
+def _precision(rules) -> tuple:
+    """A call's rules as plain constants a graph holds: (exact_only, low_precision), or (None, None) for none."""
+    return (None, None) if rules is None else (rules.exact_only, rules.low_precision)
+
+
+def _rules_of(exact_only, low_precision):
+    return None if exact_only is None else Rules(exact_only=exact_only, low_precision=low_precision)
 
 
 _ANNOTATIONS = {**get_type_hints(AttentionCall), **get_type_hints(CallSite)}
@@ -318,6 +335,9 @@ def _as_op(call: AttentionCall):
 
 def dispatch_traced(call: AttentionCall):
     query, key, value, attn_mask, site = call.query, call.key, call.value, call.attn_mask, call.site
+    rules = site.rules
+    if rules is not None and (type(rules) is not Rules or other_rules(rules)):
+        return _eager()(call)  # a site made in a trace is unchecked: the eager path names the problem
     layout, attention_kwargs, return_lse = site.layout, site.attention_kwargs, site.return_lse
     serial = _serial_of(site.recorder)
     shaped = serial is not None and query.dim() == key.dim() == value.dim() == 4 and layout in ("BSHD", "BHSD")
@@ -335,7 +355,8 @@ def dispatch_traced(call: AttentionCall):
     # Plain constants (dynamo hands an assume_constant_result function no real dataclass instance).
     signature = None if inputs is None else tuple(getattr(inputs, f) for f in _FIELDS)
     plan = _traced_plan(site.backend, site.policy, signature, layout, site.call_site, serial,
-                        tuple(sorted(attention_kwargs)) if attention_kwargs else (), site.model, site.guard)
+                        tuple(sorted(attention_kwargs)) if attention_kwargs else (), site.model, site.guard,
+                        None if rules is None else _precision(rules))
     if plan is None:
         return _eager()(call)
     name, mode, convert_mask, count_serial, row = plan

@@ -16,6 +16,7 @@ import torch
 from . import caches, checks, guard, guard_rules, registry, support, trust
 from .hub import KernelLoadError
 from .inputs import AttentionInputs
+from .rules import call_rules
 from .machine import current_machine
 from .log import logger
 
@@ -45,7 +46,7 @@ class Candidate(NamedTuple):
     runner: Callable
     transpose: bool  # the kernel's layout is not the call's: swap the sequence and head axes (views)
     convert_mask: bool  # the mask needs converting to the kernel's format (False: it takes it as given)
-    guard: guard.Rules | None = None  # the quality guard's checks of it here (guard_rules.rules_for); None: none
+    guard: guard.GuardRules | None = None  # the quality guard's checks of it here (guard_rules.rules_for); None: none
 
 
 @dataclass
@@ -58,6 +59,9 @@ class Decision:
     shapes_only: bool = False  # every backend in the chain is `universal`: dtypes, devices, grad cannot change it
     lane: Any = None  # the first candidate when it is the requested one: what eager.py's fast lane runs
     exact: str | None = None  # the caller's exact pick (`decide`'s exact): where `exact_stand_in` looks first
+    # why it serves a call that asked for another backend (the call's rules: its exact stand-in, `under_rules`),
+    # recorded with every call it serves
+    notes: tuple[str, ...] = ()
     watch: guard.Watch = field(default_factory=guard.Watch, repr=False, compare=False)  # the guard's counts, per block
     _reasons: dict = field(default_factory=dict, repr=False, compare=False)  # served -> reasons_for(served)
 
@@ -99,6 +103,38 @@ def exact_stand_in(name: str, inputs: AttentionInputs | None = None, *, exact: s
     return None
 
 
+class UnderRules(NamedTuple):
+    """What a call asking for `requested` is decided for under its rules (`rules.call_rules`: kept exact)."""
+    backend: str  # the backend asked for, an auto's exact twin, or a refused kernel's exact stand-in
+    note: str  # what kept the call exact, in words a host's report shows
+    reasons: tuple[str, ...]  # recorded with every call it serves: why the backend asked for does not (or none)
+
+
+def under_rules(requested: str, rules, inputs: AttentionInputs | None = None) -> UnderRules:
+    """The one answer to what serves a call under rules that keep it exact (`dispatch_attention_fn(...,
+    rules=Rules(low_precision=False))`, the eager path and the traced one alike): an auto keeps to its exact twin
+    (`auto_fast` -> `auto_exact`); a kernel the rules refuse (quantised, approximate) is replaced by its exact
+    stand-in for `inputs` (`exact_stand_in`; none that runs them: the chain's first, whose refusal the decision then
+    says); an exact kernel serves itself. Rules that keep nothing exact (None, the default) change nothing."""
+    rules = call_rules(rules)
+    if rules is None:
+        return UnderRules(requested, "", ())
+    if registry.resolver(requested) is not None:
+        twin = registry.exact_twin(requested)
+        if twin is None:
+            raise ValueError(f"'{requested}' picks kernels without an exact twin (registry.add_resolver's "
+                             "exact_twin), so it cannot keep a call exact: ask for an exact backend for this call")
+        if twin == requested:
+            return UnderRules(twin, f"{requested} picks exact kernels only", ())
+        return UnderRules(twin, f"{requested} kept to exact kernels ({twin})", ())
+    refused = support.why_not(requested, rules=rules).rules
+    if not refused:
+        return UnderRules(requested, f"'{requested}' is exact", ())
+    stand_in = (inputs is not None and exact_stand_in(requested, inputs)) or exact_stand_in(requested)
+    note = f"'{requested}' refused, '{stand_in}' serves instead: {'; '.join(refused)}"
+    return UnderRules(stand_in, note, (note,))
+
+
 def _labelled(name: str, reason: str) -> str:
     # Some reasons already start with the backend's name (a kernel's own error): never "sage: sage: ...".
     return reason if reason.startswith((f"{name}:", f"{name} ", f"'{name}'")) else f"{name}: {reason}"
@@ -115,13 +151,14 @@ class DecisionKey(NamedTuple):
     model: str
     quality_guard: tuple
     exact: str | None
+    notes: tuple[str, ...]
 
 
 def decision_key(requested: str, policy: str, inputs: AttentionInputs, layout: str, model: str,
-                 quality_guard: tuple, exact: str | None = None) -> DecisionKey:
+                 quality_guard: tuple, exact: str | None = None, notes: tuple[str, ...] = ()) -> DecisionKey:
     """The key of the decision for these arguments in this context (trust scope, machine)."""
     return DecisionKey(requested, policy, inputs, layout, trust.scope_key(), current_machine().key, model,
-                       quality_guard, exact)
+                       quality_guard, exact, notes)
 
 
 _decisions: dict[DecisionKey, Decision] = {}
@@ -171,18 +208,19 @@ def empty_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     return out, torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
 
 
-def _empty_decision(requested: str, layout: str) -> Decision:
+def _empty_decision(requested: str, layout: str, notes: tuple[str, ...]) -> Decision:
     served = Candidate(EMPTY, registry.get("_native_math"), empty_attention, layout != "BHSD", False)
-    return Decision(requested, [served], lane=served)
+    return Decision(requested, [served], lane=None if notes else served, notes=notes)
 
 
 def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, quality_guard: tuple,
-           exact: str | None = None) -> Decision:
+           exact: str | None = None, notes: tuple[str, ...] = ()) -> Decision:
     """exact: the fastest exact backend for these inputs where the caller knows it (`auto_fast`, from its timings):
-    it comes second, so a kernel that fails (or fails the guard) is replaced by it rather than by its own chain."""
+    it comes second, so a kernel that fails (or fails the guard) is replaced by it rather than by its own chain.
+    notes: why it serves calls that asked for another backend (`under_rules`), recorded with each."""
     checks.check_structure(inputs)
     if inputs.empty:
-        return _empty_decision(requested, layout)
+        return _empty_decision(requested, layout, notes)
     chain = fallback_order(requested) if policy == "fallback" else [requested]
     if exact is not None and policy == "fallback":  # the exact stand-in comes second: what replaces the kernel
         exact = exact_stand_in(requested, inputs, exact=exact, usable=lambda n: n != requested)
@@ -190,7 +228,7 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, qu
             chain = [requested, exact] + [n for n in chain[1:] if n != exact]
     specs = [registry.get(n) for n in chain]
     decision = Decision(requested, [], trust_sensitive=any(s.hub is not None for s in specs),
-                        shapes_only=all(s.universal for s in specs), exact=exact)
+                        shapes_only=all(s.universal for s in specs), exact=exact, notes=notes)
     for name, spec in zip(chain, specs):
         reasons = support.reasons(name, inputs)  # machine, trust, these inputs' limits, semantics
         if not reasons:
@@ -210,18 +248,20 @@ def decide(requested: str, policy: str, inputs: AttentionInputs, layout: str, qu
 
 
 def _lane(decision: Decision):
+    """The candidate eager.py's fast lane runs and records as served with no reason: the first, when it is the one
+    requested and no note goes with it (a stand-in's calls take the full path, which records why)."""
     first = decision.candidates[0] if decision.candidates else None
-    return first if first is not None and first.name == decision.requested else None
+    return first if first is not None and first.name == decision.requested and not decision.notes else None
 
 
 def decision_for(requested: str, policy: str, inputs: AttentionInputs, layout: str, model: str,
-                 quality_guard: tuple, exact: str | None = None) -> Decision:
+                 quality_guard: tuple, exact: str | None = None, notes: tuple[str, ...] = ()) -> Decision:
     """The decision for a signature, per model (demotions by the quality guard belong to the model they were
-    seen on) and guard setting; exact: see `decide`."""
-    key = decision_key(requested, policy, inputs, layout, model, quality_guard, exact)
+    seen on) and guard setting; exact, notes: see `decide`."""
+    key = decision_key(requested, policy, inputs, layout, model, quality_guard, exact, notes)
     decision = _decisions.get(key)
     if decision is None:
-        decision = decide(requested, policy, inputs, layout, quality_guard, exact)
+        decision = decide(requested, policy, inputs, layout, quality_guard, exact, notes)
         decision.machine = current_machine()  # a simulated machine (use_machine) gets its own decisions
         with _lock:  # a thread that decided the same call first wins: one Decision, one set of demotions
             decision = _decisions.setdefault(key, decision)

@@ -13,8 +13,10 @@ from .call import AttentionCall, CallSite, new_call
 from .checks import plain_scale as _plain_scale
 from .compiled import dispatch_traced
 from .decisions import BackendNotSupportedError, fallback_order  # noqa: F401  (public names)
+from .decisions import UnderRules, under_rules
 from .eager import LEFT, dispatch_eager, lane_for, run_lane
 from .guard import settings as _guard_settings
+from .inputs import describe_call
 from .masks import sdpa_view as _sdpa_view
 from .report import recording
 
@@ -37,7 +39,7 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           enable_gqa: bool = False, attention_kwargs: dict | None = None, *, backend: str | None = None,
                           layout: str = "BSHD", policy: str | None = None, return_lse: bool = False,
                           call_site: str = "attention", recorder=None, model: str | None = None,
-                          guard: str | tuple | None = None, guard_every: int | None = None):
+                          guard: str | tuple | None = None, guard_every: int | None = None, rules=None):
     """Scaled dot-product attention through the selected backend.
 
     query (B, Sq, H, D), key/value (B, Sk, Hk, D) in the default layout 'BSHD' (diffusers'), or
@@ -58,6 +60,10 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     guard / guard_every: the quality guard for this call ('quantised' | 'all' | 'off'; each call site's first call
     checked, then one in guard_every of its calls, 0 = sized on this machine by the calls' and checks' times;
     default: the active `quality_guard` setting); a (mode, every) tuple from `guard.settings` is taken as is.
+    rules: `Rules` that keep this call exact (`exact_only`, or `low_precision=False`: the model asks for full
+    precision): a quantised or approximate backend is replaced by its exact stand-in and an auto by its exact twin
+    (`kept_exact` says which, in the report's words); the recorder counts the call under the backend asked for,
+    with why another served it. Checked when the call's site is made (a clear error for any other rule).
     """
     if guard is not None or guard_every is not None:
         if type(guard) is not tuple:
@@ -70,13 +76,13 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
         return dispatch_call(AttentionCall(query, key, value, attn_mask, CallSite(
             dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
             attention_kwargs=attention_kwargs, backend=backend, layout=layout, policy=policy, return_lse=return_lse,
-            call_site=call_site, recorder=recorder, model=model, guard=guard)))
+            call_site=call_site, recorder=recorder, model=model, guard=guard, rules=rules)))
     site = arguments = None
     if attention_kwargs is None and type(dropout_p) is float and (scale is None or type(scale) is float) \
             and (is_causal is True or is_causal is False) and (enable_gqa is True or enable_gqa is False) \
             and (return_lse is True or return_lse is False):
         arguments = (dropout_p, is_causal, scale, enable_gqa, backend, layout, policy, return_lse, call_site,
-                     id(recorder), model, guard)  # the recorder itself, not one equal to it (its site holds it)
+                     id(recorder), model, guard, rules)  # the recorder itself, not one equal to it (its site holds it)
         try:
             site = _sites.get(arguments)
         except TypeError:  # an unhashable argument: CallSite names it
@@ -84,7 +90,8 @@ def dispatch_attention_fn(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if site is None:
         site = CallSite(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                         attention_kwargs=attention_kwargs, backend=backend, layout=layout, policy=policy,
-                        return_lse=return_lse, call_site=call_site, recorder=recorder, model=model, guard=guard)
+                        return_lse=return_lse, call_site=call_site, recorder=recorder, model=model, guard=guard,
+                        rules=rules)
         if arguments is not None:
             if len(_sites) >= _MAX_SITES:
                 _sites.clear()
@@ -108,7 +115,7 @@ class PreparedAttention:
                  enable_gqa: bool = False, attention_kwargs: dict | None = None, backend: str | None = None,
                  layout: str = "BSHD", policy: str | None = None, return_lse: bool = False,
                  call_site: str = "attention", recorder=None, model: str | None = None,
-                 guard: str | tuple | None = None, guard_every: int | None = None):
+                 guard: str | tuple | None = None, guard_every: int | None = None, rules=None):
         if (guard is not None or guard_every is not None) and type(guard) is not tuple:
             guard = _guard_settings(guard, guard_every)
         if scale is not None and type(scale) is not float:
@@ -116,7 +123,8 @@ class PreparedAttention:
         self._layout, self._lane = layout, None
         self._site = CallSite(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                               attention_kwargs=attention_kwargs, backend=backend, layout=layout, policy=policy,
-                              return_lse=return_lse, call_site=call_site, recorder=recorder, model=model, guard=guard)
+                              return_lse=return_lse, call_site=call_site, recorder=recorder, model=model, guard=guard,
+                              rules=rules)
 
     @property
     def site(self) -> CallSite:
@@ -150,6 +158,19 @@ class PreparedAttention:
         self._lane = None if _dynamo_compiling() or _context_parallel_on else \
             lane_for(query, key, value, attn_mask, self._site)
         return out
+
+
+def kept_exact(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None, *, backend: str,
+               rules, scale: float | None = None, enable_gqa: bool = False, layout: str = "BSHD") -> UnderRules:
+    """What `dispatch_attention_fn(query, key, value, attn_mask, backend=backend, rules=rules, ...)` decides for this
+    call under its rules (`under_rules`): the backend asked for, an auto's exact twin or a refused kernel's exact
+    stand-in, with the note a host's report shows (the ComfyUI override counts its full-precision calls by it)."""
+    if attn_mask is not None and type(attn_mask) is _Tensor and attn_mask.ndim == 2:
+        attn_mask = _sdpa_view(attn_mask, query, key, layout)
+    if scale is not None and type(scale) is not float:
+        scale = _plain_scale(scale)
+    inputs = describe_call(query, key, value, attn_mask, 0.0, False, scale, enable_gqa, False, layout)
+    return under_rules(backend, rules, inputs)
 
 
 def install_router(route) -> None:

@@ -148,11 +148,12 @@ def lane_key(call: AttentionCall, requested, policy, model, guard, machine_id: i
     """The one key of the eager path's cache (`_fast`), for `call` under the resolved scope (requested backend,
     policy, model, guard setting) on the machine `machine_id` (dispatch_eager writes it out). Finer than the
     decision's key (decisions.decision_for) and `auto`'s (Tuner._key): the site's part (`CallSite.cache_key`: the
-    flags, layout, call site (auto's block), attention_kwargs' keys), the scope, and every part of the tensors their
-    AttentionInputs are made from (call.tensors_key: shapes, dtypes, devices, mask kind and shape) with whether a
-    gradient is wanted; tests/test_lanes.py checks the relation as a property. shapes_only: the shorter key of a
-    `shapes_only` chain (call.shapes_key), without dtypes, devices and grad, which its kernels need not be told
-    apart by. Raises TypeError for an unhashable part (the full path then raises the real error)."""
+    flags, layout, call site (auto's block), attention_kwargs' keys, the rules that keep it exact), the scope, and
+    every part of the tensors their AttentionInputs are made from (call.tensors_key: shapes, dtypes, devices, mask
+    kind and shape) with whether a gradient is wanted; tests/test_lanes.py checks the relation as a property.
+    shapes_only: the shorter key of a `shapes_only` chain (call.shapes_key), without dtypes, devices and grad, which
+    its kernels need not be told apart by. Raises TypeError for an unhashable part (the full path then raises the
+    real error)."""
     query, key, value, site = call.query, call.key, call.value, call.site
     if shapes_only:
         return shapes_key((site.cache_key, requested, policy, model, guard, machine_id), query, key, value,
@@ -182,7 +183,7 @@ class Lane:
         self.call_site, self.recorder = site.call_site, site.recorder
         # a fallback's reasons, recorded with each call as the full path records them (it logged them once)
         name = candidate.name
-        self.reasons = decision.reasons_for(name) if name != decision.requested else ()
+        self.reasons = decision.notes + (decision.reasons_for(name) if name != decision.requested else ())
 
 
 LEFT = object()  # run_lane's answer when the call must take the full path
@@ -274,7 +275,7 @@ def _account(decision, name, failed, recorder, call_site, requested, guard_notes
     reasons = decision.reasons_for(name) if name != decision.requested else ()
     if reasons:
         decisions.log_once(decision.requested, name, reasons)
-    reasons = guard_notes + reasons
+    reasons = decision.notes + guard_notes + reasons
     if recorder is not None:
         recorder.record(call_site, requested, name, reasons)  # requested may be a pseudo-backend ("auto")
 
@@ -289,17 +290,20 @@ def _first_call(fast_key, requested, policy, model, quality_guard, call: Attenti
     inputs = describe_call(query, key, value, attn_mask, site.dropout_p, site.is_causal, site.scale, site.enable_gqa,
                            site.return_lse, site.layout)
     sensitive, settled = False, True
-    name, exact = requested, None
-    resolve = registry.resolver(requested)
+    asked, exact, notes = requested, None, ()
+    if site.rules is not None:  # kept exact: an auto's exact twin, a refused kernel's exact stand-in
+        asked, _, notes = decisions.under_rules(requested, site.rules, inputs)
+    name = asked
+    resolve = registry.resolver(asked)
     if resolve is not None and not inputs.empty:  # nothing to choose for empty inputs (decisions.EMPTY)
         checks.check_structure(inputs)
         name, sensitive, settled = resolve(inputs, call, model=model, timing=True)
-        twin = registry.exact_twin(requested)
+        twin = registry.exact_twin(asked)
         # What replaces it where it fails: the fastest exact pick, which the decision's `exact_stand_in` puts first
         if twin is not None and not registry.get(name).exact:
             exact, twin_sensitive, twin_settled = registry.resolver(twin)(inputs, call, model=model, timing=True)
             sensitive, settled = sensitive or twin_sensitive, settled and twin_settled
-    decision = decisions.decision_for(name, policy, inputs, site.layout, model, quality_guard, exact)
+    decision = decisions.decision_for(name, policy, inputs, site.layout, model, quality_guard, exact, notes)
     if fast_key is not None and settled:  # an unsettled pick (made on noise or in a trace) is asked again next call
         if sensitive or decision.trust_sensitive:
             _fast[fast_key] = _TRUST_SENSITIVE

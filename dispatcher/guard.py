@@ -15,11 +15,11 @@ demoted for that block of this model for the rest of the process (other blocks k
 the call's recorder gets the event (the ComfyUI node shows it on its badge and report route).
 
 The checks are objects (`Check`; guard_rules.py holds them in `CHECKS`): the comparison above, run on the schedule,
-and a NaN/Inf check run on every call of a custom kernel. A decision's candidate carries the `Rules` that say which
-of them watch it (`guard_rules.rules_for`); its `Watch` (one per decision) counts, runs the scheduled checks when one
-falls due and then those of every call, demotes, names the replacement and tells the recorder (events.py: the
-`RecorderProtocol`, and `GuardChecked`, `GuardFailed`, `GuardSized`). A new check is one object in guard_rules.py
-plus its test. The eager path calls the Watch once per served call of a guarded kernel.
+and a NaN/Inf check run on every call of a custom kernel. A decision's candidate carries the `GuardRules` that say
+which of them watch it (`guard_rules.rules_for`; not `support.Rules`, a caller's rules of which kernels may serve);
+its `Watch` (one per decision) counts, runs the scheduled checks when one falls due and then those of every call,
+demotes, names the replacement and tells the recorder (events.py: the `RecorderProtocol`, and `GuardChecked`,
+`GuardFailed`, `GuardSized`). A new check is one object in guard_rules.py plus its test. The eager path calls the Watch once per served call of a guarded kernel.
 
 `every` = 0 (the default) sizes the interval on this machine (guard_sizing.py): the first checks of a kernel time
 themselves and the call they check, and one call in `every` is checked so that checks cost at most `BUDGET` of the
@@ -82,7 +82,7 @@ def settings(mode: str | None = None, every: int | None = None) -> tuple[str, in
 
 class Check(Protocol):
     """One check the guard makes of a guarded kernel's output. The checks are objects in guard_rules.py (`CHECKS`):
-    which of them watch a kernel is its `Rules`, and the decision's Watch runs them."""
+    which of them watch a kernel is its `GuardRules`, and the decision's Watch runs them."""
 
     each_call: bool  # run on every served call (no call of its kernel then takes the fast lane); else scheduled
 
@@ -98,9 +98,10 @@ class Check(Protocol):
         timing this scheduled check, told `launched()` once its kernels are queued (before it waits for them)."""
 
 
-class Rules(NamedTuple):
+class GuardRules(NamedTuple):
     """The quality guard's rules for one backend on one signature (a decision's `Candidate.guard`, made by
-    guard_rules.rules_for): the checks that watch it, in guard_rules.CHECKS's order, and when they run."""
+    guard_rules.rules_for): the checks that watch it, in guard_rules.CHECKS's order, and when they run. (Not
+    `support.Rules`: those are a caller's rules of which kernels may serve a call; these watch the one that does.)"""
     scheduled: tuple  # Checks run on a block's first call, then on one call in `every` of the block
     each_call: tuple  # Checks run on every served call
     every: int  # the schedule's interval (0: nothing scheduled); when `sized`, the prior until this machine measured
@@ -123,7 +124,7 @@ class Watch:
     of each guarded kernel falls, the blocks a kernel failed on, and each kernel's interval as sized on this machine.
     The eager path asks `unchecked` on its fast lane; any other served call of a guarded kernel it runs with `clock`
     started (None unless that call times itself) and hands to `after`, which runs the checks due (the candidate's
-    `Rules`) and says what recomputes the call when one found it wrong."""
+    `GuardRules`) and says what recomputes the call when one found it wrong."""
 
     __slots__ = ("left", "sites", "demoted", "checks", "sizing")
 

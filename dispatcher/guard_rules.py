@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from . import guard_check, guard_sizing
-from .guard import Rules, bound_for
+from .guard import GuardRules, bound_for
 from .reference import non_finite, to_bhsd
 
 
@@ -89,7 +89,7 @@ def non_finite_problem(call, out) -> str | None:
     return f"its output has {non_finite(out)} NaN/Inf values from finite inputs"
 
 
-def rules_for(spec, guard: tuple[str, int], inputs) -> Rules | None:
+def rules_for(spec, guard: tuple[str, int], inputs) -> GuardRules | None:
     """The guard's rules for this backend on these inputs under the guard setting (mode, every), or None:
     unguarded."""
     mode, every = guard
@@ -101,7 +101,7 @@ def rules_for(spec, guard: tuple[str, int], inputs) -> Rules | None:
     scheduled = tuple(check for check in watching if not check.each_call)
     each_call = tuple(check for check in watching if check.each_call)
     if not scheduled:
-        return Rules(scheduled, each_call, 0, False)
+        return GuardRules(scheduled, each_call, 0, False)
     if every:
-        return Rules(scheduled, each_call, every, False)
-    return Rules(scheduled, each_call, guard_sizing.prior(inputs), True)
+        return GuardRules(scheduled, each_call, every, False)
+    return GuardRules(scheduled, each_call, guard_sizing.prior(inputs), True)

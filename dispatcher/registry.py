@@ -96,7 +96,8 @@ def add_resolver(name: str, resolve: Callable, *, needs_live_values: bool = Fals
     """A pseudo-backend: `resolve(inputs, call, *, model, timing)` -> (backend name, trust-sensitive, settled),
     decided per signature, model and block (`call.call_site`); settled False: the next call asks again;
     needs_live_values: its choice cannot be made from a signature alone (in a trace); exact_twin: the
-    pseudo-backend whose choice replaces a quantised pick where it fails."""
+    pseudo-backend whose choice replaces a quantised pick where it fails, and which a call that must stay exact asks
+    instead (`name` itself when it picks exact kernels only; None: it cannot keep a call exact)."""
     with _lock:
         _resolvers[name] = resolve
         _twins[name] = exact_twin

@@ -10,8 +10,8 @@
 `validate_backend`, listings); `why_not(name, inputs, attention_kwargs=...)` for one call (the decision, `auto`'s
 tuner). Nothing else combines these producers, so what one of them refuses every other refuses, in the same words.
 
-A caller's own rules sit on top, as a `Policy` value (`why_not(..., policy=Policy(...))`), and refuse here too, as
-`policy` reasons: exact kernels only (`auto_exact`), full precision (a call with low_precision_attention=False), Hub
+A caller's own rules sit on top, as a `Rules` value (rules.py; `why_not(..., rules=Rules(...))`), and refuse here, as
+`rules` reasons: exact kernels only (`auto_exact`), full precision (a call with low_precision_attention=False), Hub
 kernels only once fetched (`auto` never downloads), an approximate kernel only as the model's prediction verdict
 allows, a memory cap for kernels that materialise the score matrix (`auto`'s tuning, the bench), and the
 context-parallel mode a kernel is the local kernel of (ring modes need its LSE; no mode cuts a BlockMask or takes a
@@ -28,6 +28,7 @@ from . import hub, prediction, registry, trust
 from .inputs import AttentionInputs
 from .machine import Machine
 from .requirements import Lack, Unmet
+from .rules import NO_RULES, Rules
 from .spec import STANDARD_ARGUMENTS
 
 
@@ -38,7 +39,7 @@ class WhyNot(NamedTuple):
     inputs: tuple[str, ...] = ()
     semantics: tuple[str, ...] = ()
     attention_kwargs: tuple[str, ...] = ()
-    policy: tuple[str, ...] = ()  # a caller's own rules on top (its `Policy`)
+    rules: tuple[str, ...] = ()  # a caller's own rules on top (its `Rules`)
     # `machine` as records (requirements.Lack: the requirement, its reason): what a reader that sorts reasons by
     # their fix reads (the install plan), never a second walk of the requirements
     lacks: tuple = ()
@@ -55,33 +56,17 @@ class WhyNot(NamedTuple):
 _KINDS = WhyNot._fields.index("lacks")  # the reason kinds come first, in order
 
 
-@dataclass(frozen=True)
-class Policy:
-    """A caller's own rules on top of what the machine and the call allow; each refuses in `why_not` (as `policy`
-    reasons), in one set of words for every caller. The default refuses nothing."""
-    exact_only: bool = False  # auto_exact: exact kernels only
-    low_precision: bool = True  # False: the call asks for full precision (ComfyUI's low_precision_attention=False)
-    fetched: frozenset[str] | None = None  # Hub kernels only once their repo is here (auto never downloads); None: any
-    model: str | None = None  # an approximate kernel serves this model only as its prediction-level verdict allows
-    block: str | None = None  # ... at this call site (a verdict admits the blocks its trial judged)
-    memory_cap: int | None = None  # bytes: a kernel that materialises the score matrix only where it fits (needs inputs)
-    context_parallel: str | None = None  # the context-parallel mode it would be the local kernel of
-
-
-NO_POLICY = Policy()
-
-
 def why_not(name: str, inputs: AttentionInputs | None = None, *, attention_kwargs=None,
-            machine: Machine | None = None, policy: Policy = NO_POLICY) -> WhyNot:
+            machine: Machine | None = None, rules: Rules = NO_RULES) -> WhyNot:
     """Why backend `name` cannot run on `machine` (default: this one), and, given `inputs` (a call's signature)
-    and `attention_kwargs` (its keys), why it cannot run that call; then what `policy` refuses. Raises
+    and `attention_kwargs` (its keys), why it cannot run that call; then what `rules` refuses. Raises
     UnknownBackendError for an unknown name. A backend's own checks that raise become its reason: they refuse that
     backend, never the question."""
     spec = registry.get(name)
-    precision = _precision_refusal(spec, policy)
+    precision = _precision_refusal(spec, rules)
     if precision:  # decided by the spec alone: its package is not even imported (comfy_kitchen's import took 4-8 s
         # of a CPU's first auto_exact call, for a kernel auto_exact never runs)
-        return WhyNot(policy=precision)
+        return WhyNot(rules=precision)
     try:
         check = registry.requirement_check(name, machine)
     except registry.UnknownBackendError:
@@ -103,36 +88,36 @@ def why_not(name: str, inputs: AttentionInputs | None = None, *, attention_kwarg
             limits = (f"its input check failed ({type(exc).__name__}: {exc})",)
     keys = tuple(attention_kwargs_reasons(spec, attention_kwargs)) if attention_kwargs else ()
     why = WhyNot(lacks, untrusted, limits, semantics, keys, lacks=check.lacks)
-    if policy == NO_POLICY:
+    if rules == NO_RULES:
         return why
-    return why._replace(policy=tuple(_policy_reasons(name, spec, inputs, policy, why.runs)))
+    return why._replace(rules=tuple(_rule_reasons(name, spec, inputs, rules, why.runs)))
 
 
-def _precision_refusal(spec, policy: Policy) -> tuple[str, ...]:
-    """What `policy` refuses of a kernel that is not exact, by its spec alone."""
-    if spec.exact or not (policy.exact_only or not policy.low_precision):
+def _precision_refusal(spec, rules: Rules) -> tuple[str, ...]:
+    """What `rules` refuses of a kernel that is not exact, by its spec alone."""
+    if spec.exact or not (rules.exact_only or not rules.low_precision):
         return ()
     kind = f"a{'n' if spec.precision == 'approximate' else ''} {spec.precision} kernel"
-    if policy.exact_only:
+    if rules.exact_only:
         return (f"{kind}: auto_exact runs exact kernels only",)
     return (f"{kind}: the call asks for full precision (low_precision_attention=False)",)
 
 
-def _policy_reasons(name: str, spec, inputs, policy: Policy, runs: bool) -> list[str]:
+def _rule_reasons(name: str, spec, inputs, rules: Rules, runs: bool) -> list[str]:
     found = []
-    if policy.fetched is not None and spec.hub is not None and runs and spec.hub.repo_id not in policy.fetched:
+    if rules.fetched is not None and spec.hub is not None and runs and spec.hub.repo_id not in rules.fetched:
         found.append(f"Hub kernel '{spec.hub.repo_id}' is not fetched or loaded yet; auto never downloads code: "
                      f"select '{name}' once (or run install.py) to make it a candidate")
-    if spec.approximate and policy.model is not None:
-        refused = prediction.refusal(policy.model, policy.block)
+    if spec.approximate and rules.model is not None:
+        refused = prediction.refusal(rules.model, rules.block)
         if refused:
             found.append(refused)
-    if policy.memory_cap is not None and spec.quadratic_memory and inputs is not None:
+    if rules.memory_cap is not None and spec.quadratic_memory and inputs is not None:
         scores = score_matrix_bytes(inputs)
-        if scores > policy.memory_cap:
+        if scores > rules.memory_cap:
             found.append(f"it materialises the {_size(scores)} score matrix, over the memory cap of "
-                         f"{_size(policy.memory_cap)}")
-    mode = policy.context_parallel
+                         f"{_size(rules.memory_cap)}")
+    mode = rules.context_parallel
     if mode not in (None, "none"):
         if mode not in spec.context_parallel_modes:
             found.append(f"context-parallel mode '{mode}' merges partial attention outputs by their log-sum-exp, "
@@ -145,7 +130,7 @@ def _policy_reasons(name: str, spec, inputs, policy: Policy, runs: bool) -> list
 
 def context_parallel_reasons(inputs: AttentionInputs) -> list[str]:
     """What context parallelism refuses of a call, whichever backend would run it: `why_not`'s context-parallel
-    policy on a call, and dispatcher.parallel's own check (which may run a pseudo-backend, `auto`)."""
+    rule on a call, and dispatcher.parallel's own check (which may run a pseudo-backend, `auto`)."""
     found = []
     if inputs.mask_kind == "blockmask":
         found.append("a FlexAttention BlockMask cannot be sharded for context parallelism; pass a bool or additive "
@@ -170,9 +155,9 @@ def _size(n: int) -> str:
 
 
 def reasons(name: str, inputs: AttentionInputs | None = None, *, attention_kwargs=None,
-            machine: Machine | None = None, policy: Policy = NO_POLICY) -> list[str]:
+            machine: Machine | None = None, rules: Rules = NO_RULES) -> list[str]:
     """`why_not(...).reasons`: every reason, in order (empty when it can run)."""
-    return why_not(name, inputs, attention_kwargs=attention_kwargs, machine=machine, policy=policy).reasons
+    return why_not(name, inputs, attention_kwargs=attention_kwargs, machine=machine, rules=rules).reasons
 
 
 def installing_helps(name: str, machine: Machine | None = None) -> bool:
@@ -192,13 +177,12 @@ def availability_reasons(name: str, machine: Machine | None = None) -> list[str]
 def for_auto(name: str, inputs: AttentionInputs, *, exact_only: bool, attention_kwargs=None,
              fetched: frozenset[str] | set[str] = frozenset(), model: str | None = None,
              block: str | None = None) -> WhyNot:
-    """`why_not` for a call under `auto`'s policy: `auto_exact` (exact_only) times exact kernels only, `auto` never
+    """`why_not` for a call under `auto`'s rules: `auto_exact` (exact_only) times exact kernels only, `auto` never
     downloads code, so a Hub kernel that could run is a candidate only once its repo is `fetched` (fetched or
     loaded: `hub.fetched_repos()`), and an approximate kernel serves `model` only as its prediction-level verdict
     allows at call site `block` (dispatcher/prediction.py)."""
     return why_not(name, inputs, attention_kwargs=attention_kwargs,
-                   policy=Policy(exact_only=exact_only, fetched=frozenset(fetched), model=model,
-                                 block=block))
+                   rules=Rules(exact_only=exact_only, fetched=frozenset(fetched), model=model, block=block))
 
 
 def trust_decides(name: str, why: WhyNot, *, exact_only: bool) -> bool:

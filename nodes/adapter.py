@@ -12,11 +12,12 @@ Decisions, documented once:
 - `attn_precision=torch.float32` with fp16/bf16 inputs: ComfyUI's basic/sub-quad/split backends then
   compute softmax in fp32. We keep that promise by running the dispatcher on fp32 copies and casting
   the output back; a backend without fp32 support then falls back (policy "fallback") or fails ("strict").
-- `low_precision_attention=False` (newer ComfyUI, e.g. WAN I2V image cross-attention) with a quantised or
-  approximate backend (not `spec.exact`): its exact stand-in runs instead (`decisions.exact_stand_in`: the first
-  exact backend of its fallback chain that can run the call, the one the quality guard would recompute with);
-  `auto_fast` becomes `auto_exact` there. Every such call is counted in `precision_notes` (site, what kept it
-  exact) for the node's report; a call passed on keeps the flag, and the count says where it went.
+- `low_precision_attention=False` (newer ComfyUI, e.g. WAN I2V image cross-attention): the call reaches the
+  dispatcher with `Rules(low_precision=False)`, which keeps it exact (a quantised or approximate backend's exact
+  stand-in, the one the quality guard would recompute with; `auto_exact` for `auto_fast`) and records it under the
+  backend asked for, saying why another served it. `kept_exact` gives the override the same decision: each such
+  call is counted in `precision_notes` (site, what kept it exact) for the node's report; a call passed on keeps
+  the flag, and the count says where it went.
 - Two call forms (docs/comfyui-versions.md): `__call__(func, q, k, v, ...)` with tensors (ComfyUI 0.3.64, and
   0.38 for overrides without `container_function`), and `container_function(q, k, v, ...)` with 0.38's
   single-owner AttentionTensorContainers and no `func`. A container call is planned on `peek()`ed tensors; the
@@ -33,7 +34,8 @@ Decisions, documented once:
   every backend that supports the call on its live values, cache the winner per signature). They never download
   code: Hub kernels count once fetched and trusted.
 - model: the model's identity (nodes/model_identity.py), passed with every call: `auto_fast`'s verdicts and the
-  quality guard's demotions are kept per model. guard: (mode, every) for the quality guard, worked out once here.
+  quality guard's demotions are kept per model. guard_setting: (mode, every) for the quality guard, worked out
+  once here.
 - block identity: each call's call site names its block ("self #5": the text of nodes/blocks.py's `BlockId`, made
   once per call by `block_id`), so `auto_fast` judges and the quality guard checks and demotes per block.
 - blocks: (start, end) of the block range (nodes/blocks.py); calls from other blocks are delegated like calls
@@ -48,33 +50,29 @@ Decisions, documented once:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
-from dataclasses import dataclass, field, fields
-from typing import Any
 
 import torch
 
-from ..dispatcher import (PreparedAttention, attention_checks, availability_reasons, backend_names,
-                          dispatch_attention_fn, get_backend_spec, tensors_key, trusted_publishers)
-from ..dispatcher import checks as _checks
-from ..dispatcher.auto import AUTO, AUTO_EXACT, AUTO_FAST
-from ..dispatcher.auto import PSEUDO_BACKENDS as AUTOS  # "auto" is auto_exact (older workflows)
-from ..dispatcher.decisions import exact_stand_in
-from ..dispatcher.inputs import describe_call
-from ..dispatcher.guard import settings as guard_settings
-from ..dispatcher.report import register as register_recorder
-from ..dispatcher.support import Policy, why_not
-from .blocks import Ordinals, block_id, block_position, blocks_text, in_blocks, is_default
-from .comfy_versions import comfy_default_attention
+from ..dispatcher import (AttentionInputError, PreparedAttention, Rules, attention_checks, auto,
+                          availability_reasons, backend_names, checks, dispatch_attention_fn, get_backend_spec, guard,
+                          kept_exact, tensors_key, trusted_publishers)
+from . import comfy_versions
+from .blocks import block_id, blocks_text, in_blocks
+from .comfy_versions import Ordinals, block_position
 from .comfy_versions import peek_containers as _peek_containers
 from .comfy_versions import unwrap as _unwrap
+from .override_config import OverrideConfig
 from .overrides import OverrideChainError, chain, describe
 from .window import in_window, window_text
+
+AUTO, AUTO_EXACT, AUTO_FAST = auto.AUTO, auto.AUTO_EXACT, auto.AUTO_FAST
+AUTOS = auto.PSEUDO_BACKENDS  # "auto" is auto_exact (older workflows)
 
 COMFY_DEFAULT = "comfy default"
 PASS_THROUGH = "pass through"  # checks/compare only: every call goes to `previous` (or `func`)
 _HALF = (torch.float16, torch.bfloat16)
+FULL_PRECISION = Rules(low_precision=False)  # a call with low_precision_attention=False: kept exact
 _Tensor = torch.Tensor  # bound once, as is the next: read on every call
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
 
@@ -84,20 +82,6 @@ def _unnumbered(transformer_options, q, k, skip_reshape: bool):
     skip_reshape, else (B, L, H*D)): 'self'/'cross' from the lengths, with the model's block type."""
     axis = 2 if skip_reshape else 1
     return block_id(transformer_options, None, None, q.shape[axis] == k.shape[axis], compiling=_dynamo_compiling())
-
-
-class _Relabel:
-    """A recorder (dispatcher.events.RecorderProtocol) in front of the node's: the dispatcher reports the backend
-    the override passed; the report shows the one the user asked for ("auto", or sage before a low-precision swap)
-    and why it changed. Errors and the guard's events go to the node's recorder as they are."""
-
-    def __init__(self, target, requested: str, notes: tuple[str, ...] = ()):
-        self.target, self.requested, self.notes = target, requested, notes
-        self.record_error, self.record_guard = target.record_error, target.record_guard
-        register_recorder(self)
-
-    def record(self, site, requested, served, reasons=()):
-        self.target.record(site, self.requested, served, self.notes + tuple(reasons))
 
 
 _passing_on = threading.local()  # ids of the overrides passing a call on in this thread (a loop comes back to one)
@@ -128,24 +112,6 @@ def _to_bhsd(out: torch.Tensor, skip_output_reshape: bool, heads: int) -> torch.
     return out.unflatten(-1, (heads, -1)).transpose(1, 2)
 
 
-def _described(q, k, v, heads, mask, skip_reshape, plan):
-    """A planned call as the dispatcher will describe it (its views, ComfyUI's mask as the library reads it, float32
-    where it is upcast): what the exact stand-in is chosen for."""
-    if skip_reshape:
-        qs, ks, vs, layout = q, k, v, "BHSD"
-    else:
-        dim, kv_heads, dim_v = _head_dims(q, k, v, heads)
-        qs, ks = q.unflatten(-1, (heads, dim)), k.unflatten(-1, (kv_heads, dim))
-        vs, layout = v.unflatten(-1, (kv_heads, dim_v)), "BSHD"
-    inputs = describe_call(qs, ks, vs, comfy_mask(mask), 0.0, False, plan.scale, plan.gqa, False, layout)
-    if plan.upcast:
-        inputs = dataclasses.replace(inputs, dtype=torch.float32, key_dtype=torch.float32, value_dtype=torch.float32)
-    return inputs
-
-
-_FULL_PRECISION = Policy(low_precision=False)  # a call with low_precision_attention=False
-
-
 def comfy_mask(mask):
     """ComfyUI's mask as the library reads masks (SDPA's rule), a view: ComfyUI's 2-D mask is (Lq, Lk), as in SDPA,
     but the library refuses a bare 2-D one with B == Lq as ambiguous (diffusers reads it as (B, Lk)), and its 3-D
@@ -167,7 +133,7 @@ def _check_call(q, k, v, mask, skip_reshape) -> None:
             raise TypeError(f"attention {name} must be a torch.Tensor; got {type(t).__name__}")
         if t.dim() != rank:
             layout = "(B, H, L, D) with skip_reshape=True" if skip_reshape else "(B, L, H*D)"
-            raise _checks.AttentionInputError(f"attention {name} must be {rank}-D {layout}; got shape {tuple(t.shape)}")
+            raise AttentionInputError(f"attention {name} must be {rank}-D {layout}; got shape {tuple(t.shape)}")
     if mask is not None and not isinstance(mask, torch.Tensor):
         raise TypeError(f"attention mask must be a torch.Tensor or None; got {type(mask).__name__}")
 
@@ -176,27 +142,28 @@ def _head_dims(q, k, v, heads) -> tuple[int, int, int]:
     """(head dim, key/value heads, value head dim) of ComfyUI's (B, L, H*D) q, k, v with `heads` query heads; a clear
     error where they do not split."""
     if isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0 or q.shape[-1] % heads:
-        raise _checks.AttentionInputError(
+        raise AttentionInputError(
             f"heads={heads!r} must be a positive int dividing the query's last dim {q.shape[-1]} (H*D)")
     dim = q.shape[-1] // heads
     if k.shape[-1] % dim:
-        raise _checks.AttentionInputError(f"the key's last dim {k.shape[-1]} is not a multiple of the head dim {dim} "
-                                          f"(query {q.shape[-1]} / heads={heads})")
+        raise AttentionInputError(f"the key's last dim {k.shape[-1]} is not a multiple of the head dim {dim} "
+                                  f"(query {q.shape[-1]} / heads={heads})")
     if v.shape[-1] % (k.shape[-1] // dim):
-        raise _checks.AttentionInputError(f"the value's last dim {v.shape[-1]} does not split into the "
-                                          f"{k.shape[-1] // dim} key/value heads")
+        raise AttentionInputError(f"the value's last dim {v.shape[-1]} does not split into the "
+                                  f"{k.shape[-1] // dim} key/value heads")
     kv_heads = k.shape[-1] // dim
     return dim, kv_heads, v.shape[-1] // kv_heads
 
 
 class _Plan:
     """What a repeat call of one signature does, worked out on its first call: a delegation (its reason), or
-    the views to take, the backend name to pass and how to shape the output, and the dispatcher's entry with the
+    the views to take, the rules to pass and how to shape the output, and the dispatcher's entry with the
     plan's arguments fixed (`attend`, called `keyed`: repeat calls run the decided kernel's lane, without the
-    dispatcher's entry and lookup). Plain attributes, read per call."""
+    dispatcher's entry and lookup). name: the backend the checks name (what the rules keep the call to, once the
+    first call asked: `exact`, the note counted per call). Plain attributes, read per call."""
 
-    __slots__ = ("reason", "views", "layout", "upcast", "name", "notes", "recorder", "site", "scale", "gqa", "output",
-                 "attend", "exact", "kind")  # site: with the block ("self #5"); kind: without ("self")
+    __slots__ = ("reason", "views", "layout", "upcast", "name", "site", "scale", "gqa", "output", "attend", "rules",
+                 "exact", "kind")  # site: with the block ("self #5"); kind: without ("self")
 
     def __init__(self, reason=None, **fields):
         self.reason = reason
@@ -204,52 +171,10 @@ class _Plan:
             setattr(self, name, fields.get(name))
 
 
-@dataclass(frozen=True, eq=False)
-class OverrideConfig:
-    """Everything one override is made from, one value (`make_override` builds it, normalised): the override reads
-    its fields once, and `attention_dispatch` (what a node rebuilds it from) is this value's fields but the tally.
-    block_notes / precision_notes are dicts shared with the node's report (and with overrides rebuilt from this
-    one), so the value is frozen, not hashable."""
-    backend: str
-    policy: str = "fallback"
-    recorder: Any = None
-    window: tuple | None = None  # (start_percent, end_percent)
-    trust: tuple = ()  # publishers allowed for Hub kernels, sorted
-    checks: str | None = None
-    compare: Any = None
-    previous: Any = None
-    model: str | None = None
-    guard: str | None = None
-    guard_every: int | None = None
-    blocks: tuple | None = None  # (block_start, block_end); None: every block
-    block_notes: dict = field(default_factory=dict)
-    default_attention: Any = None
-    precision_notes: dict = field(default_factory=dict)
-    sparse: Any = None
-    tally: Any = None
-
-
-# The fields a node rebuilds an override from (`attention_dispatch`): all but the tally.
-_REBUILT = tuple(f.name for f in fields(OverrideConfig) if f.name != "tally")
-
-
 class AttentionOverride:
     """The `optimized_attention_override` of one Set Attention Backend node (or Attention Checks node), made from
-    one `OverrideConfig` (`make_override`). Its fields:
-
-    backend: a dispatcher backend name, "auto_exact", "auto_fast" ("auto") or "comfy default";
-    policy: "fallback" | "strict"; recorder: a `Recorder` (shared across clones); window: (start_percent,
-    end_percent) or None; trust: publishers allowed for Hub kernels; checks: None | "raise" | "warn";
-    compare: a `Comparison` or None; previous: the override that was installed before this one;
-    model: the model's identity string (None: the dispatcher's active scope); guard: the quality guard's mode
-    ("quantised" | "all" | "off"; None: the dispatcher's default) and guard_every; blocks: (block_start, block_end)
-    or None (every block); block_notes: a dict, site -> why the block range cannot apply there (shared with the
-    node's report and with overrides rebuilt from this one's config); default_attention: a zero-argument callable
-    returning the attention function for container calls passed on (they come without `func`; by default
-    ComfyUI's default attention, `comfy_versions.comfy_default_attention`);
-    precision_notes: a dict, (site, what kept it exact) -> calls with low_precision_attention=False (shared like
-    block_notes); sparse: the backend's own options value (`declared_options(backend).build`; None: the declared
-    default; ignored for a backend that declares none).
+    one `OverrideConfig` (nodes/override_config.py: its fields), read as `self.config`; what is worked out from it
+    once has names of its own (`sparse_options`, `guard_setting`, `previous_label`).
 
     Per call signature (shapes, dtype, mask kind, flags, block) the first call validates and plans; repeat
     calls cost a dict lookup, the views and the dispatcher's own lookup (see `_Plan`). The block (nodes/blocks.py
@@ -259,37 +184,30 @@ class AttentionOverride:
 
     def __init__(self, config: OverrideConfig):
         self.config = config
-        backend = self.backend = config.backend
-        self.policy, self.recorder, self.window, self.trust = config.policy, config.recorder, config.window, config.trust
-        declared = declared_options(backend)
-        self.sparse = None if declared is None else config.sparse if declared.owns(config.sparse) else declared.default
+        declared = declared_options(config.backend)
+        # the backend's own options in force: those given when they are its own, else its declared default
+        self.sparse_options = None if declared is None else \
+            config.sparse if declared.owns(config.sparse) else declared.default
         # A dense call's reason says first that the backend cannot run here at all, where so: "32 tokens <
         # min_tokens" alone read as if it would serve the longer calls.
-        self._sparse_here = _cannot_run_here(backend) if self.sparse is not None else ""
-        self.tally = config.tally
-        self.checks, self.compare, self.previous = config.checks, config.compare, config.previous
-        chain(self.previous)  # a chain that already loops fails here, when the node runs, not on the first call
+        self._sparse_here = _cannot_run_here(config.backend) if self.sparse_options is not None else ""
+        chain(config.previous)  # a chain that already loops fails here, when the node runs, not on the first call
         # what the report says served the calls passed on (fixed now: the previous override does not change)
-        self.previous_label = None if self.previous is None else f"previous override: {describe(self.previous)}"
-        given = config.default_attention
-        self.default_attention = comfy_default_attention if given is None else given
-        self.model = config.model
+        self.previous_label = None if config.previous is None else f"previous override: {describe(config.previous)}"
         # (mode, every), checked once here: the dispatcher takes a tuple as is (no per-call parsing)
-        if config.guard is None and config.guard_every is None:
-            self.guard = None
-        else:
-            self.guard = guard_settings(config.guard, config.guard_every)
-        self.blocks, self.block_notes, self.precision_notes = config.blocks, config.block_notes, config.precision_notes
-        self._outside_blocks = None if self.blocks is None else f"outside the block range {blocks_text(self.blocks)}"
+        self.guard_setting = None if config.guard is None and config.guard_every is None else \
+            guard.settings(config.guard, config.guard_every)
+        self._outside_blocks = None if config.blocks is None else \
+            f"outside the block range {blocks_text(config.blocks)}"
+        # What a call needs besides the dispatch, each one test per call where the node asked for none of it:
+        # passing every call on; passing some on (a step window, a block range, a sparse kernel's dense calls);
+        # scopes around the call (trusted publishers, checks, the sparse options); checks or a comparison after it.
+        self._passes_every_call = config.backend in (COMFY_DEFAULT, PASS_THROUGH)
+        self._limited = config.window is not None or config.blocks is not None or self.sparse_options is not None
+        self._scoped = bool(config.trust or config.checks or self.sparse_options is not None)
+        self._finishing = bool(config.checks or config.compare is not None)
         self._plans: dict[tuple, _Plan] = {}
         self._ordinals = Ordinals()
-        # Made here, not in a traced call (torch.compile cannot trace registering one); others on first use.
-        # (`auto_fast` asking `auto_exact` where the model wants full precision records as `auto_fast`.)
-        recorder = self.recorder
-        self._relabels: dict[tuple, _Relabel] = {} if recorder is None else {(): _Relabel(recorder, backend)}
-        # Read by the Attention Checks node to rebuild this override with checks on (make_override(**it)), and by
-        # the report: the config's fields but the tally (each Attention Checks node brings its own).
-        self.attention_dispatch = {name: getattr(config, name) for name in _REBUILT}
 
     def __deepcopy__(self, memo):  # ModelPatcher.clone() deep-copies model_options: every clone shares this one
         return self
@@ -316,14 +234,13 @@ class AttentionOverride:
         if reason is not None:
             return self._delegate(reason, None, q, k, v, heads, mask, attn_precision, skip_reshape,
                                   skip_output_reshape, kwargs, plan.site, containers=True)
-        return self._serve(plan, q.take(), k.take(), v.take(), heads, mask, skip_reshape, skip_output_reshape)
+        return self._serve(plan, *comfy_versions.take(q, k, v), heads, mask, skip_reshape, skip_output_reshape)
 
     def _route(self, q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs):
         """(plan, None) for a call this override serves, or (plan, why it is passed on): "" for a node that passes
         every call on ("comfy default", Attention Checks around another pack's override)."""
         to = kwargs.get("transformer_options") or {}
-        backend = self.backend
-        if backend == COMFY_DEFAULT or backend == PASS_THROUGH:
+        if self._passes_every_call:
             _check_call(q, k, v, mask, skip_reshape)
             return _Plan("", site=_unnumbered(to, q, k, skip_reshape).text), ""
         block = signature = plan = q_shape = k_shape = None
@@ -353,22 +270,33 @@ class AttentionOverride:
                 if plan.reason is None:
                     plan.attend = self._prepared(plan)
                 self._plans[signature] = plan
-        window = self.window
-        if window is not None and not in_window(to, window):
-            return plan, f"outside the step window {window_text(*window)}"
-        if self.blocks is not None:
-            inside = in_blocks(position, self.blocks)
-            if inside is False:
-                return plan, self._outside_blocks
-            if inside is not True and plan.kind not in self.block_notes:  # the range cannot apply: noted once
-                self.block_notes[plan.kind] = inside
-        if plan.reason is None and self.sparse is not None:
-            # ComfyUI's sparse node decides these before attention: dense means passed on
-            dense = self.sparse.dense_reason(q.shape[2] if skip_reshape else q.shape[1],
-                                             None if position is None else position[0])
-            if dense is not None:
-                return plan, self._sparse_here + dense
+        if self._limited:
+            passed = self._passed_on_here(plan, to, position, q, skip_reshape)
+            if passed is not None:
+                return plan, passed
         return plan, plan.reason
+
+    def _passed_on_here(self, plan, to, position, q, skip_reshape) -> str | None:
+        """Why a call this override could serve is passed on all the same (its step window, its block range, the
+        dense calls of a sparse backend's options), or None."""
+        config = self.config
+        window = config.window
+        if window is not None and not in_window(to, window):
+            return f"outside the step window {window_text(*window)}"
+        if config.blocks is not None:
+            inside = in_blocks(position, config.blocks)
+            if inside is False:
+                return self._outside_blocks
+            if inside is not True and plan.kind not in config.block_notes:  # the range cannot apply: noted once
+                config.block_notes[plan.kind] = inside
+        sparse = self.sparse_options
+        if plan.reason is None and sparse is not None:
+            # ComfyUI's sparse node decides these before attention: dense means passed on
+            dense = sparse.dense_reason(q.shape[2] if skip_reshape else q.shape[1],
+                                        None if position is None else position[0])
+            if dense is not None:
+                return self._sparse_here + dense
+        return None
 
     def _serve(self, plan, q, k, v, heads, mask, skip_reshape, skip_output_reshape):
         """Run a planned call through the dispatcher and shape its output the way ComfyUI expects."""
@@ -383,21 +311,20 @@ class AttentionOverride:
             qs, ks, vs = qs.float(), ks.float(), vs.float()
         if mask is not None and mask.ndim != 4:
             mask = comfy_mask(mask)
-        if plan.exact is not None:  # low_precision_attention=False: counted for the report
-            key = (plan.site, plan.exact)
-            self.precision_notes[key] = self.precision_notes.get(key, 0) + 1
+        if plan.rules is not None:  # low_precision_attention=False: counted for the report, by what kept it exact
+            self._count_kept_exact(plan, qs, ks, vs, mask)
         attend = plan.attend or self._unkept_attend(plan)
-        sparse = self.sparse
         found = None  # what the dispatcher's `warn` checks found in this call (the kernel's own output included)
-        if self.trust or self.checks or sparse is not None:  # scopes only when asked for: ~1 us each per call
+        if self._scoped:  # scopes only when asked for: ~1 us each per call
+            config, sparse = self.config, self.sparse_options
             with contextlib.ExitStack() as stack:
-                if self.trust:
-                    stack.enter_context(trusted_publishers(self.trust))
-                if self.checks:
-                    stack.enter_context(attention_checks(self.checks))
-                    if self.tally is not None:
+                if config.trust:
+                    stack.enter_context(trusted_publishers(config.trust))
+                if config.checks:
+                    stack.enter_context(attention_checks(config.checks))
+                    if config.tally is not None:
                         found = []
-                        stack.enter_context(_checks.reporting(found.append))
+                        stack.enter_context(checks.reporting(found.append))
                 if sparse is not None:
                     stack.enter_context(sparse.applied())
                 out = attend(qs, ks, vs, mask)
@@ -414,53 +341,71 @@ class AttentionOverride:
             out = out.flatten(2)
         elif output == "transpose":
             out = out.transpose(1, 2)
-        if self.checks or self.compare is not None:
+        if self._finishing:
             return self._finish(out, plan.site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, plan.scale,
                                 plan.gqa, plan.name, found)
         return out
 
+    def _count_kept_exact(self, plan, qs, ks, vs, mask) -> None:
+        """Count a call with low_precision_attention=False by what kept it exact: the dispatcher's decision for the
+        call under its rules (`kept_exact`), asked on the plan's first call, with the tensors as they are passed."""
+        exact = plan.exact
+        if exact is None:
+            kept = kept_exact(qs, ks, vs, mask, backend=self.config.backend, rules=plan.rules, scale=plan.scale,
+                              enable_gqa=plan.gqa, layout=plan.layout)
+            plan.name, plan.exact = kept.backend, kept.note
+            exact = plan.exact
+        notes, key = self.config.precision_notes, (plan.site, exact)
+        notes[key] = notes.get(key, 0) + 1
+
     def _prepared(self, plan) -> PreparedAttention:
         """The dispatcher's entry with this plan's arguments fixed, asked for once per plan: a repeat call passes
         only its tensors (a dozen keywords fewer to take apart)."""
-        return PreparedAttention(scale=plan.scale, enable_gqa=plan.gqa, backend=plan.name, layout=plan.layout,
-                                 policy=self.policy, call_site=plan.site, recorder=plan.recorder, model=self.model,
-                                 guard=self.guard)
+        config = self.config
+        return PreparedAttention(scale=plan.scale, enable_gqa=plan.gqa, backend=config.backend, layout=plan.layout,
+                                 policy=config.policy, call_site=plan.site, recorder=config.recorder,
+                                 model=config.model, guard=self.guard_setting, rules=plan.rules)
 
     def _unkept_attend(self, plan):
         """For a plan not kept (inside torch.compile, where dynamo traces the plain entry point, or with unhashable
         options): `dispatch_attention_fn` with the plan's arguments."""
+        config = self.config
+
         def attend(q, k, v, mask):
             return dispatch_attention_fn(q, k, v, attn_mask=mask, scale=plan.scale, enable_gqa=plan.gqa,
-                                         backend=plan.name, layout=plan.layout, policy=self.policy,
-                                         call_site=plan.site, recorder=plan.recorder, model=self.model,
-                                         guard=self.guard)
+                                         backend=config.backend, layout=plan.layout, policy=config.policy,
+                                         call_site=plan.site, recorder=config.recorder, model=config.model,
+                                         guard=self.guard_setting, rules=plan.rules)
         return attend
 
     def _record(self, site, requested, served, reasons):
-        if self.recorder is not None:
-            self.recorder.record(site, requested, served, tuple(reasons))
+        recorder = self.config.recorder
+        if recorder is not None:
+            recorder.record(site, requested, served, tuple(reasons))
 
     def _finish(self, out, site, q, k, v, mask, heads, skip_reshape, skip_output_reshape, scale, gqa, label,
                 found=None):
         """found: what the dispatcher's `warn` checks found in this call (already logged): the kernel's own output
         too, which the quality guard may have replaced with a finite one since."""
-        if self.checks:
-            tally = self.tally
+        config = self.config
+        mode = config.checks
+        if mode:
+            tally = config.tally
             if tally is None:
-                _checks.check_values({"output": out}, self.checks, label)
+                checks.check_values({"output": out}, mode, label)
             elif found:
                 tally.non_finite(found[0])
             else:  # judged as "raise" to see it; counted; a warn is then logged as the dispatcher would
                 try:
-                    _checks.check_values({"output": out}, "raise", label)
-                except _checks.AttentionInputError as exc:
-                    if self.checks == "raise":
+                    checks.check_values({"output": out}, "raise", label)
+                except AttentionInputError as exc:
+                    if mode == "raise":
                         raise  # counted by CheckedOverride.__call__
                     tally.non_finite(str(exc))
-                    _checks.check_values({"output": out}, self.checks, label)
+                    checks.check_values({"output": out}, mode, label)
                 else:
                     tally.checked()
-        compare = self.compare
+        compare = config.compare
         comparable = mask is None or mask.dtype == torch.bool or mask.is_floating_point()
         if compare is not None and comparable and (skip_reshape or heads) and compare.wants():
             if skip_reshape:
@@ -498,58 +443,30 @@ class AttentionOverride:
         finally:
             active.discard(id(self))
 
-    def _default_func(self):
-        try:
-            return self.default_attention()
-        except ImportError as error:
-            raise RuntimeError(
-                "a ComfyUI 0.38 container call (it comes without func) is passed on to ComfyUI's attention, and "
-                f"ComfyUI's default attention function cannot be imported here ({error}); outside ComfyUI, make the "
-                "override with default_attention=<a function returning the attention to run>") from error
-
     def _pass_on(self, reason, func, q, k, v, heads, mask, attn_precision, skip_reshape, skip_output_reshape, kwargs,
                  site, containers):
-        previous = self.previous
-        to_previous = previous is not None and self.backend != COMFY_DEFAULT
+        config = self.config
+        previous, backend, mode = config.previous, config.backend, config.checks
+        to_previous = previous is not None and backend != COMFY_DEFAULT
         seen = (q, k, v)  # what checks and compare read; a container call is read by peeking, only when they run
         if containers:
-            seen = _peek_containers(q, k, v) if (self.checks or self.compare is not None) else (None, None, None)
+            seen = _peek_containers(q, k, v) if (mode or config.compare is not None) else (None, None, None)
         target = previous if to_previous else None
-        call = None
-        if containers:  # a container_function down the chain takes the containers itself; else they are taken here
-            call = None if target is None else getattr(target, "container_function", None)
-            if call is None:
-                func = self._default_func()  # a plain override, or ComfyUI's attention itself, needs func
-                if target is None:
-                    call = getattr(func, "container_function", None)
-            if call is None:
-                q, k, v = q.take(), k.take(), v.take()
-        if call is None:
-            call = (lambda *a, **kw: target(func, *a, **kw)) if target is not None else func
+        call, func, q, k, v = comfy_versions.passed_on(target, func, q, k, v, containers, config.default_attention)
         served = self.previous_label if target is not None else f"comfy:{getattr(func, '__name__', 'func')}"
         # "comfy default" asked for ComfyUI's attention: that is what served it, not a fallback.
-        self._record(site, served if self.backend == COMFY_DEFAULT else self.backend, served,
-                     (reason,) if reason else ())
+        self._record(site, served if backend == COMFY_DEFAULT else backend, served, (reason,) if reason else ())
         if kwargs.get("low_precision_attention", True) is False:  # the flag goes with the call; counted
-            key = (site, f"passed on to {served} with the flag (it decides the kernel)")
-            self.precision_notes[key] = self.precision_notes.get(key, 0) + 1
-        if self.checks:
-            _checks.check_values({"query": seen[0], "key": seen[1], "value": seen[2], "attn_mask": mask}, self.checks,
-                                 served)
+            notes, key = config.precision_notes, (site, f"passed on to {served} with the flag (it decides the kernel)")
+            notes[key] = notes.get(key, 0) + 1
+        if mode:
+            checks.check_values({"query": seen[0], "key": seen[1], "value": seen[2], "attn_mask": mask}, mode, served)
         out = call(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
                    skip_output_reshape=skip_output_reshape, **kwargs)
         if seen[0] is None:
             return out
         return self._finish(out, site, *seen, mask, heads, skip_reshape, skip_output_reshape, kwargs.get("scale"),
                             bool(kwargs.get("enable_gqa", False)), served)
-
-    def _relabel(self, name, notes):
-        """The recorder a plan passes: the node's own where it would record the same (no hop per call)."""
-        if self.recorder is None or (name == self.backend and not notes):
-            return self.recorder
-        if notes not in self._relabels:
-            self._relabels[notes] = _Relabel(self.recorder, self.backend, notes)
-        return self._relabels[notes]
 
     def _plan(self, q, k, v, heads, mask, skip_reshape, skip_output_reshape, attn_precision, kwargs, to,
               block=None) -> _Plan:
@@ -565,29 +482,15 @@ class AttentionOverride:
             return _Plan("heads was not given for (B, L, H*D) inputs", site=site, kind=kind)
         plan = _Plan(site=site, kind=kind, scale=kwargs.get("scale"), gqa=bool(kwargs.get("enable_gqa", False)),
                      upcast=attn_precision == torch.float32 and q.dtype in _HALF)
-        backend = self.backend
-        plan.name, plan.notes = backend, ()
-        if kwargs.get("low_precision_attention", True) is False:  # the model asked for full precision here
-            if backend == AUTO_FAST or backend == AUTO:
-                plan.name, plan.exact = AUTO_EXACT, f"{backend} kept to exact kernels (auto_exact)"
-            elif backend == AUTO_EXACT:
-                plan.exact = "auto_exact picks exact kernels only"
-            elif refused := why_not(backend, policy=_FULL_PRECISION).policy:
-                # the exact backend the dispatcher would put in its place (none that runs these inputs: the chain's
-                # first, whose refusal the dispatcher then says)
-                replacement = (exact_stand_in(backend, _described(q, k, v, heads, mask, skip_reshape, plan))
-                               or exact_stand_in(backend))
-                plan.exact = f"'{backend}' refused, '{replacement}' serves instead: {'; '.join(refused)}"
-                plan.notes = (plan.exact,)
-                plan.name = replacement
-            else:
-                plan.exact = f"'{backend}' is exact"
+        plan.name = backend = self.config.backend
+        if kwargs.get("low_precision_attention", True) is False:  # the model asked for full precision here: the
+            plan.rules = FULL_PRECISION  # dispatcher keeps the call exact (what kept it: `_count_kept_exact`)
         if skip_reshape:  # (B, H, L, D), possibly non-contiguous: strides are kept, the dispatcher copes
             plan.layout = "BHSD"
             plan.output = "keep" if skip_output_reshape else "transpose_flatten"
         else:  # (B, L, H*D) -> free views, in the layout the kernel takes when one is named
             dim, kv_heads, dim_v = _head_dims(q, k, v, heads)
-            if plan.name not in AUTOS and get_backend_spec(plan.name).layout == "BHSD" \
+            if backend not in AUTOS and get_backend_spec(backend).layout == "BHSD" \
                     and not torch.compiler.is_dynamo_compiling():
                 # (B, H, L, D) views (one as_strided each, `_heads_first`) rather than (B, L, H, D) views it permutes
                 plan.layout = "BHSD"
@@ -599,7 +502,6 @@ class AttentionOverride:
                 plan.views = ((*q.shape[:-1], heads, dim), (*k.shape[:-1], kv_heads, dim),
                               (*v.shape[:-1], kv_heads, dim_v))
                 plan.output = "transpose" if skip_output_reshape else "flatten"
-        plan.recorder = self._relabel(plan.name, plan.notes)
         return plan
 
 
@@ -627,22 +529,17 @@ class CheckedOverride(AttentionOverride):
     def _counted(self, serve, *args, **kwargs):
         try:
             return serve(self, *args, **kwargs)
-        except _checks.AttentionInputError as exc:
-            self.tally.non_finite(str(exc))
+        except AttentionInputError as exc:
+            self.config.tally.non_finite(str(exc))
             raise
 
 
-def make_override(backend: str, policy: str = "fallback", recorder=None, window=None, trust=(), checks=None,
-                  compare=None, previous=None, model=None, guard=None, guard_every=None, blocks=None,
-                  block_notes=None, default_attention=None, precision_notes=None, sparse=None,
-                  tally=None) -> AttentionOverride:
-    """An `optimized_attention_override` for one Set Attention Backend node (see `AttentionOverride` for the
-    arguments), or for an Attention Checks node (`tally`: its CheckTally): one `OverrideConfig` value, normalised."""
-    config = OverrideConfig(
-        backend=backend, policy=policy, recorder=recorder, window=None if window is None else tuple(window),
-        trust=tuple(sorted(frozenset(trust or ()))), checks=checks, compare=compare, previous=previous, model=model,
-        guard=guard, guard_every=guard_every,
-        blocks=None if blocks is None or is_default(*blocks) else (int(blocks[0]), int(blocks[1])),
-        block_notes={} if block_notes is None else block_notes, default_attention=default_attention,
-        precision_notes={} if precision_notes is None else precision_notes, sparse=sparse, tally=tally)
-    return (AttentionOverride if tally is None else CheckedOverride)(config)
+def override_for(config: OverrideConfig) -> AttentionOverride:
+    """The `optimized_attention_override` one config makes: a Set Attention Backend node's, or an Attention Checks
+    node's (a config with its `tally`: its CheckTally)."""
+    return (AttentionOverride if config.tally is None else CheckedOverride)(config)
+
+
+def make_override(*args, **fields) -> AttentionOverride:
+    """`override_for(OverrideConfig(*args, **fields))`: the override of a config given by its fields."""
+    return override_for(OverrideConfig(*args, **fields))

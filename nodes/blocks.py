@@ -1,18 +1,17 @@
 """Which transformer block an attention call comes from, and whether a Set Attention Backend's block range covers it.
 
-Why from transformer_options: it is the only block position the attention override sees. What ComfyUI puts there:
-- newer ComfyUI DiTs (Flux, WAN, Chroma, Lumina, ...): `block_index` with `total_blocks`. Flux-style models number
-  each kind of block from 0 (double blocks 0..18, then single blocks 0..37), so a range applies to each kind.
-- the SD/SDXL UNet (ComfyUI 0.3.64 and later): `transformer_index`, the running number of the spatial transformer
-  (its `block_index` is the index inside one transformer, so it is not used there). There is no block count, so a
-  negative bound other than block_end = -1 ("to the last block") cannot resolve.
-- ComfyUI 0.3.64's WAN and Flux: nothing. The range then cannot apply and every block uses the backend.
+Why from transformer_options: it is the only block position the attention override sees. What each ComfyUI version
+and model puts there is read by nodes/comfy_versions.py (`block_position`, `Ordinals`): a DiT's block index and count
+(Flux-style models number each kind of block from 0, double blocks 0..18 then single blocks 0..37, so a range applies
+to each kind); the UNet's spatial transformer number, without a count (a negative bound other than block_end = -1,
+"to the last block", cannot resolve); or nothing (ComfyUI 0.3.64's WAN and Flux: the range cannot apply, every block
+uses the backend, and the call's ordinal within the forward names it).
 
-`block_position` is the one reader of that position: it names the block (`block_id`) and places it in a block range
-(`in_blocks`), so a call is always judged by the block it is named after. Where the options say nothing, the call's
-ordinal within the forward names it (`Ordinals`). A call's block identity is one value, `BlockId`, made here
-(`block_id`); its text ("double.self #5") is the call site the dispatcher, `auto_fast`'s verdicts on disk and the
-node's reports key by, written by `BlockId.text` and read back only by `BlockId.parse`.
+The one position names the block (`block_id`) and places it in a block range (`in_blocks`), so a call is always
+judged by the block it is named after. A call's block identity is one value, `BlockId`, made here (`block_id`); its
+text ("double.self #5") is the call site the dispatcher, `auto_fast`'s verdicts on disk and the node's reports key
+by, written by `BlockId.text`; a report reads a site's fields back by `named` (the value that wrote the text), never
+by parsing it.
 
 The range is inclusive, negative bounds count from the end (-1 = the last block); (0, -1) = every block, the default,
 which the override never looks at (no per-call cost).
@@ -20,8 +19,9 @@ which the override never looks at (no per-call cost).
 
 from __future__ import annotations
 
-import re
 from typing import NamedTuple
+
+from .comfy_versions import Ordinals
 
 DEFAULT_RANGE = (0, -1)
 RANGE_RULE = ("the block range needs block_start <= block_end when both count from the same end "
@@ -43,7 +43,7 @@ class BlockId(NamedTuple):
 
     @property
     def text(self) -> str:
-        """The one serialisation: "self", "double.self #5", "input.cross #4.1" (the call site; `parse` reads it)."""
+        """The one serialisation: "self", "double.self #5", "input.cross #4.1" (the call site; `named` reads it)."""
         head = f"{self.stream}.{self.kind}" if self.stream else self.kind
         if self.index is None:
             return head
@@ -54,20 +54,40 @@ class BlockId(NamedTuple):
         """The kind of site without its block ("self #5" -> "self"): what reports fold blocks by."""
         return BlockId(self.kind, self.stream)
 
-    @classmethod
-    def parse(cls, text: str) -> "BlockId":
-        """The value `text` wrote; any other call site (a library caller's) reads as a kind of its own, so
-        `parse(site).text == site` for every string."""
-        match = _TEXT.fullmatch(text)
-        if match is None:
-            return cls(text)
-        stream, kind, index, inner = match.group("stream", "kind", "index", "inner")
-        return cls(kind, stream, None if index is None else int(index), None if inner is None else int(inner))
+    @property
+    def fields(self) -> dict:
+        """The identity as a report carries it: {kind, stream, index, inner} (JSON)."""
+        return self._asdict()
 
 
-# BlockId.text's grammar: [stream.]kind[ #index[.inner]] (integers as str(int) writes them).
-_INT = r"0|-?[1-9][0-9]*"
-_TEXT = re.compile(rf"(?:(?P<stream>[^.\s#]+)\.)?(?P<kind>.*?)(?: #(?P<index>{_INT})(?:\.(?P<inner>{_INT}))?)?", re.DOTALL)
+def named(site) -> BlockId:
+    """The block call site `site` names: the `BlockId` whose text it is (one `block_id` made in this process), else,
+    for a site no block was named by here (a library caller's), a kind of its own: `named(site).text == site`."""
+    made = _NAMED.get(site)
+    return made if made is not None else BlockId(str(site))
+
+
+def _name(made: BlockId) -> BlockId:
+    """Keep `made` (and its kind, what reports fold blocks by) findable by its text: `named`."""
+    if len(_NAMED) > MAX_ORDINAL * 16:  # a runaway caller is not kept (its sites then read as kinds of their own)
+        _NAMED.clear()
+    _NAMED[made.text] = made
+    if made.index is not None:
+        kind = made.unnumbered
+        _NAMED[kind.text] = kind
+    return made
+
+
+def _name_traced(kind, stream, index, inner) -> bool:
+    """`_name` for a block named inside a torch.compile trace: run once per trace, eagerly (dynamo takes its result
+    as a constant), so the trace neither reads nor guards on the names kept (a compiled model's calls run no Python
+    here: the report knows its blocks by what the trace named)."""
+    _name(BlockId(kind, stream, index, inner))
+    return True
+
+
+# What torch.compiler.assume_constant_result sets, without importing torch._dynamo with the pack.
+_name_traced._dynamo_marked_constant = True
 
 
 def block_id(transformer_options: dict | None, position, ordinals: "Ordinals | None", is_self: bool, *,
@@ -99,17 +119,20 @@ def block_id(transformer_options: dict | None, position, ordinals: "Ordinals | N
     if compiling:  # traced once per graph, and its ints can be symbols there (dynamo makes an int of the options
         # that changes between calls dynamic): a cache lookup would compare them symbolically, which raised
         # "BooleanAtom not allowed in this context" in ComfyUI's compiled WAN; int() specialises the graph on it
-        return BlockId(kind, stream, None if index is None else int(index), None if inner is None else int(inner))
+        index, inner = None if index is None else int(index), None if inner is None else int(inner)
+        _name_traced(kind, stream, index, inner)
+        return BlockId(kind, stream, index, inner)
     key = (is_self, stream, index, inner)
     made = _MADE.get(key)
     if made is None:
         if len(_MADE) > MAX_ORDINAL * 8:  # block types are few and indices bounded; a runaway caller is not kept
             _MADE.clear()
-        made = _MADE[key] = BlockId(kind, stream, index, inner)
+        made = _MADE[key] = _name(BlockId(kind, stream, index, inner))
     return made
 
 
 _MADE: dict = {}  # (is self, stream, index, inner) -> BlockId: most calls' identity costs a lookup, not a construction
+_NAMED: dict = {}  # text -> the BlockId that wrote it (`named`), made here or its kind
 _SELF, _CROSS = BlockId("self"), BlockId("cross")
 # Past this many calls of one kind in one "forward", the options that mark forwards are not new for each one (a
 # caller that keeps one dict): the calls are no longer numbered (a plan and a verdict per call would pile up).
@@ -121,29 +144,6 @@ def _number(n: int) -> str:
     return _NUMBERS[n] if 0 <= n < 256 else f"#{n}"
 
 
-class Ordinals:
-    """The ordinal of a call within one model forward, per kind of call (self or cross, block type), for models
-    that pass no block position (ComfyUI 0.3.64's WAN and Flux): the Nth self-attention call of a forward is
-    block N's. A forward is told from the next by its `cond_or_uncond` list, which ComfyUI makes anew for each
-    batch it runs (cond and uncond batched together: one forward; run one after the other: two, each counted
-    from 0) and which copies of the options share; without it, by the options dict itself. Both are held (not
-    their ids), so a freed one's address cannot come back as the same forward."""
-
-    __slots__ = ("forward", "counts")
-
-    def __init__(self):
-        self.forward = None
-        self.counts: dict = {}
-
-    def next(self, to: dict, kind) -> int:
-        forward = to.get("cond_or_uncond", to)
-        if forward is not self.forward:
-            self.forward, self.counts = forward, {}
-        n = self.counts.get(kind, 0)
-        self.counts[kind] = n + 1
-        return n
-
-
 def is_default(start: int, end: int) -> bool:
     return (start, end) == DEFAULT_RANGE
 
@@ -152,26 +152,10 @@ def blocks_text(blocks: tuple[int, int]) -> str:
     return f"{blocks[0]}..{blocks[1]}"
 
 
-def block_position(transformer_options: dict | None) -> tuple[int, int | None, int | None] | None:
-    """(index, total or None, inner or None) of the block making this call, None when the options do not say: the
-    one reader of the position, which both names the block (`block_id`) and places it in a range (`in_blocks`).
-    A DiT's `block_index` with its `total_blocks` (a count below 1 is no count); else the UNet's `transformer_index`
-    (no count; its `block_index` is the block inside that transformer: inner)."""
-    to = transformer_options
-    if not to:
-        return None
-    index, total = to.get("block_index"), to.get("total_blocks")
-    if type(index) is int and type(total) is int:
-        return index, (total if total > 0 else None), None
-    unet = to.get("transformer_index")
-    if type(unet) is int:
-        return unet, None, (index if type(index) is int else None)
-    return None
-
-
 def in_blocks(position, blocks: tuple[int, int]):
     """True inside the range, False outside, or a str saying why the range cannot apply to this call (the call
-    then uses the backend, as if the range were the default). position: `block_position` of the call's options."""
+    then uses the backend, as if the range were the default). position: comfy_versions.block_position of the
+    call's options."""
     if position is None:
         return NO_POSITION
     index, total, _ = position

@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from ..dispatcher.reference import exact_attention, relative_error, sample_rows
+from ..dispatcher import reference
 
 ROWS = 64  # query rows compared per sampled call
 
@@ -40,11 +40,11 @@ class Comparison:
 
     def add(self, site: str, out_bhsd: torch.Tensor, q, k, v, mask, scale=None, enable_gqa=False) -> float:
         """out and q, k, v in (B, H, L, D); the relative error of `out` on sampled query rows."""
-        rows = sample_rows(q.shape[2], ROWS)
+        rows = reference.sample_rows(q.shape[2], ROWS)
         with torch.no_grad():
-            ref, _ = exact_attention(q, k, v, mask, scale=scale, layout="BHSD", rows=rows)
+            ref, _ = reference.exact_attention(q, k, v, mask, scale=scale, layout="BHSD", rows=rows)
             picked = out_bhsd if rows is None else out_bhsd[:, :, rows.to(out_bhsd.device)]
-            err = relative_error(picked, ref)
+            err = reference.relative_error(picked, ref)
         with self._lock:
             self.samples += 1
             if not err < self.max_rel_error:  # NaN is the worst error there is

@@ -36,7 +36,7 @@ import tempfile
 import threading
 from datetime import timedelta
 
-from ..dispatcher.log import PREFIX, logger
+from ..dispatcher import log
 
 ENV_TIMEOUT = "ATTN_DISPATCH_CP_TIMEOUT"   # seconds a collective between ranks may wait (600)
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -113,8 +113,8 @@ def setup_from_env() -> bool:
 
 
 def _fatal(message: str) -> None:
-    logger.critical("%s", message)
-    print(f"{PREFIX} {message}", file=sys.stderr, flush=True)  # the process exits next: said even without logging
+    log.logger.critical("%s", message)
+    print(f"{log.PREFIX} {message}", file=sys.stderr, flush=True)  # the process exits next: said even without logging
     sys.stdout.flush()
     os._exit(1)
 
@@ -156,7 +156,7 @@ def _init() -> None:
     _relay_interrupts()
     _watch()
     where = "serves HTTP" if rank == 0 else "headless, follows rank 0's prompts"
-    logger.info("context-parallel rank %d of %d ready (%s, pid %d, %s on %s)", rank, world,
+    log.logger.info("context-parallel rank %d of %d ready (%s, pid %d, %s on %s)", rank, world,
                 backend, os.getpid(), where, f"cuda:{local}" if cuda else "cpu")
 
 
@@ -174,7 +174,7 @@ def _headless(server, args, rank: int) -> None:
     args.auto_launch = False
 
     async def no_server(addresses, call_on_start=None, verbose=True):  # noqa: ARG001 - ComfyUI's signature
-        logger.info("rank %d serves no HTTP (rank 0 does); outputs in %s", rank, workdir)
+        log.logger.info("rank %d serves no HTTP (rank 0 does); outputs in %s", rank, workdir)
 
     server.start_multi_address = no_server  # main.py's run() still runs publish_loop (no clients: drained)
 
@@ -281,7 +281,7 @@ def _relay_interrupts() -> None:
         asked = [r for r, (i, _) in enumerate(states) if i]
         if asked:
             mm.interrupt_current_processing(False)
-            logger.info("rank %d interrupted at check %d (Cancel on rank(s) %s)", _state["rank"],
+            log.logger.info("rank %d interrupted at check %d (Cancel on rank(s) %s)", _state["rank"],
                         _state["checks"], asked)
             raise mm.InterruptProcessingException()
 

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from comfy_api.latest import io
 
-from ..dispatcher import (TRUSTED_PUBLISHERS, Recorder, availability_reasons, backend_names, get_backend_spec,
-                          trusted_publishers)
-from ..dispatcher import env as _env
-from ..dispatcher.auto import FAST_BOUND, log_summary
-from ..dispatcher.guard import DEFAULT_EVERY
-from ..dispatcher.support import installing_helps
+from ..dispatcher import (TRUSTED_PUBLISHERS, Recorder, auto, availability_reasons, backend_names, env,
+                          get_backend_spec, guard, installing_helps, trusted_publishers)
 from . import blocks as _blocks
-from . import comfy_names, comfy_versions, overrides, prediction_check, raw_prompt, reports
+from . import comfy_versions, overrides, prediction_check, raw_prompt, reports
 from . import validation as v
-from .adapter import AUTO, AUTO_EXACT, AUTO_FAST, AUTOS, COMFY_DEFAULT, PASS_THROUGH, declared_options, make_override
+from .adapter import AUTO, AUTO_EXACT, AUTO_FAST, AUTOS, COMFY_DEFAULT, PASS_THROUGH, declared_options, override_for
 from .clip_patch import patch_clip
 from .check_tally import CheckTally
 from .compare import Comparison
 from .model_identity import model_key
+from .override_config import OverrideConfig
 from .window import window_text
 
 CATEGORY = "advanced/attention"
@@ -62,17 +61,17 @@ def backend_options() -> list[str]:
 
 def accepted_backends() -> list[str]:
     """Valid values the dropdown does not list: `auto`, every private `_` backend (typed, or in a workflow) and
-    ComfyUI's own attention names (nodes/comfy_names.py: resolved or explained when queued)."""
-    return [AUTO, *comfy_names.COMFY_NAMES] + [name for name in backend_names() if name.startswith("_")]
+    ComfyUI's own attention names (nodes/comfy_versions.py: resolved or explained when queued)."""
+    return [AUTO, *comfy_versions.COMFY_NAMES] + [name for name in backend_names() if name.startswith("_")]
 
 
 def unavailable_message(backend: str, policy: str) -> str | bool:
     """queue-time check: True, or why this backend cannot be used here (with the install command). ComfyUI's own
-    attention names resolve here (nodes/comfy_names.py), or say what they are."""
-    explained = comfy_names.not_offered(backend)
+    attention names resolve here (nodes/comfy_versions.py), or say what they are."""
+    explained = comfy_versions.not_offered(backend)
     if explained:
         return explained
-    backend = comfy_names.resolve(backend)
+    backend = comfy_versions.resolve(backend)
     if backend in AUTOS or backend == COMFY_DEFAULT:
         return True
     if not isinstance(backend, str) or backend not in backend_names():
@@ -110,7 +109,7 @@ COMFY_NAMES_TOOLTIP = (" ComfyUI's own names are accepted where the pack runs th
                        "default'.")
 AUTOS_TOOLTIP = ("auto_exact (default): the fastest exact kernel for each call, judged on this model's own "
                  "activations; never a quantised kernel. auto_fast: also quantised kernels such as SageAttention "
-                 f"whose error on this model's activations stays within {FAST_BOUND:.0e}, and approximate ones "
+                 f"whose error on this model's activations stays within {auto.FAST_BOUND:.0e}, and approximate ones "
                  "such as block-sparse sol_attn within their own bound, watched by the quality guard. ")
 BLOCKS_TOOLTIP = ("Blocks outside block_start..block_end go where calls outside the step window go (an upstream Set "
                   "Attention Backend, else ComfyUI's attention). Needs a model that tells attention its block "
@@ -144,7 +143,7 @@ SET_FIELDS = (
                     "On a failed check (NaN/Inf, or an error past the kernel's bound) that call is recomputed with "
                     "the fastest exact kernel, the kernel is demoted for that block of this model until ComfyUI "
                     "restarts, and this node's report and badge name the block."),
-    v.Field("guard_every", "int", default=DEFAULT_EVERY, min=0, max=100000, optional=True,
+    v.Field("guard_every", "int", default=guard.DEFAULT_EVERY, min=0, max=100000, optional=True,
             tooltip="After its first call, each block is checked again once in this many of its calls (the blocks "
                     "take turns, so a few are checked each step). 0 (the default): sized on this machine from what "
                     "its first checks and the calls they check take, so the checks take at most 1% of the "
@@ -327,11 +326,10 @@ def _foreign_notes(own, top, calls: int) -> dict:
         order, known = overrides.chain(top)
     except overrides.OverrideChainError as error:
         return {"notes": [str(error)]}
-    recorder = getattr(own, "recorder", None)
+    recorder = own.config.recorder if overrides.kind(own) == "ours" else None
 
     def mine(o):  # this node's override, or Attention Checks' rebuild of it (same recorder)
-        config = getattr(o, "attention_dispatch", None)
-        return o is own or (recorder is not None and isinstance(config, dict) and config.get("recorder") is recorder)
+        return o is own or (recorder is not None and overrides.kind(o) == "ours" and o.config.recorder is recorder)
 
     above = []
     for o in order:
@@ -382,19 +380,20 @@ def _run_wrapper(kind: str, node_id, recorder=None, compare=None, info=None, blo
         try:
             return executor(*args, **kwargs)
         finally:
-            log_summary()  # the blocks `auto` decided like the ones it logged: counted, said once per run
+            auto.log_summary()  # the blocks `auto` decided like the ones it logged: counted, said once per run
             data = dict(info or {})
             data["notes"] = list(data.get("notes", ()))
             if recorder is not None:
                 snapshot = recorder.snapshot()
-                data["recorder"] = snapshot
+                data["recorder"] = reports.with_blocks(snapshot)
                 data["summary"] = recorder.summary()
                 data["guard"] = reports.guard_results(snapshot)
                 data["fallback_every_call"] = reports.every_call_fallbacks(snapshot)
             if block_notes is not None and data.get("blocks"):
                 data["blocks"] = reports.block_results(data["blocks"], dict(block_notes))
-            verdict = prediction_check.report(override.model) if getattr(override, "backend", None) == AUTO_FAST \
-                and override.model else {}
+            config = None if override is None else override.config
+            verdict = prediction_check.report(config.model) if config is not None and config.backend == AUTO_FAST \
+                and config.model else {}
             if verdict.get("sparse_verdict") and data.get("summary"):
                 data["summary"] = f"{data['summary']}; {verdict['sparse_verdict']['text']}"
             for extra in (verdict, _precision_notes(dict(precision_notes or {})),
@@ -437,7 +436,7 @@ def _setup_notes(asked: str, previous, model) -> list[str]:
     """What the report says from the start: a ComfyUI name resolved, an override of another kind taken over, a
     checkpoint's embedded attention method that the override hides."""
     notes = []
-    alias = comfy_names.alias_note(asked)
+    alias = comfy_versions.alias_note(asked)
     if alias:
         notes.append(alias)
     what = overrides.kind(previous)
@@ -495,9 +494,9 @@ class SetAttentionBackend(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, backend, policy, start_percent, end_percent, trust=None, block_start=0, block_end=-1,
-                quality_guard=DEFAULT_GUARD, guard_every=DEFAULT_EVERY, sparse=None) -> io.NodeOutput:
+                quality_guard=DEFAULT_GUARD, guard_every=guard.DEFAULT_EVERY, sparse=None) -> io.NodeOutput:
         node_id = cls.hidden.unique_id
-        asked, backend = backend, comfy_names.resolve(backend)
+        asked, backend = backend, comfy_versions.resolve(backend)
         m = model.clone()
         to = m.model_options.setdefault("transformer_options", {})
         previous = to.get(OVERRIDE_KEY)
@@ -506,20 +505,22 @@ class SetAttentionBackend(io.ComfyNode):
         blocks = None if _blocks.is_default(block_start, block_end) else (block_start, block_end)
         block_notes: dict = {}
         key = model_key(model)
-        guard = GUARD_MODES[quality_guard]
+        guard_mode = GUARD_MODES[quality_guard]
         precision_notes: dict = {}
-        override = make_override(backend, policy, recorder, window=window, trust=tuple(trust or ()),
-                                 previous=previous, model=key, guard=guard, guard_every=guard_every, blocks=blocks,
-                                 block_notes=block_notes, precision_notes=precision_notes, sparse=sparse)
+        override = override_for(OverrideConfig(
+            backend, policy, recorder, window=window, trust=tuple(trust or ()), previous=previous, model=key,
+            guard=guard_mode, guard_every=guard_every, blocks=blocks, block_notes=block_notes,
+            precision_notes=precision_notes, sparse=sparse))
         to[OVERRIDE_KEY] = override
         info = {"backend": backend, "policy": policy, "window": [start_percent, end_percent],
                 "chained_previous": previous is not None, "model": key,
-                "quality_guard": {"mode": guard, "every": guard_every}, "notes": _setup_notes(asked, previous, model)}
+                "quality_guard": {"mode": guard_mode, "every": guard_every},
+                "notes": _setup_notes(asked, previous, model)}
         if previous is not None:
             info["previous_override"] = overrides.describe(previous)
-        if override.sparse is not None:
-            info["sparse"] = override.sparse.as_dict()
-        if sparse is not None and override.sparse is not sparse:  # not this backend's own options
+        if override.sparse_options is not None:
+            info["sparse"] = override.sparse_options.as_dict()
+        if sparse is not None and override.sparse_options is not sparse:  # not this backend's own options
             info["notes"].append(f"Sparse Attention Options apply to backend {SPARSE_BACKEND} only; this node's "
                                  f"backend is {backend}: they are ignored.")
         if blocks is not None:
@@ -569,10 +570,11 @@ class SetClipAttentionBackend(io.ComfyNode):
     @classmethod
     def execute(cls, clip, backend, policy) -> io.NodeOutput:
         node_id = cls.hidden.unique_id
-        backend = comfy_names.resolve(backend)
+        backend = comfy_versions.resolve(backend)
         c = clip.clone()
         recorder = Recorder(label=f"Set CLIP Attention Backend #{node_id}: {backend}")
-        paths = patch_clip(c, make_override(backend, policy, recorder, model=model_key(getattr(clip, "patcher", clip))))
+        paths = patch_clip(c, override_for(OverrideConfig(backend, policy, recorder,
+                                                          model=model_key(getattr(clip, "patcher", clip)))))
         c._attention_dispatch_recorder = recorder  # keeps the live recorder alive as long as the clone
         reports.track_live(f"clip:{node_id}", recorder)
         return io.NodeOutput(c, ui={"text": [f"{backend}: patched {len(paths)} text-encoder attention modules"]})
@@ -615,12 +617,11 @@ class AttentionChecks(io.ComfyNode):
         existing = to.get(OVERRIDE_KEY)
         cmp = Comparison(compare_every) if compare is True else None
         tally = CheckTally(mode)
-        config = getattr(existing, "attention_dispatch", None)
-        if config is not None:  # ours: the same backend, now with checks
-            to[OVERRIDE_KEY] = make_override(**{**config, "checks": mode, "compare": cmp, "tally": tally})
+        if overrides.kind(existing) == "ours":  # the same backend, now with checks
+            config = dataclasses.replace(existing.config, checks=mode, compare=cmp, tally=tally)
         else:  # none or another pack's: check around it
-            to[OVERRIDE_KEY] = make_override(PASS_THROUGH, recorder=None, checks=mode, compare=cmp, previous=existing,
-                                             tally=tally)
+            config = OverrideConfig(PASS_THROUGH, checks=mode, compare=cmp, previous=existing, tally=tally)
+        to[OVERRIDE_KEY] = override_for(config)
         _add_outer_sample_wrapper(m, _run_wrapper("checks", node_id, compare=cmp, info={"checks": mode},
                                                   tally=tally))
         return io.NodeOutput(m)
@@ -691,11 +692,11 @@ class TrustRemoteKernels(io.ComfyNode):
     def execute(cls, publishers) -> io.NodeOutput:
         parsed = publisher_list(publishers)
         lines = []
-        if _env.flag(_env.DISABLE_REMOTE_CODE):
-            lines.append(f"{_env.DISABLE_REMOTE_CODE}=true wins: no Hub kernel will load in this ComfyUI, whatever "
+        if env.flag(env.DISABLE_REMOTE_CODE):
+            lines.append(f"{env.DISABLE_REMOTE_CODE}=true wins: no Hub kernel will load in this ComfyUI, whatever "
                          "this node allows.")
-        elif _env.flag(_env.TRUST_REMOTE_KERNELS) and parsed.names:
-            lines.append(f"{_env.TRUST_REMOTE_KERNELS}=true already trusts every publisher in this ComfyUI: this "
+        elif env.flag(env.TRUST_REMOTE_KERNELS) and parsed.names:
+            lines.append(f"{env.TRUST_REMOTE_KERNELS}=true already trusts every publisher in this ComfyUI: this "
                          "node changes nothing while it is set.")
         elif parsed.effective:
             lines.append("Trusted for the connected models: " + ", ".join(

@@ -12,6 +12,8 @@ Nothing here imports ComfyUI; how each ComfyUI version's core nodes are recognis
 from __future__ import annotations
 
 from .comfy_versions import core_override
+from .override_config import OverrideConfig
+
 _LINK_NAMES = ("previous", "prev", "inner")  # what an override that chains usually calls the one it wraps
 
 
@@ -36,7 +38,7 @@ def kind(fn) -> str:
     """'ours' | 'context_parallel' | 'core_backend' | 'core_sparse' | 'other' (None: 'none')."""
     if fn is None:
         return "none"
-    if isinstance(getattr(fn, "attention_dispatch", None), dict):
+    if isinstance(getattr(fn, "config", None), OverrideConfig):
         return "ours"
     if getattr(fn, "attention_dispatch_cp", None) is not None:
         return "context_parallel"
@@ -49,11 +51,11 @@ def describe(fn) -> str:
     if what == "none":
         return "none"
     if what == "ours":
-        config = fn.attention_dispatch
-        label = getattr(config.get("recorder"), "label", "")
-        if not label and config.get("backend") == "pass through":
+        config = fn.config
+        label = getattr(config.recorder, "label", "")
+        if not label and config.backend == "pass through":
             return "Attention Checks"  # around an override that is not this pack's
-        return label or f"Set Attention Backend ({config.get('backend')})"
+        return label or f"Set Attention Backend ({config.backend})"
     if what == "context_parallel":
         return "Context Parallel Attention"
     if what == "core_backend":
@@ -88,9 +90,9 @@ def passes_to(fn):
     if what == "none" or what == "core_backend":
         return []
     if what == "ours":
-        config = fn.attention_dispatch
-        previous = config.get("previous")  # "comfy default" passes every call to ComfyUI's attention, never to it
-        return [] if previous is None or config.get("backend") == "comfy default" else [previous]
+        config = fn.config
+        previous = config.previous  # "comfy default" passes every call to ComfyUI's attention, never to it
+        return [] if previous is None or config.backend == "comfy default" else [previous]
     closure = _closure(fn)
     for name in _LINK_NAMES:
         if name in closure:  # a closure over its predecessor; None: it passes calls to ComfyUI's own attention

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..dispatcher.log import echo
-from ..dispatcher.parallel import ContextParallelError
-from ..dispatcher.parallel.replicated import ReplicatedConfig, replicated_parallel
+from ..dispatcher import log
+from ..dispatcher.parallel import ContextParallelError, ReplicatedConfig, replicated_parallel
 from . import comfy_versions, cp_runtime, reports
 from . import validation as v
-from .adapter import make_override
+from .adapter import override_for
+from .override_config import OverrideConfig
 from .model_nodes import CATEGORY, OVERRIDE_KEY, WRAPPER_KEY
 
 MODES = ["off", "heads", "sequence"]
@@ -98,7 +98,7 @@ class ContextParallelAttention(io.ComfyNode):
     @classmethod
     def check_inputs(cls, mode="off", degree=0):
         if mode not in MODES:
-            return f"unknown mode {echo(mode)}; valid: {', '.join(MODES)}"
+            return f"unknown mode {log.echo(mode)}; valid: {', '.join(MODES)}"
         if isinstance(degree, bool) or not isinstance(degree, int) or degree < 0:
             return f"degree must be an integer >= 0 (0 = all ranks); got {degree!r}"
         return cp_runtime.validation_message(mode, degree)
@@ -119,7 +119,7 @@ class ContextParallelAttention(io.ComfyNode):
         m = model.clone()
         to = m.model_options.setdefault("transformer_options", {})
         previous = to.get(OVERRIDE_KEY)
-        inner = previous if previous is not None else make_override(DEFAULT_BACKEND, "fallback")
+        inner = previous if previous is not None else override_for(OverrideConfig(DEFAULT_BACKEND))
         stats = {"seen": 0, "unsplit": 0}
         to[OVERRIDE_KEY] = make_cp_override(config, inner, stats)
         import comfy.patcher_extension  # ComfyUI's own module, imported only when a node runs

@@ -5,14 +5,15 @@ recorder counts what the trial's calls were served by: a trial no approximate ke
 the next model call tries again (at most prediction.MAX_TRIALS).
 
 Only Set Attention Backend with `auto_fast` installs it, and only a machine that can run an approximate kernel
-(sol_attn) pays the second forward, once per model. Each forward gets its own copy of transformer_options with a new
-`cond_or_uncond` list: the override numbers blocks per forward by that list (nodes/blocks.py `Ordinals`), so the
-second forward's calls get the same block names as the first's.
+(sol_attn) pays the second forward, once per model. Each forward gets its own copy of transformer_options that the
+override's block ordinals read as a forward of its own (nodes/comfy_versions.py `new_forward`), so the second
+forward's calls get the same block names as the first's.
 """
 
 from __future__ import annotations
 
 from ..dispatcher import prediction, prediction_trial
+from .comfy_versions import new_forward
 from .window import in_window
 
 _OPTIONS_AT = 5  # apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
@@ -39,10 +40,7 @@ def apply_model_wrapper(model: str, window, recorder=None):
             return executor(*args, **kwargs)
 
         def forward():
-            fresh = dict(options)
-            if isinstance(fresh.get("cond_or_uncond"), list):
-                fresh["cond_or_uncond"] = list(fresh["cond_or_uncond"])  # a new forward: block ordinals from 0
-            call_args, call_kwargs = _with_options(args, kwargs, fresh)
+            call_args, call_kwargs = _with_options(args, kwargs, new_forward(options))
             return executor(*call_args, **call_kwargs)
         return prediction_trial.judge(model, forward, forward, recorder=recorder)[1]
     return wrapper

@@ -12,9 +12,8 @@ import time
 import weakref
 from collections import deque
 
-from ..dispatcher.log import echo
-from ..dispatcher.report import rotation_text
-from .blocks import BlockId
+from ..dispatcher import log, rotation_text
+from .blocks import named
 
 EVENT = "attention_dispatch.report"
 _lock = threading.Lock()
@@ -40,7 +39,7 @@ def scrub(obj):
         return [scrub(v) for v in obj]
     if isinstance(obj, str):
         if len(obj) > REPORT_TEXT_LIMIT or not obj.isprintable():  # cut, escaped (its own line breaks kept)
-            obj = echo(obj, REPORT_TEXT_LIMIT, quote=False, keep="\n")
+            obj = log.echo(obj, REPORT_TEXT_LIMIT, quote=False, keep="\n")
         return _PATH.sub("<path>", obj) if ("/" in obj or "\\" in obj) else obj
     return obj
 
@@ -130,8 +129,19 @@ def _folded(sites, all_sites) -> list:
 
 
 def site_kind(site) -> str:
-    """A call site without its block: "self #5" -> "self" (read by nodes/blocks.py's `BlockId`, which wrote it)."""
-    return BlockId.parse(site).unnumbered.text if isinstance(site, str) else str(site)
+    """A call site without its block: "self #5" -> "self" (the kind of the block that wrote the text, `named`)."""
+    return named(str(site)).unnumbered.text
+
+
+def block_of(site) -> dict:
+    """The block a call site names, as a report carries it beside the text: {kind, stream, index, inner}, so the
+    browser folds rows by their fields and never reads the text."""
+    return named(str(site)).fields
+
+
+def with_blocks(snapshot: dict) -> dict:
+    """A recorder's snapshot whose rows carry their block's fields (`block`) beside their site's text."""
+    return {**snapshot, "rows": [{**row, "block": block_of(row.get("site"))} for row in snapshot.get("rows", ())]}
 
 
 def guard_results(snapshot: dict) -> list[dict]:
@@ -158,6 +168,7 @@ def guard_results(snapshot: dict) -> list[dict]:
             folded["every"] = every
     for entry in [*out, *passed.values()]:
         backend, site, checks = entry["backend"], entry["site"], entry["checks"]
+        entry["block"] = block_of(site)
         where = f"{site} ({entry['blocks']} blocks)" if entry["blocks"] > 1 else site
         text = f"quality guard: {backend} at {where}: {checks} check{'' if checks == 1 else 's'}"
         if isinstance(entry.get("max_error"), (int, float)):
@@ -193,7 +204,7 @@ def full_precision_results(notes: dict) -> list[dict]:
     for (site, what), calls in notes.items():
         key = (site_kind(site), what)
         folded[key] = folded.get(key, 0) + calls
-    return [{"site": site, "calls": calls, "reason": what,
+    return [{"site": site, "block": block_of(site), "calls": calls, "reason": what,
              "text": f"{site}: {calls} call{'' if calls == 1 else 's'} with low_precision_attention=False: {what}"}
             for (site, what), calls in sorted(folded.items(), key=lambda kv: tuple(map(str, kv[0])))]
 

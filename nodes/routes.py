@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from ..dispatcher import current_machine, list_backends, loaded_kernels
-from . import comfy_names, raw_prompt, reports
+from . import comfy_versions, raw_prompt, reports
 
 _registered = False
 
@@ -27,9 +27,9 @@ def backends_payload() -> dict:
     machine = asdict(current_machine())
     # reasons quote import errors and lock files, which name paths: scrubbed like the reports
     # ComfyUI's own attention names: the backend each one runs here, or why it is refused
-    names = {name: {"backend": comfy_names.resolve(name) if comfy_names.not_offered(name) is None else None,
-                    "what": what, "refused": comfy_names.not_offered(name)}
-             for name, (_, what) in comfy_names.COMFY_NAMES.items()}
+    names = {name: {"backend": comfy_versions.resolve(name) if comfy_versions.not_offered(name) is None else None,
+                    "what": what, "refused": comfy_versions.not_offered(name)}
+             for name, (_, what) in comfy_versions.COMFY_NAMES.items()}
     return reports.scrub({"backends": rows, "loaded_kernels": [_without_path(k.as_dict()) for k in loaded_kernels()],
                           "machine": machine, "comfy_names": names})
 

@@ -1,11 +1,10 @@
 """Queue-time checks of node inputs, one helper for every node and every input (no ComfyUI import).
 
-Why the pack checks what ComfyUI could: ComfyUI 0.3.64 checks a V3 combo's value against nothing (its
-input type is "COMBO", not the list of options), and skips its own min/max checks for every input a
-`validate_inputs` names. It converts FLOAT/INT/STRING/BOOLEAN values first, but when that fails it
-still calls `validate_inputs` with the raw value ("abc", null). So each node declares its widgets once
-as `Field`s (the schema is built from them) and its `validate_inputs` runs `check` on every value it
-gets: type, finite, whole, range, option (with the close match), then the node's cross-field rules.
+Why the pack checks what ComfyUI could: ComfyUI does not check every value a V3 node gets (which versions skip
+which checks, and hand `validate_inputs` raw values, is nodes/comfy_versions.py's). So each node declares its
+widgets once as `Field`s (the schema is built from them) and its `validate_inputs` runs `check` on every value it
+gets, whatever the version checked: type, finite, whole, range, option (with the close match), then the node's
+cross-field rules.
 
 Each node's `check_inputs` answers True or one message naming every problem by input name. ComfyUI
 repeats a message that `validate_inputs` returns once per input the function names (one
@@ -26,7 +25,7 @@ import difflib
 import math
 from typing import Callable, Iterable, Sequence
 
-from ..dispatcher.log import echo
+from ..dispatcher import log
 
 MISSING = object()  # an input the prompt does not carry: ComfyUI reports it itself (required_input_missing)
 
@@ -57,7 +56,7 @@ class Field:
 
 
 def _short(value, limit: int = 60) -> str:
-    return echo(value, limit)
+    return log.echo(value, limit)
 
 
 def _number(x) -> str:

@@ -247,7 +247,7 @@ def test_closure_survives_deepcopy_like_model_patcher_clone():
     assert fn is options["transformer_options"]["optimized_attention_override"]
     fn(comfy_func, *qkv(), 2, **to_opts())
     assert rec.total_calls == 1
-    assert fn.attention_dispatch["backend"] == "native"
+    assert fn.config.backend == "native"
 
 
 def test_private_kwargs_never_reach_the_dispatcher(monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import functools
 import importlib
 import types
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 
 adapter, dispatcher, _ = load_pack()
 blocks = importlib.import_module(f"{PACK}.nodes.blocks")
+comfy_versions = importlib.import_module(f"{PACK}.nodes.comfy_versions")
 identity = importlib.import_module(f"{PACK}.nodes.model_identity")
 reports = importlib.import_module(f"{PACK}.nodes.reports")
 events = dispatcher.events  # the pack's copy: its guard sends these
@@ -41,8 +43,8 @@ def ref(q, k, v, heads=2):
 
 
 class StubRecorder:
-    """Every event, in order: what the override forwards (through its `_Relabel`) and what the dispatcher records
-    (the guard's as dispatcher.events objects)."""
+    """Every event, in order: what the dispatcher records in the override's recorder (the guard's as
+    dispatcher.events objects)."""
 
     def __init__(self):
         self.events = []
@@ -125,51 +127,49 @@ def custom_backend():
 
 def test_override_passes_model_and_guard_settings_once_worked_out(spy):
     fn = adapter.make_override("native", model="TestModel:abc", guard="all", guard_every=3)
-    assert fn.guard == ("all", 3)  # the dispatcher's (mode, every), computed once, taken as is per call
+    assert fn.guard_setting == ("all", 3)  # the dispatcher's (mode, every), computed once, taken as is per call
     fn(comfy_func, *qkv(), 2, **opts())
     assert spy[-1]["model"] == "TestModel:abc" and spy[-1]["guard"] == ("all", 3)
     plain = adapter.make_override("native")
     plain(comfy_func, *qkv(), 2, **opts())
     assert spy[-1]["model"] is None and spy[-1]["guard"] is None  # the dispatcher's scope and default
     only_every = adapter.make_override("native", guard_every=7)
-    assert only_every.guard == ("quantised", 7)
+    assert only_every.guard_setting == ("quantised", 7)
     with pytest.raises(ValueError):
         adapter.make_override("native", guard="sometimes")
 
 
 def test_auto_fast_is_auto_exact_where_the_model_asks_for_full_precision(spy):
     q, k, v = qkv()
-    for backend in ("auto_fast", "auto", "auto_exact"):
+    for backend, kept in (("auto_fast", "auto_fast kept to exact kernels (auto_exact)"),
+                          ("auto", "auto kept to exact kernels (auto_exact)"),
+                          ("auto_exact", "auto_exact picks exact kernels only")):
         rec = dispatcher.Recorder()
         fn = adapter.make_override(backend, recorder=rec)
         out = fn(comfy_func, q, k, v, 2, low_precision_attention=False, **opts())
         torch.testing.assert_close(out, ref(q, k, v), atol=2e-5, rtol=1e-4)
-        assert spy[-1]["backend"] == "auto_exact", backend
+        assert spy[-1]["backend"] == backend and spy[-1]["rules"] == adapter.FULL_PRECISION
+        assert list(fn.config.precision_notes) == [("self", kept)]  # the dispatcher's decision, counted
         assert {r["requested"] for r in rec.snapshot()["rows"]} == {backend}  # the report shows what was asked
         fn(comfy_func, q, k, v, 2, **opts())
-        assert spy[-1]["backend"] == backend  # elsewhere as asked
+        assert spy[-1]["backend"] == backend and spy[-1]["rules"] is None  # elsewhere as asked
 
 
 def test_quantised_backend_swap_is_kept(spy):
-    rec = dispatcher.Recorder()
-    adapter.make_override("sage", recorder=rec)(comfy_func, *qkv(), 2, low_precision_attention=False, **opts())
-    assert not dispatcher.get_backend_spec(spy[-1]["backend"]).quantised
-    row, = rec.snapshot()["rows"]
-    assert row["requested"] == "sage" and any("low_precision_attention=False" in r for r in row["reasons"])
-
-
-def test_relabel_renames_the_calls_and_passes_errors_and_guard_events_on():
-    stub = StubRecorder()
-    relabel = adapter._Relabel(stub, "auto_fast", ("a note",))
-    assert isinstance(relabel, events.RecorderProtocol)
-    checked = events.GuardChecked("self", "sage", error=0.01, every=12)
-    failed = events.GuardFailed("cross", "sage", "relative error 0.8", "native")
-    relabel.record("self", "x", "native", ("why",))
-    relabel.record_error("self", "sage", "raised")
-    relabel.record_guard(checked)
-    relabel.record_guard(failed)
-    assert stub.events == [("record", "self", "auto_fast", "native", ("a note", "why")),
-                           ("error", "self", "sage", "raised"), checked, failed]
+    """The override asks for the backend the node names, with the rules that keep the call exact: the dispatcher
+    swaps the kernel and records the call under the backend asked for, in the node's own recorder."""
+    rec = StubRecorder()
+    fn = adapter.make_override("sage", recorder=rec)
+    for _ in range(3):  # the first call decides, the next ones take the lane: each says why another served it
+        fn(comfy_func, *qkv(), 2, low_precision_attention=False, **opts())
+    assert spy[-1]["backend"] == "sage" and spy[-1]["rules"] == dispatcher.Rules(low_precision=False)
+    assert spy[-1]["recorder"] is rec  # no recorder of the override's own in between
+    ((_, note),) = fn.config.precision_notes
+    records = rec.of("record")
+    assert len(records) == 3 and len(set(records)) == 1
+    (_, site, requested, served, reasons), = set(records)
+    assert requested == "sage" and not dispatcher.get_backend_spec(served).quantised and reasons == (note,)
+    assert note.startswith(f"'sage' refused, '{served}' serves instead: ") and "low_precision_attention=False" in note
 
 
 def test_guard_catches_a_kernel_that_goes_wrong_mid_run_through_the_override(custom_backend):
@@ -189,6 +189,8 @@ def test_guard_catches_a_kernel_that_goes_wrong_mid_run_through_the_override(cus
     q, k, v = qkv()
     for _ in range(6):
         torch.testing.assert_close(fn(comfy_func, q, k, v, 2, **opts()), ref(q, k, v), atol=2e-5, rtol=1e-4)
+    # the node's own recorder hears the guard: the override puts no recorder of its own in between
+    assert isinstance(stub, events.RecorderProtocol)
     assert len(stub.of(events.GuardChecked)) == 3
     (failure,) = stub.of(events.GuardFailed)
     assert failure.backend == name and failure.replacement
@@ -223,7 +225,7 @@ def test_guard_off_never_checks(custom_backend):
     ({"block_index": True, "total_blocks": 4}, None),
 ])
 def test_block_position(to, expected):
-    assert blocks.block_position(to) == expected
+    assert comfy_versions.block_position(to) == expected
 
 
 @pytest.mark.parametrize("rng, index, total, expected", [
@@ -234,14 +236,14 @@ def test_block_position(to, expected):
 ])
 def test_in_blocks(rng, index, total, expected):
     to = {"block_index": index, "total_blocks": total} if total else {"transformer_index": index}
-    assert blocks.in_blocks(blocks.block_position(to), rng) is expected
+    assert blocks.in_blocks(comfy_versions.block_position(to), rng) is expected
 
 
 def test_in_blocks_says_why_the_range_cannot_apply():
-    assert blocks.in_blocks(blocks.block_position({}), (2, -1)) == blocks.NO_POSITION
+    assert blocks.in_blocks(comfy_versions.block_position({}), (2, -1)) == blocks.NO_POSITION
     assert "ComfyUI 0.3.64's WAN and Flux do not" in blocks.NO_POSITION
-    assert blocks.in_blocks(blocks.block_position({"transformer_index": 3}), (-2, -1)) == blocks.NO_COUNT
-    assert blocks.in_blocks(blocks.block_position({"transformer_index": 3}), (0, -2)) == blocks.NO_COUNT
+    assert blocks.in_blocks(comfy_versions.block_position({"transformer_index": 3}), (-2, -1)) == blocks.NO_COUNT
+    assert blocks.in_blocks(comfy_versions.block_position({"transformer_index": 3}), (0, -2)) == blocks.NO_COUNT
 
 
 def test_range_problem_at_queue_time():
@@ -270,7 +272,7 @@ def test_calls_outside_the_block_range_go_to_the_previous_override_with_the_reas
     assert {site: served for site, served in rows} == {"self #0": "previous override", "self #1": "native",
                                                         "self #2": "native", "self #3": "previous override"}
     assert rows[("self #0", "previous override")]["reasons"] == ["outside the block range 1..-2"]
-    assert not fn.block_notes
+    assert not fn.config.block_notes
     # without a previous override: ComfyUI's own attention
     fn2 = adapter.make_override("native", blocks=(0, 0))
     fn2(comfy_func, q, k, v, 2, **opts(transformer_index=1))
@@ -384,16 +386,16 @@ def test_the_default_range_costs_nothing_per_call(monkeypatch):
     monkeypatch.setattr(adapter, "in_blocks", boom)
     for rng in (None, (0, -1)):
         fn = adapter.make_override("native", blocks=rng)
-        assert fn.blocks is None
+        assert fn.config.blocks is None
         fn(comfy_func, *qkv(), 2, **opts(block_index=1, total_blocks=4))
 
 
 def test_checks_node_rebuild_keeps_model_guard_and_blocks():
     notes = {}
     fn = adapter.make_override("native", model="M:1", guard="all", guard_every=2, blocks=(1, 2), block_notes=notes)
-    rebuilt = adapter.make_override(**{**fn.attention_dispatch, "checks": "warn"})
-    assert (rebuilt.model, rebuilt.guard, rebuilt.blocks) == ("M:1", ("all", 2), (1, 2))
-    assert rebuilt.block_notes is notes
+    rebuilt = adapter.override_for(dataclasses.replace(fn.config, checks="warn"))
+    assert (rebuilt.config.model, rebuilt.guard_setting, rebuilt.config.blocks) == ("M:1", ("all", 2), (1, 2))
+    assert rebuilt.config.block_notes is notes and rebuilt.config.checks == "warn"
     assert copy.deepcopy(fn) is fn
 
 
@@ -504,15 +506,23 @@ def test_every_call_fallbacks():
 
 
 def test_every_call_fallbacks_name_a_kind_of_site_once_when_all_its_blocks_fell_back():
-    rows = [(f"self #{i}", "flash", "native", 4, ["no flash-attn"]) for i in range(3)]
-    (every,) = reports.every_call_fallbacks(_snapshot(rows + [("cross #0", "flash", "native", 4, ["no flash-attn"])]))
+    rows = [(name(index=i), "flash", "native", 4, ["no flash-attn"]) for i in range(3)]
+    (every,) = reports.every_call_fallbacks(_snapshot(rows + [(name("cross", index=0), "flash", "native", 4,
+                                                               ["no flash-attn"])]))
     assert every["sites"] == ["cross", "self"] and every["every_site"]
     # the guard demoted the kernel on one block of three: that block alone, by name
-    rows = [("self #0", "sage", "sage", 4, []), ("self #1", "sage", "fa3", 4, ["quality guard at self #1"]),
-            ("self #2", "sage", "sage", 4, [])]
+    rows = [(name(index=0), "sage", "sage", 4, []), (name(index=1), "sage", "fa3", 4, ["quality guard at self #1"]),
+            (name(index=2), "sage", "sage", 4, [])]
     (every,) = reports.every_call_fallbacks(_snapshot(rows))
     assert every["sites"] == ["self #1"] and not every["every_site"]
     assert every["text"] == "sage fell back to fa3 on every call at self #1: quality guard at self #1"
+
+
+def name(kind="self", stream=None, index=None, inner=None) -> str:
+    """The call site the override names a block by (as `blocks.block_id` makes it: its fields kept for the report)."""
+    to = {"block_type": stream} if stream else {"cond_or_uncond": []}
+    return blocks.block_id(to, None if index is None else (index, None, inner), None, kind == "self",
+                           compiling=False).text
 
 
 def test_guard_results_and_block_results():
@@ -524,16 +534,18 @@ def test_guard_results_and_block_results():
     assert "FAILED (its output has 3 NaN/Inf values): that call was recomputed with native" in out[0]["text"]
     # blocks: the ones that passed fold into one entry per kind of site, a failed one keeps its block
     out = reports.guard_results(_snapshot([], guard=[
-        *({"site": f"self #{i}", "backend": "sage", "checks": 2, "max_error": 0.001 * i, "every": 8 + i % 3,
+        *({"site": name(index=i), "backend": "sage", "checks": 2, "max_error": 0.001 * i, "every": 8 + i % 3,
            "failures": []} for i in range(30) if i != 5),
         {"site": "self #5", "backend": "sage", "checks": 1, "max_error": None,
          "failures": [{"reason": "relative error 4.9e-01", "replacement": "fa3"}]}]))
     assert [(g["site"], g["blocks"], g["checks"]) for g in out] == [("self #5", 1, 1), ("self", 29, 58)]
+    assert [g["block"] for g in out] == [{"kind": "self", "stream": None, "index": 5, "inner": None},
+                                         {"kind": "self", "stream": None, "index": None, "inner": None}]
     assert out[0]["text"].startswith("quality guard: sage at self #5: 1 check; FAILED (relative error 4.9e-01)")
     assert "demoted for this block of this model" in out[0]["text"]
     assert out[1]["text"] == ("quality guard: sage at self (29 blocks): 58 checks, max error 2.9e-02; each block "
                               "checked again within 10 of its calls")  # the longest interval of the blocks folded
-    assert reports.site_kind("input.self #4.1") == "input.self" and reports.site_kind("cross") == "cross"
+    assert reports.site_kind(name("self", "input", 4, 1)) == "input.self" and reports.site_kind("cross") == "cross"
     b = reports.block_results({"range": [2, -1]}, {"self": blocks.NO_POSITION, "cross": blocks.NO_POSITION})
     assert b["range"] == [2, -1] and b["unapplied"][0]["sites"] == ["cross", "self"]
     assert b["unapplied"][0]["text"].startswith("block range 2..-1 not applied at cross, self: this model tells")
@@ -605,17 +617,18 @@ def test_new_inputs_are_optional_for_older_prompts(nodes):
     assert nodes.SetAttentionBackend.check_inputs("native", "fallback", 0.0, 1.0) is True
     assert nodes.SetAttentionBackend.check_inputs("native", "fallback", 0.0, 1.0, -3, 4, "off", 1) is True
     (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "native", "fallback", 0.0, 1.0).result
-    assert m.override.guard == ("quantised", nodes.DEFAULT_EVERY) and m.override.blocks is None
-    assert m.override.model.startswith("FakeModel:")
+    assert m.override.guard_setting == ("quantised", nodes.guard.DEFAULT_EVERY) and m.override.config.blocks is None
+    assert m.override.config.model.startswith("FakeModel:")
 
 
 def test_set_node_passes_guard_blocks_and_model_and_reports_them(nodes):
     (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "native", "fallback", 0.0, 1.0, None, 2, -1,
                                              "every kernel", 5).result
     override = m.override
-    assert override.guard == ("all", 5) and override.blocks == (2, -1) and override.model
+    config = override.config
+    assert override.guard_setting == ("all", 5) and config.blocks == (2, -1) and config.model
     report = _report(m)  # calls with no block position (like ComfyUI 0.3.64's WAN)
-    assert report["quality_guard"] == {"mode": "all", "every": 5} and report["model"] == override.model
+    assert report["quality_guard"] == {"mode": "all", "every": 5} and report["model"] == config.model
     (unapplied,) = report["blocks"]["unapplied"]
     assert unapplied["sites"] == ["self"] and unapplied["reason"] == blocks.NO_POSITION
     assert report["guard"] and report["guard"][0]["backend"] == "native" and report["guard"][0]["checks"] == 1
@@ -625,6 +638,8 @@ def test_set_node_passes_guard_blocks_and_model_and_reports_them(nodes):
     assert again["blocks"]["unapplied"] == []  # notes are per run
     (row,) = again["recorder"]["rows"]
     assert row["served"].startswith("comfy:") and row["reasons"] == ["outside the block range 2..-1"]
+    # the row carries its block's fields beside the site's text: the browser folds by them, reading no text
+    assert (row["site"], row["block"]) == ("self #1", {"kind": "self", "stream": None, "index": 1, "inner": None})
 
 
 def test_set_node_reports_a_fallback_on_every_call(nodes):
@@ -647,7 +662,7 @@ def test_chained_block_ranges_name_the_scope(nodes, monkeypatch):
     assert "wins inside its block range 2..5" in got["1"]["notes"][0]
     assert "outside this node's block range 2..5 #1's backend runs" in got["2"]["notes"][0]
     # calls from blocks outside 2..5 reach the upstream node's override
-    rec_up = a.override.recorder
+    rec_up = a.override.config.recorder
     rec_up.clear()
     q, k, v = qkv()
     b.override(comfy_func, q, k, v, 2, transformer_options={"block_index": 7, "total_blocks": 10})

@@ -1,7 +1,8 @@
 """A call's block identity is one value (nodes/blocks.py `BlockId`): made once per call from ComfyUI's
-transformer_options, with its position read by one reader (`block_position`) that both names the block and places it
-in a block range; written once as text (the call site the dispatcher, `auto_fast`'s verdicts on disk and the reports
-key by) and read back only by `BlockId.parse`."""
+transformer_options, with its position read by one reader (nodes/comfy_versions.py `block_position`) that both names
+the block and places it in a block range; written once as text (the call site the dispatcher, `auto_fast`'s verdicts
+on disk and the reports key by) and read back by the value that wrote it (`blocks.named`), never by parsing the text:
+the report carries its fields."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from helpers.pack import PACK, comfy_func, load_pack
 adapter, dispatcher, _ = load_pack()
 reports = importlib.import_module(f"{PACK}.nodes.reports")
 blocks = importlib.import_module(f"{PACK}.nodes.blocks")
+comfy_versions = importlib.import_module(f"{PACK}.nodes.comfy_versions")
 BlockId = blocks.BlockId
 
 qkv = functools.partial(tensors.qkv, b=1, lq=16, lk=16, h=2, d=16, flat=True)  # ComfyUI's (B, L, H*D)
@@ -53,19 +55,30 @@ identities = st.builds(
     st.none() | st.integers(-5, 5000), st.none() | st.integers(-3, 40))
 
 
+def made(kind, stream, index, inner, compiling=False):
+    """The BlockId `block_id` makes for these fields (ComfyUI's options saying them)."""
+    to = {"block_type": stream} if stream else {"cond_or_uncond": []}
+    position = None if index is None else (index, None, inner)
+    return blocks.block_id(to, position, None, kind == "self", compiling=compiling)
+
+
 @settings(max_examples=300, deadline=None)
-@given(identities)
-def test_the_value_survives_its_text(fields):
-    value = BlockId(*fields)
-    assert BlockId.parse(value.text) == value
-    assert BlockId.parse(value.text).unnumbered.text == reports.site_kind(value.text) == value.unnumbered.text
+@given(identities, st.booleans())
+def test_a_named_block_is_read_back_by_its_text(fields, compiling):
+    value = made(*fields, compiling=compiling)
+    assert value == BlockId(*fields)
+    assert blocks.named(value.text) == value and blocks.named(value.unnumbered.text) == value.unnumbered
+    assert reports.site_kind(value.text) == value.unnumbered.text
+    assert reports.block_of(value.text) == {"kind": fields[0], "stream": fields[1], "index": fields[2],
+                                            "inner": fields[3]}
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=24) | st.from_regex(r"[a-z]{1,6}(\.[a-z]{1,6})? #-?[0-9]{1,3}(\.-?[0-9]{1,2})?", fullmatch=True))
 def test_any_call_site_survives_being_read(site):
-    """A library caller's own call site ("attention", "encoder 3") reads back to the same text."""
-    assert BlockId.parse(site).text == site
+    """A library caller's own call site ("attention", "encoder 3") reads back to the same text: a kind of its own
+    where no block was named by it."""
+    assert blocks.named(site).text == site
 
 
 def test_the_texts_are_the_ones_verdicts_were_saved_under():
@@ -73,7 +86,7 @@ def test_the_texts_are_the_ones_verdicts_were_saved_under():
     as they are, with no migration."""
     assert BlockId("self", "double", 3).text == "double.self #3"
     assert BlockId("self", "input", 4, 1).text == "input.self #4.1" and BlockId("cross").text == "cross"
-    assert BlockId.parse("input.self #4.1") == BlockId("self", "input", 4, 1)
+    assert blocks.named(made("self", "input", 4, 1).text) == BlockId("self", "input", 4, 1)
 
 
 def quantised(q, k, v, **_):  # a quantised kernel that is exact here (its verdict: valid)
@@ -86,7 +99,7 @@ def test_a_block_identity_round_trips_through_disk_and_report(tmp_path):
     dispatcher.register_backend("t_bi_quantised", quantised, devices=("cpu",), quantised=True)
     try:
         to = {"block_index": 3, "total_blocks": 19, "block_type": "double"}
-        made = blocks.block_id(to, blocks.block_position(to), None, True, compiling=False)
+        made = blocks.block_id(to, comfy_versions.block_position(to), None, True, compiling=False)
         assert made == BlockId("self", "double", 3)
         rec = dispatcher.Recorder()
         path = tmp_path / "tune.json"
@@ -97,7 +110,7 @@ def test_a_block_identity_round_trips_through_disk_and_report(tmp_path):
         (entry,) = dispatcher.auto.cache.dump(path)["machines"].values()
         (decision,) = [d for key, d in entry["decisions"].items() if not key.startswith("step|")]
         (saved,) = decision["verdicts"]["model-x"]
-        assert saved == made.text and BlockId.parse(saved) == made
+        assert saved == made.text and blocks.named(saved) == made
         again = dispatcher.auto.Tuner(cache_path=path, backends=("t_bi_quantised", "native"))
         heads_first = [t.unflatten(-1, (2, -1)) for t in (q, k, v)]  # the call as the override passes it (BSHD)
         record = again.tune(*heads_first, model="model-x", block=made.text)
@@ -123,3 +136,25 @@ def test_a_block_is_named_inside_a_dynamic_shape_compile():
     for lq, lk in ((16, 8), (24, 12)):  # a cross-attention's two lengths: symbols from the second size on
         q, k, v = tensors.qkv(b=1, lq=lq, lk=lk, h=2, d=16, flat=True)
         torch.testing.assert_close(compiled(q, k, v), comfy_func(q, k, v, 2))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_a_compiled_models_blocks_are_known_to_its_report():
+    """Inside torch.compile the override runs only while a graph is traced: the blocks it names there are kept for
+    the report as in eager mode, without the graph reading or guarding on them (one graph for two runs)."""
+    to = {"block_index": 3, "total_blocks": 10, "block_type": "t_compiled"}
+    override = adapter.make_override("native")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(lambda q, k, v: override(comfy_func, q, k, v, 2, transformer_options=to),
+                             backend=backend)
+    q, k, v = qkv()
+    for _ in range(2):
+        torch.testing.assert_close(compiled(q, k, v), comfy_func(q, k, v, 2))
+    assert len(graphs) == 1
+    assert blocks.named("t_compiled.self #3") == BlockId("self", "t_compiled", 3)
+    assert reports.site_kind("t_compiled.self #3") == "t_compiled.self"

@@ -15,10 +15,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dispatcher import AttentionInputError, Recorder, attention_backend, compiled, dispatch, eager
+from dispatcher import AttentionInputError, Recorder, Rules, attention_backend, compiled, dispatch, eager
 from dispatcher.call import SITE_FIELDS, AttentionCall, CallSite
 
 B, L, H, D = 1, 8, 2, 16
+FULL_PRECISION = Rules(low_precision=False)  # what keeps a call exact (the ComfyUI override's low_precision=False)
 
 
 def qkv(seed=0):
@@ -39,10 +40,18 @@ def qkv(seed=0):
     ({"attention_kwargs": [("window", 1)]}, TypeError, "attention_kwargs"),
     ({"backend": ["native"]}, TypeError, "backend"),
     ({"guard": ("all", [3])}, TypeError, "guard"),
+    ({"rules": {"low_precision": False}}, TypeError, "rules must be a dispatcher.Rules value"),
+    ({"rules": Rules(memory_cap=1 << 20)}, ValueError, "memory_cap are rules of auto's candidates"),
 ])
 def test_a_bad_site_field_raises_when_the_site_is_made_naming_it(fields, error, named):
     with pytest.raises(error, match=named):
         CallSite(**fields)
+
+
+def test_rules_that_keep_nothing_exact_are_no_rules():
+    """The default Rules refuse nothing: a site made with them is the site without (one key, one decision)."""
+    assert CallSite(rules=Rules()) == CallSite() and CallSite(rules=Rules()).rules is None
+    assert CallSite(rules=Rules()).cache_key == CallSite().cache_key != CallSite(rules=FULL_PRECISION).cache_key
 
 
 def test_a_site_is_frozen():
@@ -60,7 +69,7 @@ DECIDES = {
     "dropout_p": (0.0, 0.1), "is_causal": (False, True), "scale": (None, 0.5), "enable_gqa": (False, True),
     "attention_kwargs": (None, {"window": 1}), "backend": (None, "flex"), "layout": ("BSHD", "BHSD"),
     "policy": (None, "strict"), "return_lse": (False, True), "call_site": ("attention", "self #1"),
-    "model": (None, "m"), "guard": (None, ("all", 3)),
+    "model": (None, "m"), "guard": (None, ("all", 3)), "rules": (None, FULL_PRECISION),
 }
 SAME_DECISION = {"dropout_p": (0.1, 0.2), "scale": (0.5, 0.25), "attention_kwargs": ({"window": 1}, {"window": 2}),
                  "recorder": (None, Recorder())}
@@ -92,6 +101,7 @@ ARGUMENTS = {
     "enable_gqa": (False, True, 1), "return_lse": (False, True, 0), "backend": (None, "_native_math"),
     "layout": ("BSHD", "BHSD"), "policy": (None, "strict"), "call_site": ("attention", "self #1"),
     "model": (None, "m"), "guard": (None, ("all", 3)), "recorder": (None, Recorder(), Recorder()),
+    "rules": (None, FULL_PRECISION, Rules(exact_only=True)),
 }
 
 
@@ -201,7 +211,8 @@ def test_the_runtime_ops_arguments_carry_every_field():
     recorder = Recorder()
     call = AttentionCall(q, k, v, torch.ones(4, 4, dtype=torch.bool), dropout_p=0.0, is_causal=True, scale=0.5,
                          enable_gqa=False, backend="native", layout="BSHD", policy="strict", return_lse=True,
-                         call_site="self #2", recorder=recorder, model="m", guard=("all", 3))
+                         call_site="self #2", recorder=recorder, model="m", guard=("all", 3),
+                         rules=FULL_PRECISION)
     arguments = compiled._op_arguments(call)
     assert len(arguments) == len(compiled._OP_ARGUMENT_NAMES)
     assert compiled._call_of(arguments) == call

@@ -8,6 +8,7 @@ The same rules on ComfyUI 0.3.64 itself: tests/integration. Which rule is tested
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import types
 
@@ -23,10 +24,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 adapter, dispatcher, _ = load_pack()
 overrides = importlib.import_module(f"{PACK}.nodes.overrides")
 comfy_versions = importlib.import_module(f"{PACK}.nodes.comfy_versions")
-comfy_names = importlib.import_module(f"{PACK}.nodes.comfy_names")
 registry = importlib.import_module(f"{PACK}.dispatcher.registry")
 support = importlib.import_module(f"{PACK}.dispatcher.support")
-FULL_PRECISION = support.Policy(low_precision=False)
+FULL_PRECISION = support.Rules(low_precision=False)
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +69,7 @@ def test_both_call_forms_are_served_and_match_exact_attention(as_containers):
     out = c38.call_site(c38.attention_pytorch, q, k, v, 2, options(fn), as_containers)
     torch.testing.assert_close(out, ref(q, k, v), atol=2e-5, rtol=1e-4)
     assert not CALLS  # ComfyUI's attention was not used
-    assert served(fn.recorder) == {"native": 1}
+    assert served(fn.config.recorder) == {"native": 1}
 
 
 def test_container_call_takes_each_container_once_and_gets_no_func():
@@ -132,11 +132,11 @@ def test_low_precision_false_is_kept_exact_and_counted(as_containers, backend, n
                             low_precision_attention=False)
         torch.testing.assert_close(out, ref(q, k, v), atol=2e-5, rtol=1e-4)
     c38.call_site(c38.attention_pytorch, q, k, v, 2, options(fn), as_containers)  # not counted
-    (site, what), = fn.precision_notes  # kept per block (each call here is a forward of its own: block 0)
-    assert site == "cross #0" and what.startswith(note) and fn.precision_notes[(site, what)] == 3
+    (site, what), = fn.config.precision_notes  # kept per block (each call here is a forward of its own: block 0)
+    assert site == "cross #0" and what.startswith(note) and fn.config.precision_notes[(site, what)] == 3
     if backend == "sage":  # the refusal in support.why_not's words
-        assert what.endswith(" serves instead: " + support.why_not("sage", policy=FULL_PRECISION).policy[0])
-    served_by = set(served(fn.recorder))
+        assert what.endswith(" serves instead: " + support.why_not("sage", rules=FULL_PRECISION).rules[0])
+    served_by = set(served(fn.config.recorder))
     assert not any(registry.get(name).quantised for name in served_by if name in registry.names())
 
 
@@ -155,7 +155,7 @@ def test_low_precision_false_passed_on_keeps_the_flag_and_is_counted():
     c38.call_site(c38.attention_pytorch, q, k, v, 2, options(fn, sample_sigmas=schedule, sigmas=schedule[:1]), True,
                   low_precision_attention=False)
     assert CALLS[0]["low_precision_attention"] is False
-    (site, what), = fn.precision_notes
+    (site, what), = fn.config.precision_notes
     assert what == "passed on to comfy:attention_pytorch with the flag (it decides the kernel)"
 
 
@@ -200,7 +200,7 @@ def test_model_attention_backend_upstream_serves_what_the_pack_passes_on(as_cont
     inside = c38.call_site(c38.attention_pytorch, q, k, v, 2, options(fn), as_containers)
     torch.testing.assert_close(inside, ref(q, k, v), atol=2e-5, rtol=1e-4)
     label = f"previous override: ComfyUI Model Attention Backend ({backend_fn.__name__})"
-    assert served(fn.recorder) == {label: 1, "native": 1}
+    assert served(fn.config.recorder) == {label: 1, "native": 1}
     assert len(CALLS) == 1  # only the call passed on ran ComfyUI's backend
     assert len(c38.KITCHEN_TAKES) == (1 if as_containers and backend_fn is c38.attention_kitchen else 0)
 
@@ -269,7 +269,7 @@ def test_sparse_attention_in_either_order(as_containers, order):
     assert c38.SPARSE_SERVED == [16, 16]  # the long self-attention, both steps
     label = "previous override: ComfyUI Model Sparse Attention"
     expected = {"native": 1, label: 1} if order == "sparse_first" else {"native": 1, "comfy:comfy_func": 1}
-    assert served(fn.recorder) == expected  # the short call: inside the window ours, outside passed on
+    assert served(fn.config.recorder) == expected  # the short call: inside the window ours, outside passed on
     assert overrides.describe(to[c38.OVERRIDE_KEY]) == "ComfyUI Model Sparse Attention"
 
 
@@ -289,7 +289,7 @@ def test_another_packs_plain_override_upstream_gets_func_for_container_calls(as_
     out = c38.attention_pytorch(*boxes, 2, transformer_options=options(fn, **WINDOW_OUT))
     torch.testing.assert_close(out, ref(q, k, v), atol=2e-5, rtol=1e-4)
     assert got == [(c38.comfy_func if not as_containers else c38.attention_pytorch, torch.Tensor)]
-    assert list(served(fn.recorder)) == [f"previous override: {__name__}.test_another_packs_plain_override_upstream_"
+    assert list(served(fn.config.recorder)) == [f"previous override: {__name__}.test_another_packs_plain_override_upstream_"
                                          "gets_func_for_container_calls.<locals>.other_pack"]
 
 
@@ -338,7 +338,7 @@ def test_an_override_chain_that_loops_is_a_clear_error():
     q, k, v = c38.flat_qkv()
     a = ours(window=(0.5, 1.0))
     b = ours(window=(0.5, 1.0), previous=a)
-    a.previous = a.attention_dispatch["previous"] = b  # rewired by hand: a -> b -> a
+    a.config = dataclasses.replace(a.config, previous=b)  # rewired by hand: a -> b -> a
     with pytest.raises(overrides.OverrideChainError, match="chain loops"):
         overrides.chain(b)
     with pytest.raises(overrides.OverrideChainError, match="chain loops"):
@@ -354,11 +354,11 @@ def test_an_override_chain_that_loops_is_a_clear_error():
                                              ("xformers", "xformers"), ("pytorch", "native")])
 def test_comfy_names_that_are_our_kernels_are_aliases(monkeypatch, name, ours_name):
     nodes = node_stub.install(monkeypatch)
-    assert comfy_names.resolve(name) == ours_name and comfy_names.not_offered(name) is None
+    assert comfy_versions.resolve(name) == ours_name and comfy_versions.not_offered(name) is None
     assert nodes.SetAttentionBackend.check_inputs(name, "fallback", 0.0, 1.0) is True
     if name == "pytorch":  # runs the pack's native and the report says why
         (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), name, "fallback", 0.0, 1.0).result
-        assert m.override.backend == "native"
+        assert m.override.config.backend == "native"
         assert "'pytorch' is ComfyUI's name for torch scaled_dot_product_attention" in _run(nodes, m)["notes"][0]
 
 
@@ -375,8 +375,8 @@ def test_comfy_only_names_are_explained_at_queue_time(monkeypatch, name, fragmen
 def test_comfy_kitchen_int8_is_ours():
     """ComfyUI's name for comfy-kitchen's INT8 attention is the pack's backend of the same name."""
     assert "comfy_kitchen_int8" in registry.names()
-    assert comfy_names.resolve("comfy_kitchen_int8") == "comfy_kitchen_int8"
-    assert comfy_names.not_offered("comfy_kitchen_int8") is None
+    assert comfy_versions.resolve("comfy_kitchen_int8") == "comfy_kitchen_int8"
+    assert comfy_versions.not_offered("comfy_kitchen_int8") is None
 
 
 def test_another_packs_override_is_named_by_its_folder_not_its_path():
@@ -442,7 +442,7 @@ def test_report_counts_the_calls_kept_exact(monkeypatch):
     (row,) = report["full_precision"]
     assert row["site"] == "cross" and row["calls"] == 2
     assert row["reason"].startswith("'sage' refused, '") and row["reason"].endswith(
-        " serves instead: " + support.why_not("sage", policy=FULL_PRECISION).policy[0])
+        " serves instead: " + support.why_not("sage", rules=FULL_PRECISION).rules[0])
     assert any(n.startswith("Kept exact: 2 calls with low_precision_attention=False") for n in report["notes"])
 
 

@@ -135,3 +135,80 @@ def test_auto_fasts_exact_pick_is_the_stand_in_of_every_caller(monkeypatch):
     finally:
         for name in names:
             dispatcher.registry.remove(name)
+
+
+FULL_PRECISION = dispatcher.Rules(low_precision=False)
+
+
+@pytest.mark.parametrize("backend, masked, expected", CASES)
+def test_a_call_kept_exact_by_its_rules_is_decided_and_recorded_by_the_dispatcher(backend, masked, expected):
+    """The library's entry takes the rules that keep a call exact (the ComfyUI override's low_precision_attention=False):
+    the stand-in serves, every call is recorded under the backend asked for with why another served it, on the
+    first call, on repeat calls and on a prepared call's lane, under either fallback policy; `kept_exact` gives a
+    host the same decision."""
+    q, k, v, mask = _call(masked)
+    mask = None if mask is None else mask[None, None]
+    for policy in ("fallback", "strict"):
+        rec = dispatcher.Recorder()
+        prepared = dispatcher.PreparedAttention(backend=backend, policy=policy, call_site="cross", recorder=rec,
+                                                rules=FULL_PRECISION)
+        for _ in range(2):
+            out = dispatcher.dispatch_attention_fn(q, k, v, mask, backend=backend, policy=policy, call_site="cross",
+                                                   recorder=rec, rules=FULL_PRECISION)
+            torch.testing.assert_close(out, sdpa(q, k, v, mask))
+            torch.testing.assert_close(prepared.keyed(q, k, v, mask), out)  # the second keyed call: its lane
+        kept = dispatcher.kept_exact(q, k, v, mask, backend=backend, rules=FULL_PRECISION)
+        row, = rec.snapshot()["rows"]
+        assert (row["requested"], row["served"], row["calls"], row["reasons"]) == (backend, expected, 4, [kept.note])
+        assert kept.backend == expected and kept.note.startswith(f"'{backend}' refused, '{expected}' serves instead: ")
+
+
+def test_rules_keep_an_auto_to_its_exact_twin_and_an_exact_backend_to_itself():
+    q, k, v, _ = _call(False)
+    for backend, twin, note in (("auto_fast", "auto_exact", "auto_fast kept to exact kernels (auto_exact)"),
+                                ("auto", "auto_exact", "auto kept to exact kernels (auto_exact)"),
+                                ("auto_exact", "auto_exact", "auto_exact picks exact kernels only"),
+                                ("native", "native", "'native' is exact")):
+        assert tuple(dispatcher.kept_exact(q, k, v, backend=backend, rules=FULL_PRECISION)) == (twin, note, ())
+    assert dispatcher.kept_exact(q, k, v, backend="native", rules=dispatcher.Rules()) == ("native", "", ())
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_a_compiled_call_keeps_its_rules():
+    q, k, v, _ = _call(False)
+    rec = dispatcher.Recorder()
+
+    def step(q, k, v):
+        return dispatcher.dispatch_attention_fn(q, k, v, backend="t_si_q_unmasked_first", call_site="cross",
+                                                recorder=rec, rules=FULL_PRECISION)
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(q, k, v), sdpa(q, k, v))
+    row, = rec.snapshot()["rows"]
+    assert (row["requested"], row["served"], row["calls"]) == ("t_si_q_unmasked_first", "t_si_exact_unmasked", 2)
+    assert row["reasons"] == [dispatcher.kept_exact(q, k, v, backend="t_si_q_unmasked_first", rules=FULL_PRECISION).note]
+
+
+def test_a_call_takes_only_the_rules_that_keep_it_exact():
+    q, k, v, _ = _call(False)
+    with pytest.raises(ValueError, match="memory_cap are rules of auto's candidates"):
+        dispatcher.dispatch_attention_fn(q, k, v, backend="native", rules=dispatcher.Rules(memory_cap=1 << 20))
+    with pytest.raises(TypeError, match="rules must be a dispatcher.Rules value"):
+        dispatcher.dispatch_attention_fn(q, k, v, backend="native", rules={"low_precision": False})
+    with pytest.raises(ValueError, match="memory_cap"):
+        dispatcher.PreparedAttention(backend="native", rules=dispatcher.Rules(memory_cap=1))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_a_compiled_call_with_other_rules_raises_the_same_clear_error():
+    q, k, v, _ = _call(False)
+
+    def step(q, k, v, rules):
+        return dispatcher.dispatch_attention_fn(q, k, v, backend="native", rules=rules)
+
+    for rules, error, said in (({"low_precision": False}, TypeError, "rules must be a dispatcher.Rules value"),
+                               (dispatcher.Rules(memory_cap=1), ValueError, "memory_cap")):
+        torch._dynamo.reset()
+        with pytest.raises(error, match=said):
+            torch.compile(functools.partial(step, rules=rules), backend="eager")(q, k, v)

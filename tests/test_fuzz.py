@@ -14,6 +14,7 @@ The property, for every generated call:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 
@@ -512,7 +513,7 @@ def test_adapter_is_exact_or_raises_a_documented_error(pack_state, c, backend, p
     override = adapter.make_override(backend, policy, recorder, checks=checks)
     options = {"transformer_options": {"optimized_attention_override": override, "block_type": "double"}}
     snapshot = copy.copy(options["transformer_options"])
-    config = dict(override.attention_dispatch)
+    config = {f.name: getattr(override.config, f.name) for f in dataclasses.fields(override.config)}
     note(f"{backend} {policy} {mutation} checks={checks}: " + ", ".join(
         f"{k}={tuple(v.shape) if isinstance(v, torch.Tensor) else v}" for k, v in c.items()))
     before = (pd.state.active_backend(), pd.state.active_policy(), pd.state.active_checks())
@@ -542,7 +543,8 @@ def test_adapter_is_exact_or_raises_a_documented_error(pack_state, c, backend, p
     assert (pd.state.active_backend(), pd.state.active_policy(), pd.state.active_checks()) == before
     # The model's options are untouched by any call, good or bad (the override is a pure closure).
     assert options["transformer_options"] == snapshot
-    assert config == dict(options["transformer_options"]["optimized_attention_override"].attention_dispatch)
+    kept = options["transformer_options"]["optimized_attention_override"].config
+    assert config == {f.name: getattr(kept, f.name) for f in dataclasses.fields(kept)}
 
 
 # ------------------------------------------------------------------------------------------------ node inputs

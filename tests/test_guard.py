@@ -129,8 +129,8 @@ def test_the_fast_lane_counts_unchecked_calls_and_never_serves_a_demoted_block()
     on the fast lane; a demoted block never takes it again."""
     name = register("t_lane", Drifting(good_calls=10**9))
     spec = dispatcher.get_backend_spec(name)
-    candidate = decisions.Candidate(name, spec, None, False, False, guard.Rules((guard_rules.Comparison(),), (), 3,
-                                                                                 False))
+    candidate = decisions.Candidate(name, spec, None, False, False,
+                                    guard.GuardRules((guard_rules.Comparison(),), (), 3, False))
     watch = guard.Watch()
     assert not watch.unchecked(candidate, "self #0")  # first call: the long way
     watch.left[(name, "self #0")] = 2  # what `after` leaves after a check with every = 3

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dispatcher"
 COMFY_NAMES = {"comfy", "comfy_api", "comfy_extras", "nodes", "server", "utils", "folder_paths", "execution"}
@@ -96,6 +98,64 @@ def test_nodes_reach_kernels_only_through_the_registry():
         assert not reached, (path.name, reached)
 
 
+def _exported(init: Path) -> set[str]:
+    """The names a package's `__init__.py` lists in `__all__` (read, not imported)."""
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+# The library's public modules and what each exports: the package, and its context-parallel wing (imported only
+# where it is used: importing it installs its router).
+PUBLIC = {"dispatcher": _exported(PACKAGE / "__init__.py"),
+          "dispatcher.parallel": _exported(PACKAGE / "parallel" / "__init__.py")}
+
+
+def _library_imports(source: str, module: str) -> list[tuple[str, str]]:
+    """(module, name) of every name module `module` of the pack (its source) imports from the library."""
+    package = module.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")
+            base = base[: len(base) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+            if target == "":  # `from .. import dispatcher`: the package itself
+                found += [("", alias.name) for alias in node.names if alias.name == "dispatcher"]
+            elif target == "dispatcher" or target.startswith("dispatcher."):
+                found += [(target, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names if alias.name.split(".")[0] == "dispatcher"]
+    return found
+
+
+def _private(source: str, module: str) -> list[str]:
+    """What `module` imports from the library that is not a public name: the package itself, a name its `__all__`
+    exports, its public wing, or a name the wing's `__all__` exports."""
+    return [f"{name or target} from {target or 'the pack'}" for target, name in _library_imports(source, module)
+            if not ((target == "" and name == "dispatcher") or name in PUBLIC.get(target, ())
+                    or f"{target}.{name}" in PUBLIC)]
+
+
+def test_nodes_import_only_the_librarys_public_names():
+    """The ComfyUI side reaches the library through its public names alone, as any other host would: never a
+    module of the library by its path, never a name it does not export. A name a node needs is exported
+    deliberately first (dispatcher/__init__.py)."""
+    assert PUBLIC["dispatcher"] and PUBLIC["dispatcher.parallel"]
+    for path in sorted((ROOT / "nodes").rglob("*.py")):
+        assert not _private(path.read_text(), _module(path)), (path.name, _private(path.read_text(), _module(path)))
+
+
+@pytest.mark.parametrize("source", ["from ..dispatcher.decisions import exact_stand_in\n",
+                                    "from ..dispatcher import registry\n",
+                                    "from ..dispatcher.parallel.replicated import ReplicatedConfig\n",
+                                    "from ..dispatcher.parallel import comm\n"])
+def test_the_public_names_check_finds_a_private_import(source):
+    assert _private(source, "nodes.bad")
+    assert not _private("from ..dispatcher import Rules, auto, parallel\nfrom .. import dispatcher\n", "nodes.bad")
+
+
 def _module_aliases(tree) -> set[str]:
     """The names a file binds to modules of the package (`from .. import dispatch` -> dispatch)."""
     found = set()
@@ -123,10 +183,11 @@ def test_no_module_writes_another_modules_private_globals():
                                          f"{target.value.id}.{target.attr}")
 
 
-# What only one ComfyUI version has (0.38's core override nodes, its containers, a checkpoint's embedded method):
-# named by nodes/comfy_versions.py alone, so a version's quirk is found, and changed, in one module.
+# What only some ComfyUI versions have (0.38's core override nodes, its containers, a checkpoint's embedded method,
+# the UNet's block position, the forward marker block ordinals read for models that pass no position): named by
+# nodes/comfy_versions.py alone, so a version's quirk is found, and changed, in one module.
 VERSION_MARKERS = ("set_model_optimized_attention", "comfy.model_patcher", "comfy_extras.", "comfy.ldm", "peek",
-                   "comfy_attention")
+                   "comfy_attention", "transformer_index", "cond_or_uncond")
 
 
 def _code_names(tree) -> list[str]:

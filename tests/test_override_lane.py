@@ -39,11 +39,14 @@ def test_the_override_is_made_from_one_frozen_config_value():
     assert config.block_notes is notes  # shared with the node's report
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.backend = "flex"
-    # a node rebuilds it from attention_dispatch: every field but the tally, the same values
-    names = {f.name for f in dataclasses.fields(adapter.OverrideConfig)} - {"tally"}
-    assert fn.attention_dispatch == {name: getattr(config, name) for name in names}
-    rebuilt = adapter.make_override(**fn.attention_dispatch)
-    assert dataclasses.astuple(rebuilt.config) == dataclasses.astuple(config)
+    # the override keeps no copy of a field: each is read as fn.config.<field>
+    assert not [f.name for f in dataclasses.fields(config) if hasattr(fn, f.name)]
+    # a node rebuilds it with dataclasses.replace: the same values but the one it changes, normalised again
+    rebuilt = adapter.override_for(dataclasses.replace(config, checks="warn", blocks=(0, -1)))
+    assert rebuilt.config.checks == "warn" and rebuilt.config.blocks is None
+    assert dataclasses.astuple(dataclasses.replace(rebuilt.config, checks=None, blocks=(0, 4))) == \
+        dataclasses.astuple(config)
+    assert rebuilt.config.block_notes is notes
     # the class takes the value itself, not restated fields
     direct = adapter.AttentionOverride(config)
     q, k, v = qkv()

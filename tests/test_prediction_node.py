@@ -67,7 +67,7 @@ def auto_fast_node(nodes):
     (wrapper,) = m.model_options["transformer_options"]["wrappers"]["apply_model"]["attention_dispatch"]
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(3, HEADS * DIM, HEADS * DIM, generator=gen) / (HEADS * DIM) ** 0.5 for _ in range(BLOCKS)]
-    assert prediction.status(m.override.model) == prediction.PENDING
+    assert prediction.status(m.override.config.model) == prediction.PENDING
     reports.clear()
     return m, wrapper, weights, torch.randn(1, TOKENS, HEADS * DIM, generator=gen)
 
@@ -85,7 +85,7 @@ def test_auto_fast_refuses_a_sparse_kernel_that_ruins_the_prediction(nodes):
         second = wrapper(apply_model, x, torch.tensor([0.5]), None, None, None, {"cond_or_uncond": [0]})
         return first, second
     first, second = outer(lambda: sample())
-    verdict = prediction.verdict(override.model)
+    verdict = prediction.verdict(override.config.model)
     assert verdict.status == prediction.REFUSED and verdict.rel_error > 0.5
     assert (verdict.served, verdict.calls) == (BLOCKS, BLOCKS)  # counted by the node's recorder
     # the reference prediction came back, and the next step ran without the sparse kernel
@@ -93,7 +93,7 @@ def test_auto_fast_refuses_a_sparse_kernel_that_ruins_the_prediction(nodes):
         reference = model_function(_exact_override(nodes, exact), weights, comfy_attention)(x, None)
     torch.testing.assert_close(first, reference)
     torch.testing.assert_close(second, reference)
-    rows = {(r["site"], r["served"]): r["calls"] for r in override.recorder.snapshot()["rows"]}
+    rows = {(r["site"], r["served"]): r["calls"] for r in override.config.recorder.snapshot()["rows"]}
     assert {served for _, served in rows} == {sparse, exact}  # the sparse kernel served the candidate forward only
     assert sum(c for (_, served), c in rows.items() if served == sparse) == BLOCKS
     report = reports.latest()["reports"][-1]
@@ -120,15 +120,15 @@ def test_a_trial_the_sparse_kernel_served_no_call_of_decides_nothing_and_is_trie
             for step in range(prediction.MAX_TRIALS + 1):
                 wrapper(apply_model, x, torch.tensor([1.0 - step / 10]), None, None, None, {"cond_or_uncond": [0]})
         m.outer_wrappers()[0](sample)
-    verdict = prediction.verdict(m.override.model)
+    verdict = prediction.verdict(m.override.config.model)
     assert len(forwards) == 2 * prediction.MAX_TRIALS + 1  # a reference and a trial per call, then one forward
-    assert verdict.status == prediction.PENDING == prediction.status(m.override.model)
+    assert verdict.status == prediction.PENDING == prediction.status(m.override.config.model)
     assert (verdict.served, verdict.calls, verdict.trials) == (0, BLOCKS, prediction.MAX_TRIALS)
     report = reports.latest()["reports"][-1]
     assert report["sparse_verdict"]["status"] == "pending"
     assert f"sparse: no verdict yet: the trial forward's {BLOCKS} attention calls got no approximate kernel; not " \
            f"tried again after {prediction.MAX_TRIALS} trials" in report["summary"]
-    assert {row["served"] for row in m.override.recorder.snapshot()["rows"]} == {names[1]}
+    assert {row["served"] for row in m.override.config.recorder.snapshot()["rows"]} == {names[1]}
 
 
 def _exact_override(nodes, exact):
@@ -140,4 +140,4 @@ def test_other_backends_install_no_verdict_wrapper(nodes):
     nodes, (sparse, exact) = nodes
     (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "auto_exact", "fallback", 0.0, 1.0).result
     assert "apply_model" not in m.model_options["transformer_options"].get("wrappers", {})
-    assert prediction.status(m.override.model) is None
+    assert prediction.status(m.override.config.model) is None

@@ -207,7 +207,7 @@ def test_only_approximate_kernels_wait(kernels, tmp_path):
     from dispatcher.support import for_auto
     prediction.require("m-pending")
     call = dispatcher.AttentionInputs.of(1, HEADS, TOKENS, DIM, dtype=torch.float32, device="cpu")
-    assert for_auto("t_sparse_bad", call, exact_only=False, model="m-pending").policy == (
+    assert for_auto("t_sparse_bad", call, exact_only=False, model="m-pending").rules == (
         "an approximate kernel: waits for this model's prediction-level verdict (its first step, judged with and "
         "without approximate kernels)",)
     assert for_auto("t_sparse_bad", call, exact_only=False, model="another").runs

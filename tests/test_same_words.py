@@ -169,10 +169,10 @@ def test_trust_in_the_same_words(register):
 
 def test_the_memory_cap_in_the_same_words(register):
     scores, tiles = register("t_words_scores", quadratic_memory=True), register("t_words_tiles")
-    cap = support.Policy(memory_cap=1024)  # the float32 scores are 1 x 2 x 16 x 16 x 4 bytes = 2 KiB
-    said = the_one(support.why_not(scores, call_inputs(), policy=cap))
+    cap = support.Rules(memory_cap=1024)  # the float32 scores are 1 x 2 x 16 x 16 x 4 bytes = 2 KiB
+    said = the_one(support.why_not(scores, call_inputs(), rules=cap))
     assert said == "it materialises the 2.0 KiB score matrix, over the memory cap of 1.0 KiB"
-    assert support.why_not(tiles, call_inputs(), policy=cap).runs
+    assert support.why_not(tiles, call_inputs(), rules=cap).runs
     record = Tuner(cache_path=None, backends=(scores, tiles), memory_cap_bytes=1024).tune(*tensors())
     by_name = {c.name: c for c in record.candidates}
     assert by_name[scores].reason == f"not run: {said}" and record.chosen == tiles
@@ -180,7 +180,7 @@ def test_the_memory_cap_in_the_same_words(register):
 
 def test_a_ring_mode_without_lse_in_the_same_words(register):
     name = register("t_words_ring", lse=False)
-    said = the_one(support.why_not(name, policy=support.Policy(context_parallel="ring")))
+    said = the_one(support.why_not(name, rules=support.Rules(context_parallel="ring")))
     assert "log-sum-exp" in said and "lse=False" in said
     ring = parallel.ContextParallelConfig(ring_degree=2)
     for refuse in (lambda: parallel.check_backend(name, ring),
@@ -188,7 +188,7 @@ def test_a_ring_mode_without_lse_in_the_same_words(register):
         with pytest.raises(parallel.ContextParallelError) as refused:
             refuse()
         assert said in str(refused.value)
-    assert support.why_not(name, policy=support.Policy(context_parallel="ulysses")).runs  # Ulysses runs anything
+    assert support.why_not(name, rules=support.Rules(context_parallel="ulysses")).runs  # Ulysses runs anything
 
 
 @pytest.mark.parametrize("key", ["window_size", "scale", "no_such_key"])
@@ -211,15 +211,15 @@ def block_mask():
 
 @pytest.mark.parametrize("what", ["BlockMask", "mask and causal"])
 def test_a_call_context_parallelism_cannot_cut_in_the_same_words(register, what):
-    """What no backend can run under context parallelism: why_not's context-parallel policy says it of the call, and
+    """What no backend can run under context parallelism: why_not's context-parallel rule says it of the call, and
     context_parallel_attention refuses it in those words, with a backend or with auto (which why_not cannot name)."""
     name = register(f"t_words_cp_{what.replace(' ', '_')}")
     mask, causal = (block_mask(), False) if what == "BlockMask" else (bool_mask(), True)
     q, k, v = tensors()
     inputs = inputs_module.describe_call(q, k, v, mask, 0.0, causal, None, False, False, "BSHD")
-    (said,) = support.why_not(name, inputs, policy=support.Policy(context_parallel="ulysses")).policy
+    (said,) = support.why_not(name, inputs, rules=support.Rules(context_parallel="ulysses")).rules
     assert ("BlockMask" in said) if what == "BlockMask" else said.startswith("is_causal=True with attn_mask")
-    assert support.why_not(name, inputs).policy == ()  # a plain call: no context-parallel rule applies
+    assert support.why_not(name, inputs).rules == ()  # a plain call: no context-parallel rule applies
     ulysses = parallel.ContextParallelConfig(ulysses_degree=2)
     for backend in (name, "auto"):
         with pytest.raises(parallel.ContextParallelError) as refused:  # before any process group is needed
@@ -230,7 +230,7 @@ def test_a_call_context_parallelism_cannot_cut_in_the_same_words(register, what)
 
 def test_low_precision_refused_in_the_same_words(register):
     name = register("t_words_quantised", quantised=True)
-    said = the_one(support.why_not(name, policy=support.Policy(low_precision=False)))
+    said = the_one(support.why_not(name, rules=support.Rules(low_precision=False)))
     assert said == "a quantised kernel: the call asks for full precision (low_precision_attention=False)"
     notes, recorder = {}, dispatcher.Recorder()
     fn = adapter.make_override(name, recorder=recorder, precision_notes=notes)
@@ -241,21 +241,21 @@ def test_low_precision_refused_in_the_same_words(register):
     assert kept_exact.endswith(f"serves instead: {said}")
     assert any(reason.endswith(said) for row in recorder.snapshot()["rows"] for reason in row["reasons"])
     # auto_exact's rule: the same kind of refusal, in auto's words, from the tuner and why_not alike
-    assert said_by_tuner(name, call_inputs()) == [the_one(support.why_not(name, policy=support.Policy(
+    assert said_by_tuner(name, call_inputs()) == [the_one(support.why_not(name, rules=support.Rules(
         exact_only=True)))]
 
 
-def test_a_policy_never_hides_the_owners_reasons(register):
-    """A policy adds reasons after the machine's, trust's and the call's; it never replaces them (except the
+def test_rules_never_hide_the_owners_reasons(register):
+    """Rules add reasons after the machine's, trust's and the call's; they never replace them (except the
     precision rules, decided by the spec alone before any package is imported)."""
     name = register("t_words_both", requires=(requirements.Package("attn-dispatch-absent-package", "1.0"),),
                     quadratic_memory=True, lse=False)
-    policy = support.Policy(memory_cap=1024, context_parallel="ring")
-    why = support.why_not(name, call_inputs(), policy=policy)
-    assert why.machine == support.why_not(name).machine and len(why.policy) == 2
-    assert why.reasons == list(why.machine) + list(why.policy)
+    rules = support.Rules(memory_cap=1024, context_parallel="ring")
+    why = support.why_not(name, call_inputs(), rules=rules)
+    assert why.machine == support.why_not(name).machine and len(why.rules) == 2
+    assert why.reasons == list(why.machine) + list(why.rules)
     with pytest.raises(dataclasses.FrozenInstanceError):  # a value: hashable, never changed under a caller
-        policy.memory_cap = 1
+        rules.memory_cap = 1
 
 
 def test_the_install_plan_reads_records_that_name_their_requirement(register):

@@ -97,7 +97,7 @@ def run_model(model):
     q, k, v = flat_qkv()
     out = override(comfy_func, q, k, v, 2, transformer_options={})
     torch.testing.assert_close(out, comfy_func(q, k, v, 2), atol=1e-5, rtol=1e-5)
-    rec = override.attention_dispatch["recorder"]
+    rec = override.config.recorder
     (row,) = rec.snapshot()["rows"]
     return row
 

@@ -106,12 +106,12 @@ def test_the_set_node_passes_the_options_to_sol_attn_only(nodes):
     options = kitchen.SolAttnOptions(tau=2.0, min_tokens=0)
     (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "sol_attn", "fallback", 0.0, 1.0,
                                              sparse=options).result
-    assert m.override.sparse == options
+    assert m.override.sparse_options == options
     (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "sol_attn", "fallback", 0.0, 1.0).result
-    assert m.override.sparse == kitchen.SolAttnOptions()  # ComfyUI's node defaults, tau as comfy_kitchen's
+    assert m.override.sparse_options == kitchen.SolAttnOptions()  # ComfyUI's node defaults, tau as comfy_kitchen's
     (m,) = nodes.SetAttentionBackend.execute(node_stub.FakeModel(), "native", "fallback", 0.0, 1.0,
                                              sparse=options).result
-    assert m.override.sparse is None
+    assert m.override.sparse_options is None
 
 
 def test_short_sequences_and_dense_blocks_go_dense_with_the_reason():

@@ -78,7 +78,7 @@ def test_every_kind_of_reason_in_one_fixed_order(custom, untrusted_env):
     assert "native" in semantic  # names the backends that do broadcast
     (kwarg,) = why.attention_kwargs  # softcap is in its signature: honoured
     assert kwarg.startswith("attention_kwargs key 'window_size' is honoured by ") and "flash" in kwarg
-    assert why.policy == () and not why.runs
+    assert why.rules == () and not why.runs
     assert why.reasons == [*why.machine, *why.trust, *why.inputs, *why.semantics, *why.attention_kwargs]
     assert support.reasons(name, describe(q, k, v), attention_kwargs={"window_size": 1}) == why.reasons
 
@@ -228,19 +228,19 @@ def test_auto_decides_again_when_the_same_signature_comes_with_attention_kwargs(
 
 
 def test_autos_own_rules_sit_on_top_of_the_owner(custom):
-    """auto_exact times exact kernels only, and auto never downloads: both are `policy` reasons after the owner's."""
+    """auto_exact times exact kernels only, and auto never downloads: both are `rules` reasons after the owner's."""
     quantised = custom("t_quantised", quantised=True)
     q, k, v = qkv(dtype=torch.float32)
     inputs = describe(q, k, v)
     why = support.for_auto(quantised, inputs, exact_only=True)
-    assert why.policy == ("a quantised kernel: auto_exact runs exact kernels only",)
-    assert why.reasons == support.reasons(quantised, inputs) + list(why.policy)
+    assert why.rules == ("a quantised kernel: auto_exact runs exact kernels only",)
+    assert why.reasons == support.reasons(quantised, inputs) + list(why.rules)
     assert support.for_auto(quantised, inputs, exact_only=False).runs
     hub_kernel = HubKernel("kernels-community/attention-dispatch-test", "attn")
     with dispatcher.trusted_publishers(["kernels-community"]):
         fetchable = custom("t_hub", hub_kernel=hub_kernel)
         why = support.for_auto(fetchable, inputs, exact_only=True)
-        assert why.reasons == [why.policy[0]] and "auto never downloads code" in why.policy[0]
+        assert why.reasons == [why.rules[0]] and "auto never downloads code" in why.rules[0]
         assert support.for_auto(fetchable, inputs, exact_only=True, fetched={hub_kernel.repo_id}).runs
         assert support.trust_decides(fetchable, why, exact_only=True)
     assert not support.trust_decides(quantised, why, exact_only=True)  # not a Hub kernel

@@ -264,7 +264,7 @@ export function summarizeReport(report) {
     calls += n;
     const entry = served.get(row.served) ?? { calls: 0, sites: new Map() };
     entry.calls += n;
-    const kind = siteKind(row.site);  // "self #5" -> "self": a model of 30 blocks is one entry
+    const kind = siteKind(row.block ?? { kind: row.site });  // block 5's row -> "self": 30 blocks are one entry
     const site = entry.sites.get(kind) ?? { calls: 0, blocks: new Set() };
     site.calls += n;
     site.blocks.add(String(row.site));
@@ -350,9 +350,11 @@ function strings(list) {
   return Array.isArray(list) ? list.map(String) : [];
 }
 
-/** A call site without its block: "self #5" -> "self" (nodes/reports.py site_kind). */
-export function siteKind(site) {
-  return String(site ?? "").replace(/ #[\d.]+$/, "");
+/** A row's kind of block, without its number, from the fields the report carries beside the site's text
+ * ({kind: "self", stream: "double", index: 5} -> "double.self", as nodes/reports.py site_kind writes it). */
+export function siteKind(block) {
+  const kind = String(block?.kind ?? "");
+  return block?.stream != null ? `${block.stream}.${kind}` : kind;
 }
 
 /** The report's quality-guard results ({site, backend, checks, max_error, failures: [{reason, replacement}],

@@ -137,6 +137,9 @@ def _resolver(exact: bool):
 
 # Inside torch.compile both decide at run time in one opaque op (their verdicts need the live values; measured on
 # the H200, the op costs nothing in a compiled WAN step and keeps it free of graph breaks).
-registry.add_resolver(AUTO_EXACT, _resolver(exact=True), needs_live_values=True)
+# Each names auto_exact as its exact twin (auto_exact itself: it picks exact kernels only), what a call that must
+# stay exact asks instead (decisions.under_rules).
+registry.add_resolver(AUTO_EXACT, _resolver(exact=True), needs_live_values=True, exact_twin=AUTO_EXACT)
 registry.add_resolver(AUTO_FAST, _resolver(exact=False), needs_live_values=True, exact_twin=AUTO_EXACT)
-registry.add_resolver(AUTO, _resolver(exact=True), needs_live_values=True)  # the older name: the same as auto_exact
+registry.add_resolver(AUTO, _resolver(exact=True), needs_live_values=True,  # the older name: the same as auto_exact
+                      exact_twin=AUTO_EXACT)

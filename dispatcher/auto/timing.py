@@ -115,7 +115,7 @@ class Timing:
         rows = sample_rows(run_sig.len_q, self.validation_rows)
         with torch.no_grad():
             ref_out, ref_lse = exact_attention(q, k, v, mask, run_sig.is_causal, attention_call.scale, layout, rows)
-        within_cap = support.Policy(memory_cap=cap)
+        within_cap = support.Rules(memory_cap=cap)
         by_name = {c.name: c for c in record.candidates}
         trial = not record.exact and prediction.status(record.model) == prediction.TRIAL
         calls = {}  # name -> its call on these inputs, for the final round
@@ -137,7 +137,7 @@ class Timing:
             known = result.status in ("valid", "rejected")  # this model's verdict, from disk
             if known and (result.status == "rejected" or result.median_ms is not None):
                 continue
-            over_cap = support.why_not(name, run_sig, policy=within_cap).policy
+            over_cap = support.why_not(name, run_sig, rules=within_cap).rules
             if over_cap:
                 result.reason = "not run: " + "; ".join(over_cap)
                 continue

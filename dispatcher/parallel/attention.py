@@ -71,8 +71,8 @@ def backends_for(mode: str) -> list[str]:
 
 def check_backend(name: str, config: ContextParallelConfig) -> None:
     """Raise ContextParallelError when `name` cannot be the local kernel of `config`'s mode (`support.why_not`'s
-    context-parallel policy: the ring modes need its LSE)."""
-    refused = support.why_not(name, policy=support.Policy(context_parallel=config.mode)).policy
+    context-parallel rule: the ring modes need its LSE)."""
+    refused = support.why_not(name, rules=support.Rules(context_parallel=config.mode)).rules
     if not refused:
         return
     able = backends_for(config.mode)

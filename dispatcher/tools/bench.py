@@ -288,14 +288,14 @@ def _inputs_of(shape: BenchShape, dtype, device) -> AttentionInputs:
                               device=str(device))
 
 
-def _memory_policy(device, dtype) -> support.Policy | None:
+def _memory_rule(device, dtype) -> support.Rules | None:
     """The bench's memory cap: a kernel that materialises the scores holds them in the input dtype about three
     times over (scores, softmax, a copy), within half the free GPU memory; as a cap on the float32 score matrix
     (`support.score_matrix_bytes`). None off CUDA (no cap)."""
     if device.type != "cuda":
         return None
     free = torch.cuda.mem_get_info(device)[0]
-    return support.Policy(memory_cap=2 * free // (3 * torch.empty((), dtype=dtype).element_size()))
+    return support.Rules(memory_cap=2 * free // (3 * torch.empty((), dtype=dtype).element_size()))
 
 
 def _backends_for(shape: BenchShape, dtype, device, wanted: list[str] | None):
@@ -328,7 +328,7 @@ def bench_shape(shape: BenchShape, *, dtype, device, backends=None, warmup=2, ru
     names, missing = _backends_for(shape, dtype, device, backends)
     result = {"name": shape.name, "label": shape.label, "B": b, "H": h, "Lq": lq, "Lk": lk, "D": d,
               "flops": shape.flops(), "rows": [], "skipped": missing}
-    inputs, memory = _inputs_of(shape, dtype, device), _memory_policy(device, dtype)
+    inputs, memory = _inputs_of(shape, dtype, device), _memory_rule(device, dtype)
     with torch.no_grad():
         for name in names:
             spec = registry.get(name)
@@ -341,7 +341,7 @@ def bench_shape(shape: BenchShape, *, dtype, device, backends=None, warmup=2, ru
                    "valid": False, "peak_mb": None,
                    "ratio_to_best": None, "direct_ms": None, "dispatch_vs_direct": None, "error": None}
             result["rows"].append(row)
-            over_cap = support.why_not(name, inputs, policy=memory).policy if memory is not None else ()
+            over_cap = support.why_not(name, inputs, rules=memory).rules if memory is not None else ()
             if over_cap:
                 row["error"] = "skipped: " + "; ".join(over_cap)
                 continue

@@ -15,12 +15,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_the_bench_skips_scores_over_its_cap_in_why_nots_words():
     device = torch.device("cuda")
     shape = bench.BenchShape("huge", "1x24x40960 d128", 1, 24, 40960, 128)  # float32 scores: 150 GiB
-    policy = bench._memory_policy(device, torch.bfloat16)
-    assert policy is not None and policy.memory_cap < 150 << 30
+    rule = bench._memory_rule(device, torch.bfloat16)
+    assert rule is not None and rule.memory_cap < 150 << 30
     result = bench.bench_shape(shape, dtype=torch.bfloat16, device=device, backends=["_native_math"], auto=False,
                                runs=1, warmup=0, log=lambda *a, **k: None)
     (row,) = result["rows"]
-    said = support.why_not("_native_math", bench._inputs_of(shape, torch.bfloat16, device), policy=policy).policy
+    said = support.why_not("_native_math", bench._inputs_of(shape, torch.bfloat16, device), rules=rule).rules
     assert said and said[0].startswith("it materialises the 150.0 GiB score matrix, over the memory cap of ")
     # the cap is read from the free memory when the row is made: the words up to it are why_not's
     assert row["error"].startswith("skipped: it materialises the 150.0 GiB score matrix, over the memory cap of ")

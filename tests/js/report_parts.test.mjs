@@ -56,8 +56,9 @@ describe("the quality guard on the node", () => {
   });
 
   test("blocks: the badge names the caught one, passed ones fold into one line, Ran folds them too", () => {
-    const rows = [...Array(30).keys()].map((i) => ({ site: `self #${i}`, requested: "sage",
-      served: i === 5 ? "native" : "sage", calls: 20, fell_back: i === 5, reasons: i === 5 ? ["quality guard"] : [] }));
+    const rows = [...Array(30).keys()].map((i) => ({ site: `self #${i}`, block: { kind: "self", stream: null, index: i,
+      inner: null }, requested: "sage", served: i === 5 ? "native" : "sage", calls: 20, fell_back: i === 5,
+      reasons: i === 5 ? ["quality guard"] : [] }));
     const blocks = [
       { site: "self #5", backend: "sage", checks: 1, max_error: null, blocks: 1,
         failures: [{ reason: "relative error 4.9e-01", replacement: "fa3" }] },
@@ -69,7 +70,8 @@ describe("the quality guard on the node", () => {
     assert.ok(s.lines.some((l) => l.startsWith("\u26a0 Quality guard caught sage at self #5: relative error")));
     assert.ok(s.lines.includes("Ran: sage \u2014 580 calls (self 580 in 29 blocks)"), s.lines);
     assert.ok(s.lines.includes("Ran: native \u2014 20 calls (self 20 at self #5)"), s.lines);
-    assert.equal(siteKind("input.self #4.1"), "input.self");
+    assert.equal(siteKind({ kind: "self", stream: "input", index: 4, inner: 1 }), "input.self");
+    assert.equal(siteKind({ kind: "cross", stream: null, index: null, inner: null }), "cross");
     assert.equal(mergeReports([report(rows, { guard: blocks }), report(rows, { guard: blocks })]).guard
       .find((g) => g.site === "self").blocks, 29);
   });

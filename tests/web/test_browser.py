@@ -497,6 +497,11 @@ def test_report_badge_after_a_prompt(ui):
                for line in fell["summary"]["lines"]), fell["summary"]["lines"]
     assert ok["summary"]["served"] == {"native": ok["summary"]["calls"]} and ok["summary"]["level"] == "ok"
     assert ok["badge"] == f"\u2713 native \u00b7 {ok['summary']['calls']} calls"
+    # the panel folds the blocks by kind from the fields each row carries ("self 4 in 2 blocks"), not by their text
+    (ran,) = [line for line in ok["summary"]["lines"] if line.startswith("Ran: native")]
+    entries = ran.split("(", 1)[1].rstrip(")").split(", ")
+    assert sorted(e.split(" ")[0] for e in entries) == ["cross", "self"], ran
+    assert not any("#" in e.split(" at ")[0] for e in entries), ran  # no block left unfolded
     clip = ui.node_state(f"{APP}.graph.getNodeById(21)")  # from its `executed` text (no report message for TEs)
     assert clip["badge"].startswith("\u2713 native: patched 2"), clip
 
