@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 import torch
 
 from .checks import check_site
+from .inputs import DEFAULT_CALL_SITE
 from .rules import Rules, call_rules
 
-DEFAULT_CALL_SITE = "attention"  # the site of a caller that names no block
 
 
 # Each distinct key part -> its int. Ints are never reused: once the table is cleared (past _MAX_KEYS parts), a part

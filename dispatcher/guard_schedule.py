@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from .call import DEFAULT_CALL_SITE
+from .inputs import DEFAULT_CALL_SITE
 
 SHARED_SITE = DEFAULT_CALL_SITE  # "attention": the site of a caller that named no block
 MIN_PRIME = 128  # the shared schedule's prime exceeds it: every number of blocks up to it is covered

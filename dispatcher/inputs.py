@@ -15,6 +15,7 @@ from .machine import device_kind
 from .masks import mask_kind
 
 LAYOUTS = ("BSHD", "BHSD")
+DEFAULT_CALL_SITE = "attention"  # the site of a caller that names no block (several blocks may share it)
 
 
 @dataclass(frozen=True)
