@@ -85,9 +85,10 @@ def _groups(q: torch.Tensor, heads_kv: int) -> torch.Tensor:
 def reference_one(x: torch.Tensor, heads_kv: int, smooth: str, compute=torch.float64
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`quantise_kernel.quantise_one` in torch ops, in `compute` precision: (e4m3 (B, L, H, D), float32 descale
-    (B, Hk), float32 shift (B, Hk, D) or None; `smooth`: "none", "mean" or "offsets"). The descale is rounded to
-    float32 before the values are divided by it (the kernel gets that float32), so e4m3 value * descale is what the
-    kernel computes with."""
+    (B, Hk), float32 shift (B, Hk, D) or None; `smooth`: "none", "mean" or "offsets"). The shift and the descale
+    are rounded to float32 before they are used (the kernel computes with, and hands back, those float32s), so
+    e4m3 value * descale + shift is what the caller reconstructs. torch rounds the float64 quotient to float32 and
+    that to e4m3 (ties to even): the kernel's correctly rounded float32 division and rounding give the same e4m3."""
     mode = quantise_kernel.SMOOTHING[smooth]
     grouped = _groups(x, heads_kv)  # (B, L, Hk, G, D)
     low, high = torch.aminmax(grouped, dim=1, keepdim=True)
@@ -95,7 +96,8 @@ def reference_one(x: torch.Tensor, heads_kv: int, smooth: str, compute=torch.flo
     shift = grouped.mean(dim=1, keepdim=True, dtype=compute) if mode else None  # (B, 1, Hk, G, D)
     if mode == quantise_kernel.SMOOTHING["offsets"]:
         shift = torch.where(shift.abs() * quantise_kernel.OFFSET_SHARE > high - low, shift, 0.0)
-    if shift is not None:
+    if shift is not None:  # the float32 shift handed back (and added back / put in the LSE) is the one subtracted
+        shift = shift.float().to(compute)
         low, high = low - shift, high - shift
     descale = (torch.maximum(high, -low).amax(dim=(1, 3, 4)) / E4M3_MAX).clamp_min(_TINY).float()  # (B, Hk)
     centred = grouped.to(compute) if shift is None else grouped.to(compute) - shift

@@ -9,9 +9,16 @@
 
 Read twice (a head's scale must be known before any of its values is cast, and FlashAttention-3 takes one scale per
 head: no single pass can know it), written once in e4m3: 5 bytes per bf16 value against the torch path's ~19. Runs
-and tiles are sized from the GPU's SM count so that every SM streams (16 programs per SM in the first launch). Same
-numbers as the float64 reference (`quantise.reference_one`) but for values within float32 rounding of an e4m3
-rounding midpoint: one step, in about 1 value in 10^5 (tests/test_fp8_kernel.py, under Triton's CPU interpreter).
+and tiles are sized from the GPU's SM count so that every SM streams (16 programs per SM in the first launch).
+
+Same numbers as the float64 reference (`quantise.reference_one`): Q's exactly, K's and V's but where the float32
+sums give a channel's mean another float32 than the float64 mean rounds to (then values within that ulp of an e4m3
+midpoint move one step). Every division is correctly rounded (`div_rn`; Triton's `/` is the approximate
+`div.full.f32` on NVIDIA GPUs, up to 2 ulp off) and the cast divides by the descale rather than multiplying by its
+reciprocal: a bf16 value over a bf16 head maximum / 448 lands exactly on an e4m3 midpoint far more often than
+chance (448 = 7 * 2^6, so 448 x / max is a short binary fraction wherever the maximum's 8-bit significand
+divides 7 * 2^k times x's: up to 6% of a head's values), where the correctly rounded quotient rounds to even as torch's cast does, but x * (1 / d) lands an ulp to
+either side (0.02-0.13% of Q's values differed, emulated at Flux's shape; 0.1% on an H100 on 2026-12-06).
 
 The rounding to e4m3 is done in float32 arithmetic (round-to-nearest-even on the e4m3 grid, then saturated to
 +-448), so the final cast is exact: Triton's CPU interpreter (3.6 to 3.9) rounds fp32 -> e4m3 wrongly where the
@@ -156,12 +163,12 @@ if triton is not None:
                     total += tl.sum(tl.load(sum_ptr + at, mask=ok, other=0.0), 0)
             shift = tl.zeros((BLOCK_D,), dtype=tl.float32)
             if SMOOTH > 0:
-                shift = total / length
+                shift = tl.math.div_rn(total, length.to(tl.float32))
                 if SMOOTH == 2:  # offsets only
                     shift = tl.where(tl.abs(shift) * OFFSET_SHARE_C > tl.where(d_ok, high - low, 0.0), shift, 0.0)
                 tl.store(shift_ptr + bj * dim + d, shift, mask=d_ok)
             largest = tl.maximum(largest, tl.where(d_ok, tl.maximum(high - shift, shift - low), 0.0))
-        tl.store(descale_ptr + bj, tl.maximum(tl.max(largest, 0) / 448.0, 1e-12))
+        tl.store(descale_ptr + bj, tl.maximum(tl.math.div_rn(tl.max(largest, 0), 448.0), 1e-12))
 
     @triton.jit
     def _e4m3_grid(y):
@@ -183,7 +190,7 @@ if triton is not None:
         bj = b * (heads // group) + h // group
         d = tl.arange(0, BLOCK_D)
         d_ok = d < dim
-        inv = 1.0 / tl.load(descale_ptr + bj)
+        descale = tl.load(descale_ptr + bj)
         shift = tl.zeros((BLOCK_D,), dtype=tl.float32)
         if SHIFT:
             shift = tl.load(shift_ptr + bj * dim + d, mask=d_ok, other=0.0)
@@ -191,6 +198,6 @@ if triton is not None:
         ok = (tok < length)[:, None] & d_ok[None, :]
         x = tl.load(x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + tok.to(tl.int64)[:, None] * sxl
                     + d[None, :] * sxd, mask=ok, other=0.0)
-        y = _e4m3_grid((x.to(tl.float32) - shift[None, :]) * inv)
+        y = _e4m3_grid(tl.math.div_rn(x.to(tl.float32) - shift[None, :], descale))
         tl.store(out_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh + tok.to(tl.int64)[:, None] * sol + d[None, :],
                  y.to(tl.float8e4nv), mask=ok)
