@@ -612,7 +612,9 @@ function addPanelWidget(node, st) {
     type: PANEL_WIDGET,
     value: "",
     serialize: false, // not in the saved workflow's widgets_values
-    options: { serialize: false, canvasOnly: false }, // nor in the prompt
+    // nor in the prompt; drawn in Nodes 2.0 (canvasOnly false), not listed as a parameter in the properties panel
+    // (1.53+: hideInPanel)
+    options: { serialize: false, canvasOnly: false, hideInPanel: true },
     computeSize(width) {
       if (!vueMode()) return [0, -4]; // LiteGraph's "takes no room" (it adds 4 px of margin per widget)
       try {

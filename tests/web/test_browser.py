@@ -673,6 +673,29 @@ def test_refused_prompt_names_the_widget_at_fault(ui):
     _idle(ui.comfy)
 
 
+def test_the_panel_is_no_parameter(ui):
+    """The panel under the widgets is the extension's own widget: the properties panel (1.53 on) lists the node's
+    inputs, not it (issue #48: 1.53 listed "attention_dispatch_panel" with a menu and no control)."""
+    toggle = "[aria-label='Toggle properties panel']"
+    if not ui.js(f"() => !!document.querySelector({toggle!r})"):
+        pytest.skip(f"frontend {ui.frontend.version} has no properties panel")
+    node_id = ui.add_node()
+    if ui.mode == "nodes2":  # the page's node: a click on its title selects it
+        ui.page.locator(f"[data-node-id='{node_id}']").get_by_text("Set Attention Backend").first.click()
+    else:
+        ui.js(f"() => {{ {APP}.canvas.selectNode(window.__adNode); }}")
+    ui.page.click(toggle)
+    panel = "[data-testid=properties-panel]"
+    try:
+        ui.page.wait_for_function(f"() => document.querySelector({panel!r})?.innerText.includes('quality_guard')",
+                                  timeout=10000)
+        listed = ui.js(f"() => document.querySelector({panel!r}).innerText")
+        _artifact(ui, f"parameters-{ui.tag}.png")
+        assert "guard_every" in listed and "attention_dispatch_panel" not in listed, listed
+    finally:
+        ui.page.click(toggle)
+
+
 def test_no_errors_from_the_extension(ui):
     ours = [e for e in ui.errors if "attention_dispatch" in e or "attention-dispatch" in e]
     warnings = [m for m in ui.logs if m.startswith(("warning:", "error:")) and "[attention dispatch]" in m]
