@@ -18,6 +18,7 @@ from .hub import KernelLoadError
 from .inputs import AttentionInputs
 from .machine import current_machine
 from .log import logger
+from .report import fallback_text
 
 
 # The exact end of every chain: SDPA, then its math kernel (which runs anything SDPA accepts).
@@ -101,6 +102,7 @@ def exact_stand_in(name: str, inputs: AttentionInputs | None = None, *, exact: s
 def _labelled(name: str, reason: str) -> str:
     # Some reasons already start with the backend's name (a kernel's own error): never "sage: sage: ...".
     return reason if reason.startswith((f"{name}:", f"{name} ", f"'{name}'")) else f"{name}: {reason}"
+
 
 
 class DecisionKey(NamedTuple):
@@ -232,7 +234,7 @@ def log_once(requested: str, served: str, reasons: tuple[str, ...]) -> None:
     if key in _logged:
         return
     _logged.add(key)
-    logger.warning("attention backend '%s' fell back to '%s': %s", requested, served, "; ".join(reasons))
+    logger.warning("attention backend '%s' fell back to '%s': %s", requested, served, fallback_text(requested, reasons))
 
 
 def demote(decision: Decision, name: str, reason: str) -> None:
