@@ -6,6 +6,7 @@ from comfy_api.latest import io
 
 from ..dispatcher import (TRUSTED_PUBLISHERS, Recorder, availability_reasons, backend_names, get_backend_spec,
                           trusted_publishers)
+from ..dispatcher.registry import is_variant
 from ..dispatcher import env as _env
 from ..dispatcher.auto import FAST_BOUND, log_summary
 from ..dispatcher.guard import DEFAULT_EVERY
@@ -50,7 +51,7 @@ def backend_options() -> list[str]:
     web extension heads each group with its reason). Private `_` names (a kernel variant an auto or a fallback
     chain picks) are not listed; they, and `auto` (= auto_exact, older workflows), are still accepted
     (`accepted_backends`)."""
-    public = [name for name in backend_names() if not name.startswith("_")]
+    public = [name for name in backend_names() if not is_variant(name)]
     runs, cannot = [], {}
     for name in public:
         if availability_reasons(name):
@@ -63,7 +64,7 @@ def backend_options() -> list[str]:
 def accepted_backends() -> list[str]:
     """Valid values the dropdown does not list: `auto`, every private `_` backend (typed, or in a workflow) and
     ComfyUI's own attention names (nodes/comfy_names.py: resolved or explained when queued)."""
-    return [AUTO, *comfy_names.COMFY_NAMES] + [name for name in backend_names() if name.startswith("_")]
+    return [AUTO, *comfy_names.COMFY_NAMES] + [name for name in backend_names() if is_variant(name)]
 
 
 def unavailable_message(backend: str, policy: str) -> str | bool:
