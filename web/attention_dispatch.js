@@ -702,6 +702,39 @@ function onExecuted(detail) {
   refreshNode(node);
 }
 
+// ---- the sampler after tuning's progress text -------------------------------------------------------------------
+
+// The frontend shows progress text in a widget it adds to the node (the sampler, while auto tunes) and removes when
+// the run ends, without giving the node back the height the widget took (1.58 classic: 45 px blank). The server
+// names the node before its first text (attention_dispatch.tuning); its height then is kept here until the text is
+// gone, and given back.
+const TEXT_PREVIEW_WIDGET = "$$node-text-preview";
+const heightsBeforeText = new Map(); // node -> its height before the text
+
+function onTuning(detail) {
+  const node = detail?.node == null ? null : resolveNode(app.graph, detail.node);
+  if (!node || heightsBeforeText.has(node) || widgetNamed(node, TEXT_PREVIEW_WIDGET)) return;
+  heightsBeforeText.set(node, node.size[1]);
+}
+
+/** After a run: once the frontend has removed the text (it does when the run's job resets), the height back. */
+function giveBackHeights() {
+  const started = performance.now();
+  const check = guard("text height", () => {
+    for (const [node, before] of heightsBeforeText) {
+      if (widgetNamed(node, TEXT_PREVIEW_WIDGET)) continue;
+      heightsBeforeText.delete(node);
+      const fits = Math.max(before, node.computeSize?.()?.[1] ?? before);
+      if (node.size?.[1] > fits + 1) {
+        node.setSize?.([node.size[0], fits]);
+        redraw(node);
+      }
+    }
+    if (heightsBeforeText.size && performance.now() - started < 5000) setTimeout(check, 100);
+  });
+  setTimeout(check, 0);
+}
+
 // ---- a refused prompt ----------------------------------------------------------------------------------
 
 /** The names an error of node `id` can be about: its inputs (slots) and widgets. */
@@ -839,6 +872,10 @@ const extension = {
     addStyle();
     api.addEventListener(EVENT, guard("report", (e) => onReport(e.detail)));
     api.addEventListener("executed", guard("executed", (e) => onExecuted(e.detail)));
+    api.addEventListener("attention_dispatch.tuning", guard("tuning", (e) => onTuning(e.detail)));
+    for (const end of ["execution_success", "execution_error", "execution_interrupted"]) {
+      api.addEventListener(end, guard("run end", () => giveBackHeights()));
+    }
     placeQueueErrors();
     loadBackends();
   }),
