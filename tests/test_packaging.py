@@ -103,7 +103,7 @@ def test_the_pack_archive_leaves_out_tests_and_bench_data():
     for kept in ("__init__.py", "nodes/model_nodes.py", "web/attention_dispatch.js", "dispatcher/dispatch.py",
                  "install.py", "requirements.txt", "example_workflows/Set Attention Backend.json",
                  "example_workflows/Set Attention Backend.jpg", "locales/en/main.json", "README.md",
-                 "docs/2026-12-05-web-extension.png", "pyproject.toml", "LICENSE"):
+                 "docs/2026-12-06-web-extension.png", "pyproject.toml", "LICENSE"):
         assert not spec.match_file(kept), kept
 
 

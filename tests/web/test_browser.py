@@ -673,6 +673,28 @@ def test_refused_prompt_names_the_widget_at_fault(ui):
     _idle(ui.comfy)
 
 
+def test_the_badge_says_who_served_how_many(ui):
+    """Two kernels served one node's calls (native in its step window 0.5..1, ComfyUI's own attention before it):
+    the badge names each with its calls, never "native +1" (issue #48), on the canvas and in the page alike."""
+    prompt = {k: v for k, v in wan_prompt(["native"]).items() if k not in ("20", "21", "22", "23")}
+    prompt["100"]["inputs"].update(start_percent=0.5, end_percent=1.0)
+    _idle(ui.comfy)
+    ui.js(f"""async (p) => {{ const app = {APP}; await app.loadApiJson(p, 'attention_dispatch_two_kernels');
+        await app.queuePrompt(0, 1); }}""", prompt)
+    ui.page.wait_for_function(f"() => {APP}.graph.getNodeById(100)?.attention_dispatch?.summary", timeout=120000)
+    st = ui.node_state(f"{APP}.graph.getNodeById(100)")
+    served = sorted(st["summary"]["served"].items(), key=lambda kv: -kv[1])
+    assert len(served) == 2 and served[0][0] in ("native", *[n for n, _ in served if n.startswith("comfy")]), served
+    mark = "\u2713 " if st["summary"]["level"] == "ok" else "\u26a0 "  # outside its window: a fallback, warned
+    assert st["badge"] == mark + " \u00b7 ".join(f"{name} {n}" for name, n in served), (st["badge"], served)
+    _show_node_100(ui)
+    if ui.mode == "nodes2":
+        shown = ui.js("() => document.querySelector(\"[data-node-id='100']\").innerText")
+        assert st["badge"] in shown, shown
+    _artifact(ui, f"badge-two-kernels-{ui.tag}.png")
+    _idle(ui.comfy)
+
+
 def test_the_sampler_gets_its_height_back_after_tuning(ui):
     """auto_exact tunes in the sampler's first steps and shows its progress as text on the sampler: the frontend adds
     a widget for it that makes the node taller and, at the end of the run (1.58; 1.27 and 1.53 keep the text until

@@ -92,10 +92,11 @@ def _open(sync_api, comfy, profile, mode):
     p.on("pageerror", lambda e: p.errors.append(f"{e}\n{getattr(e, 'stack', '')}"[:2000]))
     p.goto(comfy.url)
     # the node types registered too: a graph loaded before them has every node "missing"
-    p.wait_for_function(f"() => !!{APP}?.graph && !!{APP}?.canvas && "
+    p.wait_for_function(f"() => {{ try {{ return !!{APP}?.graph && !!{APP}?.canvas && "
                         f"{APP}.extensions?.some((e) => e.name === 'attention_dispatch') && "
                         "!!window.LiteGraph?.registered_node_types?.SetAttentionBackend && "
-                        "!!window.LiteGraph?.registered_node_types?.KSampler", timeout=90000)
+                        "!!window.LiteGraph?.registered_node_types?.KSampler; } catch { return false; } }",
+                        timeout=90000)  # comfyAPI is not there at first
     p.wait_for_timeout(1000)
     # the frontend's own start-up error (1.27.10: CORE_SETTINGS.forEach in GraphView) is not the examples'
     p.errors = [e for e in p.errors if "GraphView" not in e]
@@ -186,12 +187,12 @@ def overlaps(nodes: list[dict]) -> list[tuple[str, str]]:
 def fit_view(page) -> None:
     """The whole graph in the window, the way extra.ds is shipped (so a screenshot shows what a user sees)."""
     page.evaluate(f"""() => {{ const app = {APP}; const t = LiteGraph.NODE_TITLE_HEIGHT;
-        const ns = app.graph._nodes; const pad = 40;
+        const ns = app.graph._nodes; const pad = 40, left = 90, top = 100;  // clear of the side bar and top bar
         const x0 = Math.min(...ns.map((n) => n.pos[0])), y0 = Math.min(...ns.map((n) => n.pos[1] - t));
         const x1 = Math.max(...ns.map((n) => n.pos[0] + n.size[0])), y1 = Math.max(...ns.map((n) => n.pos[1] + n.size[1]));
         const c = app.canvas.canvas.getBoundingClientRect();
-        const scale = Math.min(1, (c.width - 2 * pad) / (x1 - x0), (c.height - 2 * pad) / (y1 - y0));
-        app.canvas.ds.scale = scale; app.canvas.ds.offset = [pad / scale - x0, pad / scale - y0];
+        const scale = Math.min(1, (c.width - left - pad) / (x1 - x0), (c.height - top - pad) / (y1 - y0));
+        app.canvas.ds.scale = scale; app.canvas.ds.offset = [left / scale - x0, top / scale - y0];
         app.canvas.setDirty(true, true); }}""")
     page.wait_for_timeout(400)
 
@@ -205,8 +206,14 @@ def lay_out(page) -> dict:
         const t = LiteGraph.NODE_TITLE_HEIGHT;
         const frames = async (k) => {{ for (let i = 0; i < k; i++) await new Promise((r) => requestAnimationFrame(r)); }};
         const ns = [...g._nodes];
-        const least = (n) => {{ const m = n.computeSize(); return [Math.max(320, m[0], n.type === 'Note' ? 320 : 0),
-                                                                    Math.max(m[1], n.type === 'Note' ? 150 : 0)]; }};
+        // a Note as tall as its text (up to 7 px a character, 16 px a line: Nodes 2.0's box, the smaller), so it
+        // reads without scrolling
+        const noteHeight = (n) => {{ const perLine = Math.floor((360 - 60) / 7);
+            const lines = String(n.widgets?.[0]?.value ?? '').split('\\n')
+                .reduce((k, par) => k + Math.max(1, Math.ceil(par.length / perLine)), 0);
+            return 60 + 16 * lines; }};
+        const least = (n) => {{ const m = n.computeSize(); return [Math.max(320, m[0], n.type === 'Note' ? 360 : 0),
+                                                                    Math.max(m[1], n.type === 'Note' ? noteHeight(n) : 0)]; }};
         for (const n of ns) n.setSize(least(n));
         app.canvas.setDirty(true, true);
         await frames(6);
@@ -409,7 +416,7 @@ def _badge_says_who_served(page) -> None:
     page.screenshot(path=str(ARTIFACTS / f"badge-{page.tag}.png"))
 
 
-README_PICTURE = ROOT / "docs" / "2026-12-05-web-extension.png"
+README_PICTURE = ROOT / "docs" / "2026-12-06-web-extension.png"
 
 
 def _readme_picture(page) -> None:
