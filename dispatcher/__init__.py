@@ -28,7 +28,7 @@ from .inputs import AttentionInputs
 from .hub import KernelLoadError, LoadedKernel, loaded_kernels
 from .machine import Machine, current_machine, detect, use_machine
 from .masks import register_mask_format
-from .registry import BackendUnavailableError, UnknownBackendError, register_backend
+from .registry import BackendUnavailableError, UnknownBackendError, is_variant, register_backend
 from . import registry as _registry
 from .registry import get as get_backend_spec
 from .registry import names as backend_names
@@ -59,5 +59,5 @@ __all__ = [
     # a call kept exact, and what kept it (the ComfyUI override's low_precision_attention=False)
     "Rules", "UnderRules", "kept_exact",
     # what a host (the ComfyUI nodes) reads besides the entry
-    "checks", "env", "log", "prediction", "prediction_trial", "reference", "installing_helps", "rotation_text",
+    "checks", "env", "log", "prediction", "prediction_trial", "reference", "installing_helps", "is_variant", "rotation_text",
 ]

@@ -19,6 +19,7 @@ from .inputs import AttentionInputs
 from .rules import call_rules
 from .machine import current_machine
 from .log import logger
+from .report import fallback_text
 
 
 # The exact end of every chain: SDPA, then its math kernel (which runs anything SDPA accepts).
@@ -138,6 +139,7 @@ def under_rules(requested: str, rules, inputs: AttentionInputs | None = None) ->
 def _labelled(name: str, reason: str) -> str:
     # Some reasons already start with the backend's name (a kernel's own error): never "sage: sage: ...".
     return reason if reason.startswith((f"{name}:", f"{name} ", f"'{name}'")) else f"{name}: {reason}"
+
 
 
 class DecisionKey(NamedTuple):
@@ -273,7 +275,7 @@ def log_once(requested: str, served: str, reasons: tuple[str, ...]) -> None:
     if key in _logged:
         return
     _logged.add(key)
-    logger.warning("attention backend '%s' fell back to '%s': %s", requested, served, "; ".join(reasons))
+    logger.warning("attention backend '%s' fell back to '%s': %s", requested, served, fallback_text(requested, reasons))
 
 
 def demote(decision: Decision, name: str, reason: str) -> None:

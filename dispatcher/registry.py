@@ -124,6 +124,13 @@ def resolver_names() -> list[str]:
     return list(_resolvers)
 
 
+def is_variant(name: str) -> bool:
+    """A kernel variant: a name starting with '_' (SDPA's pinned kernels `_native_flash`, `_native_math`, ...;
+    `_flash_3`), what `auto` times and a fallback chain picks. Hosts leave it out of their menus (the nodes'
+    dropdown) and take it by name (the library's backend=, an API prompt)."""
+    return name.startswith("_")
+
+
 def is_known(name) -> bool:
     """A registered backend or a pseudo-backend that picks one."""
     return isinstance(name, str) and (name in _specs or name in _resolvers)

@@ -131,7 +131,7 @@ class Recorder:
         for row in snap["rows"]:
             line = f"  {row['site']}: {row['served']} served {counted(row['calls'], 'call')}"
             if row["fell_back"]:
-                line += f" (asked for {row['requested']}: {'; '.join(row['reasons']) or 'fell back'})"
+                line += f" (asked for {row['requested']}: {fallback_text(row['requested'], row['reasons']) or 'fell back'})"
             lines.append(line)
         for err in snap["errors"]:
             lines.append(f"  {err['site']}: {err['backend']} failed: {err['error']}")
@@ -150,6 +150,25 @@ class Recorder:
                          f"{sized['interval']} of each block, sized on this machine (call {sized['call_ms']:.3g} ms, "
                          f"check {sized['check_ms']:.3g} ms, {counted(sized['timed_checks'], 'timed check')})")
         return "\n".join(lines)
+
+
+def fallback_text(requested: str, reasons) -> str:
+    """The reasons of a fallback (`decisions.Decision.reasons_for`'s 'name: reason') as one text after "asked for <requested>":
+    each backend's name once, before its first reason, and `requested`'s not at all when its reasons lead (the
+    sentence has just named it): "needs an NVIDIA CUDA GPU; this machine has a CPU; sage_hub: ...", never "asked for
+    sage: sage: ...; sage: ..."."""
+    parts, last = [], None
+    for reason in reasons:
+        name, labelled, text = str(reason).partition(": ")
+        if not labelled or not registry.is_known(name):
+            part, last = str(reason), None
+        elif name == last or (name == requested and not parts):
+            part, last = text, name
+        else:
+            part, last = reason, name
+        if part not in parts:
+            parts.append(part)
+    return "; ".join(parts)
 
 
 def rotation_text(every: int) -> str:

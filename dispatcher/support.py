@@ -9,6 +9,8 @@
 `why_not(name)` answers for the machine alone (the nodes' dropdown and queue-time check, the install plan,
 `validate_backend`, listings); `why_not(name, inputs, attention_kwargs=...)` for one call (the decision, `auto`'s
 tuner). Nothing else combines these producers, so what one of them refuses every other refuses, in the same words.
+What rules the machine out (a device, a GPU generation, a torch: `machine_bound`) is said alone: "needs an NVIDIA
+CUDA GPU; this machine has a CPU", not also that the call's device and dtype are beyond the kernel's limits.
 
 A caller's own rules sit on top, as a `Rules` value (rules.py; `why_not(..., rules=Rules(...))`), and refuse here, as
 `rules` reasons: exact kernels only (`auto_exact`), full precision (a call with low_precision_attention=False), Hub
@@ -75,8 +77,10 @@ def why_not(name: str, inputs: AttentionInputs | None = None, *, attention_kwarg
         failed = f"its requirement check failed ({type(exc).__name__}: {exc})"
         check = Unmet((failed,), False, (Lack(None, failed),))
     lacks, machine_bound = check.reasons, check.machine_bound
+    if machine_bound:  # the whole answer: no call's dtype, trust setting, key or caller's rule changes it
+        return WhyNot(lacks, lacks=check.lacks)
     untrusted = ()
-    if spec.hub is not None and not machine_bound:  # trusting a publisher is no fix without the GPU it needs
+    if spec.hub is not None:
         verdict = trust.decide(spec.hub.repo_id)
         untrusted = () if verdict.allowed else (verdict.reason,)
     limits = semantics = ()

@@ -23,11 +23,18 @@ def register(cancel: bool = True) -> None:
     auto.set_progress_hook(show_progress)
 
 
+TUNING_EVENT = "attention_dispatch.tuning"
+
+
 def show_progress(event: auto.TuningProgress) -> None:
-    """The step as progress text on the running node (the sampler: tuning happens in its first steps)."""
+    """The step as progress text on the running node (the sampler: tuning happens in its first steps). Before the
+    first text, TUNING_EVENT names the node to every page (as the text goes to every page): the frontend grows the
+    node for the text and never shrinks it back, so the web extension gives it back its height once the text is gone."""
     from comfy_execution.utils import get_executing_context
     from server import PromptServer
 
     context, server = get_executing_context(), getattr(PromptServer, "instance", None)
     if context is not None and server is not None:
+        if event.stage == "start":
+            server.send_sync(TUNING_EVENT, {"node": context.node_id, "prompt_id": context.prompt_id})
         server.send_progress_text(event.text(), context.node_id)

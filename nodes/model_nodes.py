@@ -7,7 +7,7 @@ import dataclasses
 from comfy_api.latest import io
 
 from ..dispatcher import (TRUSTED_PUBLISHERS, Recorder, auto, availability_reasons, backend_names, env,
-                          get_backend_spec, guard, installing_helps, trusted_publishers)
+                          get_backend_spec, guard, installing_helps, is_variant, trusted_publishers)
 from . import blocks as _blocks
 from . import comfy_versions, overrides, prediction_check, raw_prompt, reports
 from . import validation as v
@@ -49,7 +49,7 @@ def backend_options() -> list[str]:
     web extension heads each group with its reason). Private `_` names (a kernel variant an auto or a fallback
     chain picks) are not listed; they, and `auto` (= auto_exact, older workflows), are still accepted
     (`accepted_backends`)."""
-    public = [name for name in backend_names() if not name.startswith("_")]
+    public = [name for name in backend_names() if not is_variant(name)]
     runs, cannot = [], {}
     for name in public:
         if availability_reasons(name):
@@ -62,7 +62,7 @@ def backend_options() -> list[str]:
 def accepted_backends() -> list[str]:
     """Valid values the dropdown does not list: `auto`, every private `_` backend (typed, or in a workflow) and
     ComfyUI's own attention names (nodes/comfy_versions.py: resolved or explained when queued)."""
-    return [AUTO, *comfy_versions.COMFY_NAMES] + [name for name in backend_names() if name.startswith("_")]
+    return [AUTO, *comfy_versions.COMFY_NAMES] + [name for name in backend_names() if is_variant(name)]
 
 
 def unavailable_message(backend: str, policy: str) -> str | bool:

@@ -89,6 +89,36 @@ def test_grouped_reasons_put_the_device_before_any_package():
     assert data["groups"]["usable"][0] == "native" and data["recommendation"]["use"] == "auto_exact"
 
 
+def test_run_here_tells_the_dropdowns_story(monkeypatch):
+    """The doctor's "Run here" names what Set Attention Backend's dropdown offers on this machine, in its order; the
+    kernel variants that also run here (SDPA's pinned kernels) come on a line of their own that says the dropdown
+    leaves them out and how to reach them (#48: the doctor listed them as if the dropdown offered them)."""
+    from helpers import node_stub
+    nodes = node_stub.install(monkeypatch)
+    text = doctor.render(doctor.report(), width=100)
+    block = text[text.index("Run here ("):].split("\n\n")[0].splitlines()[1:]
+    entries = [line[2:].split("  ")[0] for line in block if line.startswith("  ") and not line.startswith("    ")
+               and not line.startswith("  Kernel variants")]
+    offered = nodes.backend_options()
+    runs = [n for n in offered[3:] if not nodes.availability_reasons(n)]
+    assert entries == offered[:3] + runs, (entries, offered)
+    variants = " ".join(line.strip() for line in block[[i for i, l in enumerate(block)
+                                                         if l.startswith("  Kernel variants")][0]:])
+    assert "the dropdown leaves them out" in variants and "_native_math (" in variants, variants
+    assert all(n not in entries for n in ("_native_math", "_native_flash"))
+
+
+def test_a_long_repo_id_is_never_broken_across_lines():
+    """Wrapped lines break between words only: "kernels-community/flash-attn4" copies whole (#48)."""
+    from dispatcher.tools.install_plan import wrap
+    text = "not fetched (7): " + ", ".join(["kernels-community/flash-attn3", "kernels-community/flash-attn4"] * 4)
+    for width in range(30, 90):
+        lines = wrap(text, width, "  ", "    ")
+        assert " ".join(line.strip() for line in lines) == text, (width, lines)
+    rendered = doctor.render(doctor.report(), width=100)
+    assert "kernels-community/flash-\n" not in rendered and "kernels-community/flash-attn4" in rendered
+
+
 def test_bench_figures_for_this_gpu_model():
     from dispatcher.tools import install_plan
     figures = doctor.bench_figures(install_plan.SIMULATED["h200"])

@@ -6,6 +6,7 @@ example in a real ComfyUI."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,21 @@ def test_the_model_is_one_users_have_or_are_offered(path):
         if node["type"] in ("SetAttentionBackend", "SetClipAttentionBackend"):
             assert node["widgets_values"][1] == "fallback"  # a GPU-only kernel falls back on a CPU, never refused
     assert any(n["type"] == "Note" and n["widgets_values"][0].strip() for n in nodes)  # says what it shows
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_the_note_says_what_to_download_where_and_how_long_a_cpu_takes(path):
+    """A new user reads the note first: the model file its loader names, the folder it goes in, its size, how long
+    the shipped run takes on a CPU and how to see the badge sooner (issue #48); the README says the same."""
+    nodes = json.loads(path.read_text())["nodes"]
+    (note,) = [n["widgets_values"][0] for n in nodes if n["type"] == "Note"]
+    (loader,) = [n for n in nodes if n["type"] == "CheckpointLoaderSimple"]
+    (model,) = loader["properties"]["models"]
+    readme = (ROOT / "README.md").read_text()
+    for text in (note, readme):
+        assert model["name"] in text and f"models/{model['directory']}" in text
+        assert re.search(r"about \d+ GB", text) and re.search(r"CPU the shipped 20 steps at 512x512 take about", text)
+        assert "1 step at 64x64" in text
+    sampler = next(n for n in nodes if n["type"] == "KSampler")
+    latent = next(n for n in nodes if n["type"] == "EmptyLatentImage")
+    assert sampler["widgets_values"][2] == 20 and latent["widgets_values"][:2] == [512, 512]  # what the note says

@@ -813,3 +813,10 @@ def test_install_py_says_the_machine_in_words_and_leads_with_what_runs(capsys):
     assert grouped.count("needs an NVIDIA CUDA GPU; this machine has a CPU (") == 1
     assert out.count("needs an NVIDIA CUDA GPU; this machine has a CPU") == 1
     assert "flash," in grouped and "sage," in grouped and "pip install" not in out
+    # each group's backends by name (a variant beside its family), never wrapped inside a name (#48)
+    for line in grouped.split("\n\n")[0].splitlines()[1:]:
+        assert not line.rstrip().endswith(("-", "_")), line
+    cuda = " ".join(line.strip() for line in grouped.split("\n\n")[0].splitlines()[1:]).split("\n")[0]
+    cuda = cuda[cuda.index("needs an NVIDIA CUDA GPU; this machine has a CPU ("):].split("): ", 1)[1]
+    names = cuda.split(" needs ")[0].split(", ")
+    assert names == sorted(names, key=lambda n: (n.lstrip("_").lower(), n)), names

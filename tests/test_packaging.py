@@ -102,8 +102,8 @@ def test_the_pack_archive_leaves_out_tests_and_bench_data():
         assert spec.match_file(dropped)
     for kept in ("__init__.py", "nodes/model_nodes.py", "web/attention_dispatch.js", "dispatcher/dispatch.py",
                  "install.py", "requirements.txt", "example_workflows/Set Attention Backend.json",
-                 "example_workflows/Set Attention Backend.jpg", "README.md",
-                 "docs/2026-12-05-web-extension.png", "pyproject.toml", "LICENSE"):
+                 "example_workflows/Set Attention Backend.jpg", "locales/en/main.json", "README.md",
+                 "docs/2026-12-06-web-extension.png", "pyproject.toml", "LICENSE"):
         assert not spec.match_file(kept), kept
 
 
@@ -118,3 +118,23 @@ def test_every_install_command_is_the_same_everywhere():
     assert re.search(r"pip install 'flash-attn(?![-\w])[^']*'(?! --no-build-isolation)", joined) is None
     from dispatcher.tools import sage_build
     assert sage_build.COMMAND == "python install.py --build sageattention"
+
+
+def test_the_readme_sizes_are_current():
+    """The README's sizes (clone, files, bench/results, .git, the Registry's archive) within .ci/sizes' SLACK of what
+    a single-branch clone of this checkout measures (issue #48: they had gone stale); `python3 .ci/sizes --readme
+    README.md` writes them anew."""
+    pytest.importorskip("pathspec")
+    import importlib.machinery
+    import importlib.util
+    loader = importlib.machinery.SourceFileLoader("ci_sizes", str(ROOT / ".ci" / "sizes"))
+    spec = importlib.util.spec_from_loader("ci_sizes", loader)
+    sizes = importlib.util.module_from_spec(spec)
+    loader.exec_module(sizes)
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout: no clone to measure")
+    measured = sizes.measure()
+    readme = (ROOT / "README.md").read_text()
+    assert not sizes.stale(readme, measured), (sizes.stale(readme, measured), measured)
+    said = sizes.stated(readme)
+    assert said["files"] > said["results"] and (measured["clone"] is None or said["clone"] > said["files"])

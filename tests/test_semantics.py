@@ -230,9 +230,20 @@ def test_strict_error_lists_availability_and_input_reasons():
     with pytest.raises(BackendNotSupportedError) as info:
         dispatch_attention_fn(q, k, v, backend="flash", policy="strict")
     text = str(info.value)
-    # availability: the machine's reason only (no install hint: installing flash-attn would not help a CPU, #41)
+    # the machine's reason alone: no install hint (installing flash-attn would not help a CPU, #41), and not the
+    # call's limits either (#48: one reason that rules the machine out is enough)
     assert "needs an NVIDIA CUDA GPU" in text and "pip install" not in text, text
-    assert "dtype float64 is not supported" in text and "head dim 300 is not supported" in text
+    assert "dtype float64" not in text and "head dim 300" not in text, text
+    # a backend this machine can run: the call's limits, each
+    dispatcher.register_backend("limited_test", lambda q, k, v, **kw: q, devices=("cpu",), dtypes=(torch.float32,),
+                                head_dims=dispatcher.HeadDims(maximum=256))
+    try:
+        with pytest.raises(BackendNotSupportedError) as info:
+            dispatch_attention_fn(q, k, v, backend="limited_test", policy="strict")
+        text = str(info.value)
+        assert "dtype float64 is not supported" in text and "head dim 300 is not supported" in text, text
+    finally:
+        dispatcher.unregister_backend("limited_test")
 
 
 # ---------------------------------------------------------------------- (B, Lk) against (Lq, Lk)

@@ -93,6 +93,32 @@ def test_without_inputs_it_answers_for_the_machine_alone(custom, untrusted_env):
     assert support.why_not("native").runs and support.availability_reasons("native") == []
 
 
+def test_what_rules_the_machine_out_is_said_alone(untrusted_env):
+    """A kernel this machine's device rules out: its one reason, not also that the call's device and dtype are
+    beyond its limits, nor trust, nor a key (issue #48: "needs an NVIDIA CUDA GPU; this machine has a CPU; device
+    cpu is not supported (supported: cuda); dtype float32 is not supported (...)")."""
+    q, k, v = qkv(dtype=torch.float32)
+    why = support.why_not("flash", describe(q, k, v), attention_kwargs={"window_size": (4, 4)})
+    assert why.reasons == ["needs an NVIDIA CUDA GPU; this machine has a CPU"], why
+    assert why.reasons == support.availability_reasons("flash")
+    hub = support.why_not("sage_hub", describe(q, k, v))  # a Hub kernel from a publisher not trusted by default
+    assert hub.reasons == ["needs an NVIDIA CUDA GPU; this machine has a CPU"], hub
+
+
+def test_a_recorded_fallback_names_each_backend_once():
+    """The Recorder's text after "asked for sage": the reasons, without "sage: " again (issue #48: "(asked for sage:
+    sage: needs an NVIDIA CUDA GPU; this machine has a CPU; sage: device cpu is not supported ...)")."""
+    q, k, v = qkv(dtype=torch.float32)
+    recorder = dispatcher.Recorder(label="test")
+    dispatch_attention_fn(q, k, v, backend="sage", recorder=recorder)
+    (line,) = [x for x in recorder.summary().splitlines() if "asked for" in x]
+    assert line.endswith("(asked for sage: needs an NVIDIA CUDA GPU; this machine has a CPU)"), line
+    fallback_text = dispatcher.report.fallback_text
+    assert fallback_text("sage", ["sage: a; b", "sage: c", "sage_hub: d", "sage_hub: e", "native: d"]) == \
+        "a; b; c; sage_hub: d; e; native: d"
+    assert fallback_text("sage", ["sage_hub: d", "sage: c"]) == "sage_hub: d; sage: c"  # named where it is not first
+
+
 def test_a_simulated_machine_is_answered_for_that_machine():
     h200 = install_plan.simulated("h200")
     assert support.why_not("flash", machine=h200).machine == tuple(registry.requirement_reasons("flash", h200))

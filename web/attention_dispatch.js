@@ -15,7 +15,7 @@ import {
   optionLabel, resolveNode, selectionWarning, summarizeClipText, summarizeReport, summarizeTrustText, visibleValues,
   wrapText,
 } from "./format.js";
-import { placeNodeErrors } from "./node_errors.js";
+import { placeNodeErrors, refusalLines } from "./node_errors.js";
 
 const EXTENSION = "attention_dispatch";
 const EVENT = "attention_dispatch.report";
@@ -127,11 +127,14 @@ function vuePanelGrew(node, st, height) {
   const before = st.vueHeight ?? 0;
   st.vueHeight = height;
   if (height <= before + 1) return;
+  const growth = height - before;
+  st.pendingGrowth = (st.pendingGrowth ?? 0) + growth; // another node's makeRoom meanwhile: settledHeight
   setTimeout(guard("make room", () => {
+    st.pendingGrowth -= growth;
     const now = vueBodyHeight(node);
     if (now == null) return;
     if (node.size[1] < now) node.size[1] = now; // what makeRoom measures the node by
-    makeRoom(node, now - (height - before));
+    makeRoom(node, now - growth);
   }), 150);
 }
 
@@ -193,7 +196,7 @@ function nodeState(node) {
 const COLORS = {
   ok: { bg: "#1f3b24", fg: "#cfeccf", edge: "#3f7a47" },
   warn: { bg: "#4a3a12", fg: "#ffe3a3", edge: "#a07a1c" },
-  error: { bg: "#4d1c1c", fg: "#ffd0d0", edge: "#a33a3a" },
+  error: { bg: "#4d1c1c", fg: "#ffd0d0", edge: "#a33a3a", ring: "#ff4d4d" },
   info: { bg: "#2b2f36", fg: "#d5d9e0", edge: "#4b5260" },
 };
 
@@ -421,6 +424,7 @@ const FONT_PX = 12;
 const BADGE_ROW = 24; // an LGraphBadge (20 px) and the 2 px gaps around it
 const LINE_H = 15;
 const PAD = 6;
+const RING_X = 11; // a refused widget's ring, just outside LiteGraph's widget margin (15 px)
 
 function widgetsBottom(node) {
   let bottom = 0;
@@ -473,7 +477,7 @@ function makeRoom(node, heightBefore) {
       // Its badges are drawn in a row above its title (LGraphNode.drawBadges): that row must clear the panel too.
       const badgeTop = top - BADGE_ROW;
       if (top < bottomBefore - 1 || badgeTop >= bottom + gap) continue; // above it before, or still clear of it
-      const heightB = heightOf(b);
+      const heightB = settledHeight(b);
       const shift = bottom + gap - badgeTop;
       b.pos = [b.pos[0], b.pos[1] + shift]; // through the setter: Nodes 2.0 moves its Vue node from there
       queue.push([b, b.pos[1] - shift + heightB]);
@@ -484,6 +488,12 @@ function makeRoom(node, heightBefore) {
 /** A node's height below its title: Nodes 2.0's page element is the truth there (node.size lags it). */
 function heightOf(node) {
   return (vueMode() ? vueBodyHeight(node) : null) ?? node.size[1];
+}
+
+/** Its height before a growth of its panel that has not made room yet: where its bottom was, for the nodes below
+ * it (a node it now reaches only because it grew is below it, not one that overlapped it before). */
+function settledHeight(node) {
+  return heightOf(node) - (node.attention_dispatch?.pendingGrowth ?? 0);
 }
 
 function roundRect(ctx, x, y, w, h, r) {
@@ -516,6 +526,30 @@ function drawPanel(node, ctx, canvas) {
       redraw(node);
     }
     drawBlocks(ctx, st.layout, top, node.size[0], !!canvas?.low_quality);
+  } finally {
+    ctx.restore();
+  }
+}
+
+/** The classic canvas marks a widget at fault only by a red ring on its input slot, drawn while the mouse is over
+ * the widget: ring the widgets a refusal names (Nodes 2.0 marks them itself: aria-invalid, a bold red label). */
+function drawRefusedRings(node, ctx) {
+  const st = node.attention_dispatch;
+  st.rings = [];
+  if (node.flags?.collapsed || !st.refused || !st.refusedInputs?.length) return;
+  ctx.save();
+  try {
+    ctx.strokeStyle = COLORS.error.ring;
+    ctx.lineWidth = 2;
+    for (const name of st.refusedInputs) {
+      const w = widgetNamed(node, name);
+      if (!w || !Number.isFinite(w.y) || (node.isWidgetVisible && !node.isWidgetVisible(w))) continue;
+      const h = window.LiteGraph?.NODE_WIDGET_HEIGHT ?? 20;
+      const ring = [RING_X, w.y - 2, node.size[0] - 2 * RING_X, h + 4];
+      roundRect(ctx, ...ring, h / 2 + 2);
+      ctx.stroke();
+      st.rings.push({ name, ring });
+    }
   } finally {
     ctx.restore();
   }
@@ -578,11 +612,13 @@ function addPanelWidget(node, st) {
     type: PANEL_WIDGET,
     value: "",
     serialize: false, // not in the saved workflow's widgets_values
-    options: { serialize: false, canvasOnly: false }, // nor in the prompt
+    // nor in the prompt; drawn in Nodes 2.0 (canvasOnly false), not listed as a parameter in the properties panel
+    // (1.53+: hideInPanel)
+    options: { serialize: false, canvasOnly: false, hideInPanel: true },
     computeSize(width) {
       if (!vueMode()) return [0, -4]; // LiteGraph's "takes no room" (it adds 4 px of margin per widget)
       try {
-        const height = vuePanelHeight(node, st, Number.isFinite(width) ? width : node.size[0]);
+        const height = vuePanelHeight(node, st, st.vueWidth ?? (Number.isFinite(width) ? width : node.size[0]));
         vuePanelGrew(node, st, height);
         return [width, height];
       } catch (err) {
@@ -590,20 +626,39 @@ function addPanelWidget(node, st) {
         return [width, 0];
       }
     },
-    draw(ctx, _node, width, y) {
+    draw(ctx, _node, width, y, height) {
       if (!vueMode()) return;
       try {
+        // The frontend's canvas for this widget is as wide as its box, with a bitmap `width` wide; 1.53 passes the
+        // box's width on screen (the canvas zoom applied), so the browser stretched the bitmap back to the box,
+        // height too, over the badge row. Hold the canvas to the height laid out, and draw at the box's width.
+        const el = ctx.canvas;
+        const box = el?.parentElement?.clientWidth || width;
+        if (el?.style && Number.isFinite(height)) el.style.height = `${height + 2}px`;
         const blocks = panelBlocks(st);
         if (!blocks.length) return;
         ctx.save();
-        layoutBlocks(st, blocks, width, ctx);
-        drawBlocks(ctx, st.layout, y, width, false);
+        ctx.scale(width / box, 1);
+        st.vueWidth = box;
+        const need = layoutBlocks(st, blocks, box, ctx);
+        drawBlocks(ctx, st.layout, y, box, false);
         ctx.restore();
+        fitPanelWidget(node, st, need);
       } catch (err) {
         warnOnce("panel widget", err);
       }
     },
   });
+}
+
+/** The panel drawn at its box's width needs `need` px: when the height the frontend laid out differs (it was
+ * computed for another width), lay it out again at that height. */
+function fitPanelWidget(node, st, need) {
+  const w = panelWidgetOf(node);
+  if (!w || Math.abs((w.computedHeight ?? 0) - need) <= 1) return;
+  w.computedHeight = need;
+  vuePanelGrew(node, st, need);
+  requestAnimationFrame(() => w.triggerDraw?.());
 }
 
 function panelWidgetOf(node) {
@@ -647,6 +702,39 @@ function onExecuted(detail) {
   refreshNode(node);
 }
 
+// ---- the sampler after tuning's progress text -------------------------------------------------------------------
+
+// The frontend shows progress text in a widget it adds to the node (the sampler, while auto tunes) and removes when
+// the run ends, without giving the node back the height the widget took (1.58 classic: 45 px blank). The server
+// names the node before its first text (attention_dispatch.tuning); its height then is kept here until the text is
+// gone, and given back.
+const TEXT_PREVIEW_WIDGET = "$$node-text-preview";
+const heightsBeforeText = new Map(); // node -> its height before the text
+
+function onTuning(detail) {
+  const node = detail?.node == null ? null : resolveNode(app.graph, detail.node);
+  if (!node || heightsBeforeText.has(node) || widgetNamed(node, TEXT_PREVIEW_WIDGET)) return;
+  heightsBeforeText.set(node, node.size[1]);
+}
+
+/** After a run: once the frontend has removed the text (it does when the run's job resets), the height back. */
+function giveBackHeights() {
+  const started = performance.now();
+  const check = guard("text height", () => {
+    for (const [node, before] of heightsBeforeText) {
+      if (widgetNamed(node, TEXT_PREVIEW_WIDGET)) continue;
+      heightsBeforeText.delete(node);
+      const fits = Math.max(before, node.computeSize?.()?.[1] ?? before);
+      if (node.size?.[1] > fits + 1) {
+        node.setSize?.([node.size[0], fits]);
+        redraw(node);
+      }
+    }
+    if (heightsBeforeText.size && performance.now() - started < 5000) setTimeout(check, 100);
+  });
+  setTimeout(check, 0);
+}
+
 // ---- a refused prompt ----------------------------------------------------------------------------------
 
 /** The names an error of node `id` can be about: its inputs (slots) and widgets. */
@@ -657,23 +745,17 @@ function inputNamesOf(id) {
   return [...new Set(names.filter((n) => typeof n === "string" && n && n !== PANEL_WIDGET))];
 }
 
-/** Each node's panel says why the last queueing refused it (the frontend's toast may only say "couldn't validate"),
+/** Each node's panel says why the last queueing refused it, and the classic canvas rings the widgets at fault,
  * until the next queueing. */
 function showRefusals(nodeErrors) {
   forEachNode((node) => {
     if (!REPORT_NODES.has(typeOf(node))) return;
     const st = nodeState(node);
     const entry = nodeErrors && typeof nodeErrors === "object" ? nodeErrors[String(node.id)] : null;
-    const inputsOf = new Map(); // sentence -> the inputs it was placed on (a window error rings both ends)
-    for (const e of Array.isArray(entry?.errors) ? entry.errors : []) {
-      if (typeof e?.details !== "string" || !e.details) continue;
-      const inputs = inputsOf.get(e.details) ?? [];
-      if (e.extra_info?.input_name) inputs.push(e.extra_info.input_name);
-      inputsOf.set(e.details, inputs);
-    }
-    const refused = [...inputsOf].map(([text, inputs]) => (inputs.length ? `${inputs.join(", ")}: ${text}` : text));
-    if (!refused.length && !st.refused) return;
-    st.refused = refused.length ? refused : null;
+    const { lines, inputs } = refusalLines(entry?.errors);
+    if (!lines.length && !st.refused) return;
+    st.refused = lines.length ? lines : null;
+    st.refusedInputs = lines.length ? inputs : [];
     refreshNode(node);
   });
 }
@@ -790,6 +872,10 @@ const extension = {
     addStyle();
     api.addEventListener(EVENT, guard("report", (e) => onReport(e.detail)));
     api.addEventListener("executed", guard("executed", (e) => onExecuted(e.detail)));
+    api.addEventListener("attention_dispatch.tuning", guard("tuning", (e) => onTuning(e.detail)));
+    for (const end of ["execution_success", "execution_error", "execution_interrupted"]) {
+      api.addEventListener(end, guard("run end", () => giveBackHeights()));
+    }
     placeQueueErrors();
     loadBackends();
   }),
@@ -804,6 +890,7 @@ const extension = {
       const r = typeof originalDraw === "function" ? originalDraw.call(this, ctx, canvas, ...rest) : undefined;
       try {
         drawPanel(this, ctx, canvas);
+        if (this.attention_dispatch) drawRefusedRings(this, ctx);
       } catch (err) {
         warnOnce("draw", err);
       }

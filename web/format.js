@@ -246,6 +246,18 @@ function truncate(text, max) {
   return s.length <= max ? s : `${s.slice(0, Math.max(0, max - 1))}\u2026`;
 }
 
+const BADGE_MAX = 40;
+
+/** Who served the calls, for the badge: "native · 8 calls"; two kernels, each with its calls ("native 4 ·
+ * _native_math 4"); more (or two whose names do not fit), how many kernels ("3 kernels · 12 calls"): the panel
+ * lists who served how many. Never "native +1", which read as one kernel. */
+function servedBadge(order, calls) {
+  if (order.length === 1) return `${order[0][0]} \u00b7 ${plural(calls, "call")}`;
+  const each = order.map(([name, e]) => `${name} ${e.calls}`).join(" \u00b7 ");
+  return order.length === 2 && each.length <= BADGE_MAX ? each
+    : `${order.length} kernels \u00b7 ${plural(calls, "call")}`;
+}
+
 /**
  * One report message -> what a node shows: badge (short, title bar), lines (the panel under the
  * widgets), level ("ok" | "warn" | "error" | "info"), plus the numbers for tests and tooltips.
@@ -316,9 +328,7 @@ export function summarizeReport(report) {
   if (ms != null) lines.push(`Time in attention: ${formatMs(ms)}`);
   lines.push(...notes);
 
-  const top = order.length ? order[0][0] : "";
-  const names = order.map(([n]) => n);
-  let badge = calls ? `${names.length > 1 ? `${top} +${names.length - 1}` : top} \u00b7 ${plural(calls, "call")}`
+  let badge = calls ? servedBadge(order, calls)
     : overriddenBy ? `overridden by ${overriddenBy.node != null ? `#${overriddenBy.node}` : overriddenBy.short ?? overriddenBy.label}`
       : "no attention calls";
   // What needs a look comes first on the badge: a kernel the guard caught, a backend that never ran, a block
@@ -337,7 +347,7 @@ export function summarizeReport(report) {
   const level = errors.length ? "error"
     : fallbacks.size || caught.length || everyCall.length || unapplied.length || (overriddenBy && !calls) ? "warn"
       : calls ? "ok" : "info";
-  badge = `${level === "ok" ? MARK_AVAILABLE : level === "info" ? "" : MARK_WARNING} ${truncate(badge, 40)}`.trim();
+  badge = `${level === "ok" ? MARK_AVAILABLE : level === "info" ? "" : MARK_WARNING} ${truncate(badge, BADGE_MAX)}`.trim();
   return {
     badge, lines, level, calls, requested,
     served: Object.fromEntries(order.map(([n, e]) => [n, e.calls])),

@@ -6,7 +6,9 @@
 // becomes one `exception_during_inner_validation` error whose `input_name` is the *downstream* node's input that
 // links to ours ("model"). So the frontend rang the model slot and said "Set Attention Backend couldn't validate
 // model: ...". The pack's message names every problem by its input ("backend: ...", "start_percent 0.8 is after
-// end_percent 0.2 (...)", problems joined by "; "): split it here, one error per input a problem names.
+// end_percent 0.2 (...)", problems joined by "; "): split it here, one error per problem, on the input it starts
+// with. One error, not one per input it names: the frontends (1.53, 1.58) quote a lone error's sentence in their
+// toast, but say only "couldn't validate a connected node" and count two errors for a window error on both ends.
 
 /** The inputs a problem names: the one it starts with, and the others its first clause names
  * ("start_percent 0.8 is after end_percent 0.2 (...)" -> both); [] when it starts with none. */
@@ -44,9 +46,10 @@ function sentenceFor(problem, input) {
 
 /**
  * ComfyUI's `node_errors` ({id: {errors, class_type, dependent_outputs}}) with each error of one of `classTypes`
- * whose message names this node's inputs replaced by one error per input at fault (same type and message,
- * `extra_info.input_name` that input, `details` the problem's sentence). `inputsOf(id, classType)` gives the
- * node's widget/input names. Errors that name none of them, and other nodes, are kept as they are.
+ * whose message names this node's inputs replaced by one error per problem (same type and message,
+ * `extra_info.input_name` the input the problem starts with, `details` the problem's sentence).
+ * `inputsOf(id, classType)` gives the node's widget/input names. Errors that name none of them, and other nodes,
+ * are kept as they are.
  */
 export function placeNodeErrors(nodeErrors, classTypes, inputsOf) {
   if (!nodeErrors || typeof nodeErrors !== "object") return nodeErrors;
@@ -61,15 +64,29 @@ export function placeNodeErrors(nodeErrors, classTypes, inputsOf) {
       const problems = splitProblems(message, names).filter((p) => p.inputs.length);
       if (!problems.length) { errors.push(error); continue; }
       for (const problem of problems) {
-        for (const input of problem.inputs) {
-          const details = sentenceFor(problem.text, input);
-          // input_config was the downstream input's (MODEL): it says nothing about this input
-          const { input_config: _downstream, ...extra } = error.extra_info ?? {};
-          errors.push({ ...error, details, extra_info: { ...extra, input_name: input, exception_message: details } });
-        }
+        const [input] = problem.inputs;
+        const details = sentenceFor(problem.text, input);
+        // input_config was the downstream input's (MODEL): it says nothing about this input
+        const { input_config: _downstream, ...extra } = error.extra_info ?? {};
+        errors.push({ ...error, details, extra_info: { ...extra, input_name: input, exception_message: details } });
       }
     }
     out[id] = { ...entry, errors };
   }
   return out;
+}
+
+/** What a node's panel says of its queue-time errors: one line per sentence, led by the input it is on unless the
+ * sentence already starts with that input's name; and the inputs at fault (the classic canvas rings them). */
+export function refusalLines(errors) {
+  const lines = [], inputs = [];
+  for (const e of Array.isArray(errors) ? errors : []) {
+    if (typeof e?.details !== "string" || !e.details) continue;
+    const input = e.extra_info?.input_name;
+    const named = typeof input === "string" && input && !e.details.startsWith(input);
+    const line = named ? `${input}: ${e.details}` : e.details;
+    if (!lines.includes(line)) lines.push(line);
+    if (typeof input === "string" && input && !inputs.includes(input)) inputs.push(input);
+  }
+  return { lines, inputs };
 }

@@ -7,12 +7,12 @@ import json
 import os
 import platform
 import sys
-import textwrap
 from pathlib import Path
 
 from .. import env, hub, registry
 from . import command
 from .install_plan import machine_facts, machine_text  # noqa: F401  (the one machine line, shared with install.py)
+from .install_plan import wrap
 from ..machine import cpu_model as machine_cpu_model
 from ..machine import current_machine
 from ..support import list_backends
@@ -286,7 +286,7 @@ def render(data: dict, width: int = 110) -> str:
                      f"({build.get('fetched_at')})")
 
     def wrapped(text: str, indent: str) -> list[str]:
-        return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent + "  ") or [indent]
+        return wrap(text, width, indent, indent + "  ")
 
     r = data.get("recommendation")
     if r:
@@ -314,13 +314,19 @@ def render(data: dict, width: int = 110) -> str:
                          "every backend here.")
     g = data.get("groups")
     by_name = {b["name"]: b for b in data["backends"]}
-    lines += ["", f"Run here ({len(g['usable']) if g else 0} of {len(data['backends'])} backends, in preference "
-                  "order, after the autos):"]
+    usable = (g or {}).get("usable", [])
+    lines += ["", f"Run here ({len(usable)} of {len(data['backends'])} backends, in preference order, after the "
+                  "autos; what Set Attention Backend's dropdown offers):"]
     for name, text in AUTOS.items():
         lines += wrapped(f"{name:24} {text}", "  ")
-    for name in (g or {}).get("usable", []):
-        b = by_name[name]
-        lines += wrapped(f"{name:24} {b['description']}", "  ")
+    for name in usable:
+        if not registry.is_variant(name):
+            lines += wrapped(f"{name:24} {by_name[name]['description']}", "  ")
+    variants = [name for name in usable if registry.is_variant(name)]
+    if variants:
+        lines += wrapped(f"Kernel variants that run here ({len(variants)}): auto_exact times them and fallbacks pick "
+                         "them; the dropdown leaves them out, the library's backend= and an API prompt take them "
+                         "by name: " + ", ".join(f"{n} ({by_name[n]['description']})" for n in variants), "  ")
     if g and g["step_away"]:
         lines += ["", "One step away:"]
         for row in g["step_away"]:
@@ -337,8 +343,8 @@ def render(data: dict, width: int = 110) -> str:
     lock = hub.lock_path()
     lines.append(f"Hub kernels (lock file {lock}):" if lock.exists() else
                  f"Hub kernels (no lock file yet: `python install.py` writes {lock.name} when it fetches one):")
-    idle = [row["repo_id"] for row in data.get("hub_kernels", []) if not row["fetched"]
-            and row["status"] == HUB_NOT_HERE]
+    idle = sorted((row["repo_id"] for row in data.get("hub_kernels", []) if not row["fetched"]
+                   and row["status"] == HUB_NOT_HERE), key=str.lower)
     if idle:
         lines += wrapped(f"{HUB_NOT_HERE} ({len(idle)}): {', '.join(idle)}", "  ")
     for row in data.get("hub_kernels", []):

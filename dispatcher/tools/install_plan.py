@@ -433,12 +433,24 @@ def machine_line(machine: Machine) -> str:
 
 def not_here(plan: Plan) -> list[tuple[str, list[str]]]:
     """The backends this machine cannot run whatever is installed (not here, or disabled), grouped by the reasons
-    that decide, each group once, in the order first met: [(reason, [backend, ...])]."""
+    that decide, each group once, in the order first met, its backends by name: [(reason, [backend, ...])]."""
     groups: dict[str, list[str]] = {}
     for b in plan.backends:
         if b.status in (UNSUPPORTED, DISABLED):
             groups.setdefault("; ".join(b.why) or "cannot run here", []).append(b.name)
-    return list(groups.items())
+    return [(reason, sorted(names, key=by_name)) for reason, names in groups.items()]
+
+
+def by_name(name: str) -> tuple[str, str]:
+    """A backend's place in a list sorted by name: a variant beside its family (`_flash_3` by `flash_3_fp8`)."""
+    return name.lstrip("_").lower(), name
+
+
+def wrap(text: str, width: int, indent: str = "", more: str | None = None) -> list[str]:
+    """`text` in lines of at most `width`, broken only between words: a repo id ("kernels-community/flash-attn4"), a
+    command or a backend name stays whole, so it copies as one (a word longer than a line gets its own line)."""
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent if more is None else more,
+                         break_on_hyphens=False, break_long_words=False) or [indent]
 
 
 def render(plan: Plan, width: int = 120) -> str:
@@ -451,15 +463,14 @@ def render(plan: Plan, width: int = 120) -> str:
         if status in (UNSUPPORTED, DISABLED):
             continue
         for b in plan.by_status(status):
-            wrapped = textwrap.wrap(_detail(b), max(40, width - 48)) or [""]
+            wrapped = wrap(_detail(b), max(40, width - 48))
             lines.append(f"  {b.name:30} {_STATUS_TEXT[b.status]:14} {wrapped[0]}")
             lines.extend(f"  {'':30} {'':14} {more}" for more in wrapped[1:])
     groups = not_here(plan)
     if groups:
         lines += ["", f"Not for this machine ({sum(len(names) for _, names in groups)}):"]
         for reason, names in groups:
-            lines += textwrap.wrap(f"{reason} ({len(names)}): {', '.join(names)}", width,
-                                   initial_indent="  ", subsequent_indent="    ")
+            lines += wrap(f"{reason} ({len(names)}): {', '.join(names)}", width, "  ", "    ")
     targets = plan.fetch_targets()
     lines.append("")
     lines.append("Hub kernels for this machine: " + (", ".join(

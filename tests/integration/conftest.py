@@ -53,7 +53,8 @@ def _copy_pack(dest: Path) -> None:
     # Only what a user's clone needs at run time (no .venv, tests, .git).
     dest.mkdir(parents=True)
     shutil.copy2(ROOT / "__init__.py", dest / "__init__.py")
-    for folder in ("dispatcher", "nodes", "web", "example_workflows"):  # the examples: the Templates browser's
+    # the examples and locales: the Templates browser's workflows and its title for them
+    for folder in ("dispatcher", "nodes", "web", "example_workflows", "locales"):
         shutil.copytree(ROOT / folder, dest / folder, ignore=shutil.ignore_patterns("__pycache__"))
     if (ROOT / "pyproject.toml").exists():
         shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")

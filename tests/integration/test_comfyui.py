@@ -294,6 +294,50 @@ def test_example_workflows_match_the_node_schemas(comfy):
                                if name not in widgets}, (path.name, node["type"])
 
 
+def _combo_options(spec) -> dict[str, list]:
+    """{input name: its options} for every combo input of a node's /object_info entry (V3: "COMBO" and its options;
+    V1: the list itself)."""
+    found = {}
+    for section in ("required", "optional"):
+        for name, s in spec.get("input", {}).get(section, {}).items():
+            if isinstance(s[0], list):
+                found[name] = s[0]
+            elif s[0] == "COMBO" and len(s) > 1 and isinstance(s[1].get("options"), list):
+                found[name] = s[1]["options"]
+    return found
+
+
+def test_example_notes_name_real_options(comfy):
+    """What an example's note tells a user to pick exists: "set <input> to a, b or c" names options of that input
+    (issue #48: the Context Parallel note offered "heads, ring or sequence"; the node offers off, heads, sequence),
+    and every backend-like name in a note (a word with an underscore) is an input or an option of a node there."""
+    import re
+    info = comfy.get("/object_info")
+    root = Path(__file__).resolve().parents[2] / "example_workflows"
+    for path in sorted(root.glob("*.json")):
+        nodes = json.loads(path.read_text())["nodes"]
+        options: dict[str, set] = {}
+        names = set()
+        for node in nodes:
+            if node["type"] in info:
+                spec = info[node["type"]]
+                names |= {n for section in ("required", "optional") for n in spec["input"].get(section, {})}
+                for name, values in _combo_options(spec).items():
+                    options.setdefault(name, set()).update(v for v in values if isinstance(v, str))
+        notes = [n["widgets_values"][0] for n in nodes if n["type"] in ("Note", "MarkdownNote")]
+        assert notes, path.name
+        item = r"'?[\w.-]+'?"
+        for note in notes:
+            for name, values in options.items():
+                for match in re.finditer(rf"\b{re.escape(name)}(?: to| =|:) ({item}(?:(?:, or |, | or | and ){item})*)",
+                                         note):
+                    said = [w.rstrip(".").strip("'") for w in re.split(r", or |, | or | and ", match.group(1))]
+                    assert not [w for w in said if w not in values], (path.name, name, said, sorted(values))
+            every = set().union(*options.values()) | names
+            unknown = [w for w in re.findall(r"\b[a-z][a-z0-9]*_[a-z0-9_]+\b", note) if w not in every]
+            assert not unknown, (path.name, unknown)
+
+
 def test_context_parallel_is_off_by_default_outside_torchrun(comfy):
     """Dropped into an ordinary workflow (ComfyUI not started by torchrun) with its defaults, Context Parallel
     Attention changes nothing and the prompt runs (it used to default to 'heads' and be refused with HTTP 400)."""

@@ -190,7 +190,19 @@ describe("the report badge", () => {
       { site: "self", requested: "flex", served: "comfy:attention_sub_quad", calls: 8, fell_back: true,
         reasons: ["outside the step window"] },
     ]));
-    assert.match(s.badge, /^\u26a0 flex \+1 \u00b7 16 calls$/);
+    assert.equal(s.badge, "\u26a0 flex 8 \u00b7 comfy:attention_sub_quad 8"); // who served how many, not "flex +1"
+    const three = summarizeReport(modelReport([
+      { site: "self", requested: "auto_exact", served: "native", calls: 6, fell_back: false, reasons: [] },
+      { site: "cross", requested: "auto_exact", served: "_native_math", calls: 4, fell_back: false, reasons: [] },
+      { site: "self #3", requested: "auto_exact", served: "flex", calls: 2, fell_back: false, reasons: [] },
+    ]));
+    assert.equal(three.badge, "\u2713 3 kernels \u00b7 12 calls");
+    const two = summarizeReport(modelReport([
+      { site: "self", requested: "auto_exact", served: "native", calls: 4, fell_back: false, reasons: [] },
+      { site: "cross", requested: "auto_exact", served: "_native_math", calls: 4, fell_back: false, reasons: [] },
+    ]));
+    assert.equal(two.badge, "\u2713 native 4 \u00b7 _native_math 4");
+    assert.deepEqual(two.served, { native: 4, _native_math: 4 });
     const err = modelReport([{ site: "self", requested: "x", served: "native", calls: 1, fell_back: true, reasons: [] }]);
     err.recorder.errors = [{ site: "self", backend: "x", error: "RuntimeError: boom" }];
     const e = summarizeReport(err);

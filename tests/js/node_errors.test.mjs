@@ -38,18 +38,23 @@ test("the message splits where an input's name starts a problem, not at each '; 
   assert.deepEqual(parts.map((p) => p.inputs), [["start_percent", "end_percent"], ["backend"]]);
 });
 
-test("each error lands on the widget at fault with the pack's sentence; other nodes stay as they are", () => {
+test("one error per problem, on the widget it starts with, with the pack's sentence; other nodes as they are", () => {
   const errors = served(`${WINDOW}; ${BACKEND}`);
   const placed = placeNodeErrors(errors, new Set(["SetAttentionBackend"]), () => NAMES);
   const mine = placed[100].errors;
-  assert.deepEqual(mine.map((e) => e.extra_info.input_name), ["start_percent", "end_percent", "backend"]);
-  assert.equal(mine[2].details, BACKEND.slice("backend: ".length)); // not "backend: backend: ..."
+  assert.deepEqual(mine.map((e) => e.extra_info.input_name), ["start_percent", "backend"]);
+  assert.equal(mine[1].details, BACKEND.slice("backend: ".length)); // not "backend: backend: ..."
   assert.equal(mine[0].details, WINDOW);
   assert.ok(mine.every((e) => e.type === "exception_during_inner_validation" && !("input_config" in e.extra_info)));
   assert.deepEqual(mine[0].extra_info.linked_node, ["100", 0]);
   assert.equal(placed[7], errors[7]);
   assert.equal(placed[100].class_type, "SetAttentionBackend");
   assert.deepEqual(placed[100].dependent_outputs, ["102"]);
+});
+
+test("a window error alone is one error (the toast quotes a lone error's sentence)", () => {
+  const placed = placeNodeErrors(served(WINDOW), new Set(["SetAttentionBackend"]), () => NAMES);
+  assert.deepEqual(placed[100].errors.map((e) => [e.extra_info.input_name, e.details]), [["start_percent", WINDOW]]);
 });
 
 test("a message that names no input is kept on the input ComfyUI gave", () => {

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -64,7 +65,10 @@ def _cond(seed):
 
 
 def wan_prompt(backends):
-    """UNETLoader (tiny WAN) -> Set Attention Backend "1i0" -> KSampler -> SaveLatent, one chain per backend."""
+    """UNETLoader (tiny WAN) -> Set Attention Backend "1i0" -> KSampler -> SaveLatent, one chain per backend. Seeds of
+    its own each call: ComfyUI serves an identical prompt (another page's, on the same server) from its cache, and a
+    node served from there sends no report."""
+    run = random.randrange(2**31)
     p = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": "tiny_wan21.safetensors", "weight_dtype": "default"}},
          "2": _cond(1), "3": _cond(2),
          "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 64, "length": 1,
@@ -75,11 +79,11 @@ def wan_prompt(backends):
                                                                 "policy": "fallback", "start_percent": 0.0,
                                                                 "end_percent": 1.0}}
         p[k] = {"class_type": "KSampler", "inputs": {
-            "model": [s, 0], "seed": 11 + i, "steps": 2, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
+            "model": [s, 0], "seed": run + i, "steps": 2, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
             "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}}
         p[o] = {"class_type": "SaveLatent", "inputs": {"samples": [k, 0], "filename_prefix": f"latents/web_{i}"}}
     # The text-encoder node: a 2-layer CLIP-L from the test helper pack.
-    p["20"] = {"class_type": "TestTinyClip", "inputs": {"seed": 5}}
+    p["20"] = {"class_type": "TestTinyClip", "inputs": {"seed": run}}
     p["21"] = {"class_type": "SetClipAttentionBackend", "inputs": {"clip": ["20", 0], "backend": "native",
                                                                    "policy": "fallback"}}
     p["22"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["21", 0], "text": "a browser test"}}
@@ -524,6 +528,27 @@ def test_report_badge_after_a_prompt(ui):
             return [r.left, r.top, r.right, r.bottom]; })""")
         (l1, t1, r1, b1), (l2, t2, r2, b2) = boxes
         assert min(r1, r2) <= max(l1, l2) or b1 <= t2, boxes
+        # and no node at all over another: a node the grown ones pushed pushes those below it in turn (the CLIP
+        # node under 110 stayed under it when 110 had been moved and had grown before it made room: issue #48)
+        every = ui.js("""() => [...document.querySelectorAll('[data-node-id]')]
+            .filter((e) => !e.parentElement.closest('[data-node-id]')).map((e) => {
+                const r = e.getBoundingClientRect(); return [e.dataset.nodeId, r.left, r.top, r.right, r.bottom]; })""")
+        over = [(a[0], b[0]) for i, a in enumerate(every) for b in every[i + 1:]
+                if min(a[3], b[3]) - max(a[1], b[1]) > 1 and min(a[4], b[4]) - max(a[2], b[2]) > 1]
+        assert not over, (over, every)
+        # at the zoom a user has (0.85 here), the panel is as wide as the node's widgets, tall enough for its text,
+        # and ends above the node's badge row (1.53 stretched it over the badge: issue #48)
+        for i, st in ((100, fell), (110, ok)):
+            panel = ui.js(f"""(badge) => {{ const el = document.querySelector(`[data-node-id='{i}']`);
+                const canvas = el.querySelector('canvas'), c = canvas.getBoundingClientRect();
+                const pill = [...el.querySelectorAll('*')].find((e) => !e.children.length && e.textContent.trim() === badge);
+                const b = pill.getBoundingClientRect(), box = canvas.parentElement.getBoundingClientRect();
+                const n = {APP}.graph.getNodeById({i});
+                return {{canvas: [c.left, c.top, c.right, c.bottom], box: [box.left, box.right], badgeTop: b.top,
+                         need: n.attention_dispatch.need * {APP}.canvas.ds.scale}}; }}""", st["badge"])
+            assert panel["canvas"][3] <= panel["badgeTop"] + 0.5, (i, panel)
+            assert panel["canvas"][3] - panel["canvas"][1] >= panel["need"] - 0.5, (i, panel)
+            assert abs(panel["canvas"][2] - panel["canvas"][0] - (panel["box"][1] - panel["box"][0])) <= 1, (i, panel)
     shot = ui.shots / "report.png"
     ui.page.screenshot(path=str(shot))
     _artifact(ui, f"badges-{ui.tag}.png")
@@ -535,39 +560,207 @@ def test_report_badge_after_a_prompt(ui):
     assert ui.backend_fetches == 1  # one fetch per page load, nothing polled since
 
 
-def test_refused_prompt_names_the_widget_at_fault(ui):
-    """A prompt the pack refuses at queue time (policy strict with a backend that cannot run here, and a step window
-    that starts after it ends): each error is on the widget at fault, not on the `model` link ComfyUI names
-    (web/node_errors.js), and the node's panel says the pack's sentences (the toast may only say "couldn't
-    validate")."""
-    prompt = wan_prompt(["flash"])
-    prompt["100"]["inputs"].update(policy="strict", start_percent=0.8, end_percent=0.2)
-    ui.close_menus()
+WINDOW_SENTENCE = ("start_percent 0.8 is after end_percent 0.2 (the step window needs 0 <= start_percent <= "
+                   "end_percent <= 1)")
+
+
+def _refused_prompt(**inputs):
+    """wan_prompt's Set Attention Backend chain alone (no other output node, so the refusal is the whole prompt's:
+    HTTP 400), with `inputs` on node 100."""
+    prompt = {k: v for k, v in wan_prompt(["native"]).items() if k not in ("20", "21", "22", "23")}
+    prompt["100"]["inputs"].update(inputs)
+    return prompt
+
+
+def _idle(comfy, timeout=180):
+    """Wait until ComfyUI runs and holds no prompt: a prompt an earlier test left running ends later, and the
+    frontend clears the errors it shows when a run ends."""
+    deadline = time.time() + timeout
+    while True:
+        queue = comfy.get("/queue")
+        if not queue["queue_running"] and not queue["queue_pending"]:
+            return
+        assert time.time() < deadline, queue
+        time.sleep(0.3)
+
+
+def _queue_refused(ui, prompt):
+    """Queue `prompt` from the page as the Run button does; the errors placed on node 100 ([input_name, details])
+    and the text of what the frontend showed (1.53/1.58: the error overlay; 1.27: the error dialog)."""
+    _idle(ui.comfy)
     ui.js(f"""async (p) => {{ const app = {APP}; await app.loadApiJson(p, 'attention_dispatch_refused');
         try {{ await app.queuePrompt(0, 1); }} catch {{ /* the frontend shows it */ }} }}""", prompt)
     ui.page.wait_for_function(f"() => !!{APP}.graph.getNodeById(100)?.attention_dispatch?.refused", timeout=60000)
+    ui.page.wait_for_timeout(800)
     errors = ui.js(f"() => ({APP}.lastNodeErrors?.['100']?.errors ?? []).map((e) => [e.extra_info?.input_name, "
                    "e.details])")
-    placed = {name: details for name, details in errors}
-    assert set(placed) == {"backend", "start_percent", "end_percent"}, errors
-    assert placed["backend"].startswith("attention backend 'flash' cannot run on this machine (policy strict)")
-    assert placed["start_percent"].startswith("start_percent 0.8 is after end_percent 0.2"), placed
+    shown = ui.js("""() => [...document.querySelectorAll('[data-testid=error-overlay], .p-toast-message, .p-dialog')]
+        .map((e) => e.innerText.replace(/\\s+/g, ' ').trim()).filter(Boolean)""")
+    return errors, shown
+
+
+def _close_dialogs(ui):
+    ui.js("""() => document.querySelectorAll('.p-dialog-close-button, [data-testid=error-overlay-dismiss]')
+        .forEach((b) => b.click())""")
+    ui.page.wait_for_timeout(300)
+
+
+def _marked_widgets(ui):
+    """The widgets of node 100 a user sees marked: classic, the rings the extension drew (checked on the
+    screenshot's pixels too); Nodes 2.0, the rows the frontend marks aria-invalid."""
+    if ui.mode == "nodes2":
+        return ui.js("""() => [...document.querySelectorAll("[data-node-id='100'] [aria-invalid=true]")]
+            .map((e) => e.querySelector('[data-testid=widget-layout-field-label]')?.textContent.trim())""")
+    rings = ui.js(f"""() => {{ const app = {APP}, n = app.graph.getNodeById(100), r = app.canvas.canvas.getBoundingClientRect();
+        return (n.attention_dispatch.rings || []).map(({{name, ring}}) => {{
+            const {{offset, scale}} = app.canvas.ds;  // the ring's left edge, halfway down, on the page
+            return {{name, x: r.left + (n.pos[0] + ring[0] + offset[0]) * scale,
+                     y: r.top + (n.pos[1] + ring[1] + ring[3] / 2 + offset[1]) * scale}}; }}); }}""")
+    from PIL import Image
+    shot = ui.shots / "rings.png"
+    ui.page.screenshot(path=str(shot))
+    with Image.open(shot) as image:
+        rgb = image.convert("RGB")
+        red = lambda x, y: any(rgb.getpixel((x + dx, y + dy))[0] > 200 and rgb.getpixel((x + dx, y + dy))[1] < 110
+                               for dx in range(-3, 4) for dy in range(-3, 4))  # noqa: E731
+        return [r["name"] for r in rings if red(round(r["x"]), round(r["y"]))]
+
+
+def _show_node_100(ui):
     ui.js(f"""() => {{ const app = {APP}, n = app.graph.getNodeById(100);
         app.canvas.ds.scale = 1; app.canvas.ds.offset = [-n.pos[0] + 360, -n.pos[1] + 160];
         app.canvas.setDirty(true, true); }}""")
     ui.page.wait_for_timeout(800)
+
+
+def test_refused_prompt_names_the_widget_at_fault(ui):
+    """A prompt the pack refuses at queue time: one error per problem, on the widget it starts with, not on the
+    `model` link ComfyUI names (web/node_errors.js); the frontend's message quotes the pack's sentence; the widget
+    is marked (classic: the extension's ring; Nodes 2.0: the frontend's own); the node's panel says the sentences."""
+    ui.close_menus()
+    errors, shown = _queue_refused(ui, _refused_prompt(start_percent=0.8, end_percent=0.2))
+    assert errors == [["start_percent", WINDOW_SENTENCE]], errors  # one problem, one error
+    assert any(WINDOW_SENTENCE in text for text in shown), shown  # quoted, not "couldn't validate a connected node"
+    assert not any("connected node" in text for text in shown), shown
+    _close_dialogs(ui)
+    _show_node_100(ui)
+    assert _marked_widgets(ui) == ["start_percent"]
+    slots = ui.js(f"() => {APP}.graph.getNodeById(100).inputs.filter((i) => i.hasErrors).map((i) => i.name)")
+    assert slots == ["start_percent"], slots  # the frontend's own slot ring (classic: while hovered), not `model`
+    panel = ui.node_state(f"{APP}.graph.getNodeById(100)")["panel"]
+    assert panel and panel[0].replace("\n", " ") == f"\u2717 Refused at queue time: {WINDOW_SENTENCE}", panel
+    _artifact(ui, f"refused-window-{ui.tag}.png")
+
+    # Two problems (policy strict with a backend that cannot run here, and the window): two errors, one each.
+    errors, shown = _queue_refused(ui, _refused_prompt(backend="flash", policy="strict", start_percent=0.8,
+                                                       end_percent=0.2))
+    placed = dict(errors)
+    assert [name for name, _ in errors] == ["start_percent", "backend"], errors
+    assert placed["backend"].startswith("attention backend 'flash' cannot run on this machine (policy strict)")
+    assert placed["start_percent"] == WINDOW_SENTENCE
+    _close_dialogs(ui)
+    _show_node_100(ui)
+    assert sorted(_marked_widgets(ui)) == ["backend", "start_percent"]
     panel = ui.node_state(f"{APP}.graph.getNodeById(100)")["panel"]
     assert panel and panel[0].startswith("\u2717 Refused at queue time:"), panel
-    assert "start_percent, end_percent: start_percent 0.8 is after end_percent 0.2" in panel[0].replace("\n", " ")
+    assert WINDOW_SENTENCE in panel[0].replace("\n", " ")
     assert "backend: attention backend 'flash' cannot run" in panel[0].replace("\n", " "), panel
     _artifact(ui, f"refused-{ui.tag}.png")
-    # Queued again with the window fixed and the policy back to fallback: the refusal leaves the panel.
+    # Queued again with the window fixed and the policy back to fallback: the refusal and the rings leave.
     ui.js(f"""async () => {{ const app = {APP}, n = app.graph.getNodeById(100);
         for (const [name, value] of [['policy', 'fallback'], ['start_percent', 0], ['end_percent', 1]]) {{
             n.widgets.find((w) => w.name === name).value = value; }}
         await app.queuePrompt(0, 1); }}""")
     ui.page.wait_for_function(f"() => {APP}.graph.getNodeById(100)?.attention_dispatch?.summary", timeout=120000)
     assert not ui.js(f"() => {APP}.graph.getNodeById(100).attention_dispatch.refused")
+    ui.frames()
+    assert _marked_widgets(ui) == []
+    _idle(ui.comfy)
+
+
+def test_the_badge_says_who_served_how_many(ui):
+    """Two kernels served one node's calls (native in its step window 0.5..1, ComfyUI's own attention before it):
+    the badge names each with its calls, never "native +1" (issue #48), on the canvas and in the page alike."""
+    prompt = {k: v for k, v in wan_prompt(["native"]).items() if k not in ("20", "21", "22", "23")}
+    prompt["100"]["inputs"].update(start_percent=0.5, end_percent=1.0)
+    _idle(ui.comfy)
+    ui.js(f"""async (p) => {{ const app = {APP}; await app.loadApiJson(p, 'attention_dispatch_two_kernels');
+        await app.queuePrompt(0, 1); }}""", prompt)
+    ui.page.wait_for_function(f"() => {APP}.graph.getNodeById(100)?.attention_dispatch?.summary", timeout=120000)
+    st = ui.node_state(f"{APP}.graph.getNodeById(100)")
+    served = sorted(st["summary"]["served"].items(), key=lambda kv: -kv[1])
+    assert len(served) == 2 and served[0][0] in ("native", *[n for n, _ in served if n.startswith("comfy")]), served
+    mark = "\u2713 " if st["summary"]["level"] == "ok" else "\u26a0 "  # outside its window: a fallback, warned
+    assert st["badge"] == mark + " \u00b7 ".join(f"{name} {n}" for name, n in served), (st["badge"], served)
+    _show_node_100(ui)
+    if ui.mode == "nodes2":
+        shown = ui.js("() => document.querySelector(\"[data-node-id='100']\").innerText")
+        assert st["badge"] in shown, shown
+    _artifact(ui, f"badge-two-kernels-{ui.tag}.png")
+    _idle(ui.comfy)
+
+
+def test_the_sampler_gets_its_height_back_after_tuning(ui):
+    """auto_exact tunes in the sampler's first steps and shows its progress as text on the sampler: the frontend adds
+    a widget for it that makes the node taller and, at the end of the run (1.58; 1.27 and 1.53 keep the text until
+    the next run), removes it; the node is then as tall as before the run again (1.58 classic kept 45 px blank:
+    issue #48)."""
+    prompt = {k: v for k, v in wan_prompt(["auto_exact"]).items() if k not in ("20", "21", "22", "23")}
+    # a latent no other test (or page on this server) has tuned: auto_exact tunes its shape here
+    prompt["4"]["inputs"].update(width=random.randrange(48, 177, 16), height=random.randrange(48, 177, 16))
+    _idle(ui.comfy)
+    ui.js(f"async (p) => {{ await {APP}.loadApiJson(p, 'attention_dispatch_tuning'); }}", prompt)
+    ui.frames()
+    height = f"""() => {{ const n = {APP}.graph.getNodeById(101);
+        const el = document.querySelector("[data-node-id='101']");
+        return el ? el.getBoundingClientRect().height / {APP}.canvas.ds.scale : n.size[1]; }}"""
+    before = ui.js(height)
+    # the page watches the sampler every frame while it runs: the text widget comes and goes within the run
+    ui.js(f"""() => {{ const watch = window.__samplerWatch = {{max: 0, seen: false, on: true}};
+        const height = {height};
+        const look = () => {{ if (!watch.on) return;
+            watch.seen ||= {APP}.graph.getNodeById(101).widgets.some((w) => w.name === '$$node-text-preview');
+            watch.max = Math.max(watch.max, height()); requestAnimationFrame(look); }};
+        look(); }}""")
+    ui.js(f"async () => {{ await {APP}.queuePrompt(0, 1); }}")
+    ui.page.wait_for_function(f"() => {APP}.graph.getNodeById(100)?.attention_dispatch?.summary", timeout=120000)
+    _idle(ui.comfy)
+    gone = ui.js(f"""async () => {{ for (let i = 0; i < 100; i++) {{
+            if (!{APP}.graph.getNodeById(101).widgets.some((w) => w.name === '$$node-text-preview')) return true;
+            await new Promise((r) => setTimeout(r, 100)); }}
+        return false; }}""")
+    ui.page.wait_for_timeout(600)
+    watch = ui.js("() => { window.__samplerWatch.on = false; return window.__samplerWatch; }")
+    after = ui.js(height)
+    _artifact(ui, f"sampler-after-tuning-{ui.tag}.png")
+    assert watch["seen"] and watch["max"] > before + 10, (before, watch)  # the tuning's text grew the sampler
+    if ui.frontend.version.startswith(("1.27.", "1.53.")):
+        assert not gone and after >= watch["max"] - 1, (before, watch, after)  # the text stays, in the room it took
+    else:
+        assert gone and abs(after - before) <= 1, (gone, before, watch, after)
+
+
+def test_the_panel_is_no_parameter(ui):
+    """The panel under the widgets is the extension's own widget: the properties panel (1.53 on) lists the node's
+    inputs, not it (issue #48: 1.53 listed "attention_dispatch_panel" with a menu and no control)."""
+    toggle = "[aria-label='Toggle properties panel']"
+    if not ui.js(f"() => !!document.querySelector({toggle!r})"):
+        pytest.skip(f"frontend {ui.frontend.version} has no properties panel")
+    node_id = ui.add_node()
+    if ui.mode == "nodes2":  # the page's node: a click on its title selects it
+        ui.page.locator(f"[data-node-id='{node_id}']").get_by_text("Set Attention Backend").first.click()
+    else:
+        ui.js(f"() => {{ {APP}.canvas.selectNode(window.__adNode); }}")
+    ui.page.click(toggle)
+    panel = "[data-testid=properties-panel]"
+    try:
+        ui.page.wait_for_function(f"() => document.querySelector({panel!r})?.innerText.includes('quality_guard')",
+                                  timeout=10000)
+        listed = ui.js(f"() => document.querySelector({panel!r}).innerText")
+        _artifact(ui, f"parameters-{ui.tag}.png")
+        assert "guard_every" in listed and "attention_dispatch_panel" not in listed, listed
+    finally:
+        ui.page.click(toggle)
 
 
 def test_no_errors_from_the_extension(ui):
