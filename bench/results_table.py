@@ -288,7 +288,7 @@ def main(argv=None) -> int:
                                                                                indent=1, default=str)) + "\n")
     fill(args.readme, markdown(args.results, png))
     print(f"filled the figures of {args.readme} from {args.results} ({len(found)} files"
-          + ("" if args.no_copy else f", copied beside it") + ")")
+          + ("" if args.no_copy else ", copied beside it") + ")")
     return 0
 
 

@@ -129,12 +129,7 @@ NAMES = ("tc_slow", "tc_fast")
 
 @pytest.fixture
 def backends(monkeypatch):
-    fake_clock.use(monkeypatch, CLOCK)
-    for name, ms in zip(NAMES, (30, 1)):
-        dispatcher.register_backend(name, CLOCK.kernel(ms), devices=("cpu",))
-    forget_warnings()
-    yield NAMES
-    forget_warnings()
+    yield from fake_clock.slow_and_fast(monkeypatch, CLOCK, NAMES)
 
 
 def _key() -> str:

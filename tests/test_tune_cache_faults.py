@@ -15,7 +15,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ import dispatcher
 from dispatcher import AttentionInputs, auto, dispatch_attention_fn
 from dispatcher.auto import Tuner, cache, cache_file, cache_shape
 from dispatcher.auto.fingerprint import fingerprint_key, machine_fingerprint
-from dispatcher.log import forget_warnings
 from helpers import fake_clock
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,12 +34,7 @@ NAMES = ("tcf_slow", "tcf_fast")
 
 @pytest.fixture
 def backends(monkeypatch):
-    fake_clock.use(monkeypatch, CLOCK)
-    for name, ms in zip(NAMES, (30, 1)):
-        dispatcher.register_backend(name, CLOCK.kernel(ms), devices=("cpu",))
-    forget_warnings()
-    yield NAMES
-    forget_warnings()
+    yield from fake_clock.slow_and_fast(monkeypatch, CLOCK, NAMES)
 
 
 def _key() -> str:

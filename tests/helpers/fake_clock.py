@@ -40,3 +40,16 @@ def use(monkeypatch, clock: FakeClock | None = None) -> FakeClock:
     clock = clock if clock is not None else FakeClock()
     monkeypatch.setattr(measure, "now", clock)
     return clock
+
+
+def slow_and_fast(monkeypatch, clock: FakeClock, names: tuple[str, str]):
+    """A fixture's body: on `clock`, register CPU backends `names` taking 30 and 1 ms (exact attention each), with
+    the pack's said-once warnings forgotten before and after; yields the names."""
+    import dispatcher
+    from dispatcher.log import forget_warnings
+    use(monkeypatch, clock)
+    for name, ms in zip(names, (30, 1)):
+        dispatcher.register_backend(name, clock.kernel(ms), devices=("cpu",))
+    forget_warnings()
+    yield names
+    forget_warnings()
