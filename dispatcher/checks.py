@@ -94,12 +94,16 @@ def check_site(site) -> None:
     that raises is demoted for the call's signature, which a bad argument must never cause.
     """
     _check_flags(site.dropout_p, site.is_causal, site.scale, site.enable_gqa, site.return_lse, site.attention_kwargs)
-    for name in ("backend", "policy", "layout", "call_site", "model", "guard"):  # parts of the site's key
-        try:
-            hash(getattr(site, name))
-        except TypeError:
-            raise TypeError(f"{name} must be a string (guard: a (mode, every) tuple) or None; got "
-                            f"{type(getattr(site, name)).__name__}") from None
+    # Parts of the site's key, checked by type rather than by hash(): Dynamo before torch 2.13 cannot trace hash()
+    # of a str, and a site is made inside a compiled model's trace (a graph break on every call there).
+    for name in ("backend", "policy", "layout", "call_site", "model"):
+        value = getattr(site, name)
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a string or None; got {type(value).__name__}")
+    guard = site.guard
+    if guard is not None and not (isinstance(guard, tuple) and len(guard) == 2 and isinstance(guard[0], str)
+                                  and isinstance(guard[1], int)):
+        raise TypeError(f"guard must be a (mode, every) tuple of a string and an int, or None; got {guard!r}")
 
 
 def _check_flags(dropout_p, is_causal, scale, enable_gqa, return_lse, attention_kwargs) -> None:
