@@ -16,6 +16,7 @@ badges-*.png (badges and panels after a run); the tests assert what they show.
 from __future__ import annotations
 
 import json
+import re
 import os
 import random
 import shutil
@@ -246,6 +247,13 @@ def ui(request, tmp_path_factory, frontend_servers):
                 started = time.time()
                 page.page.goto(comfy.url)
                 page.page.wait_for_function(READY, timeout=90000)
+                # The frontend's own start-up graph (1.53: a Z-Image template) is scanned for missing models by
+                # requests that can end after a test loaded its own workflow, and the scan's result then stays:
+                # "Missing Models: qwen_3_4b" counted with a test's own error. Let the start-up requests end first.
+                try:
+                    page.page.wait_for_load_state("networkidle", timeout=30000)
+                except sync_api.TimeoutError:
+                    pass  # a page that keeps polling: the tests that count errors look at what is whose
                 vue = page.js("() => window.LiteGraph?.vueNodesMode === true")
                 assert vue == (mode == "nodes2"), (mode, vue)
                 page.load_seconds = time.time() - started
@@ -392,7 +400,7 @@ def test_panel_never_covers_the_node_below(ui):
         pytest.skip("Nodes 2.0 lays the nodes out in the page, not on the canvas: the panel test there is "
                     "test_dropdown_marks_what_cannot_run_here's and test_report_badge_after_a_prompt's")
     ui.add_node(pos=(220, 60))
-    below = ui.js(f"""() => {{ const app = {APP}; const a = window.__adNode;
+    ui.js(f"""() => {{ const app = {APP}; const a = window.__adNode;
         const b = LiteGraph.createNode('SetAttentionBackend'); app.graph.add(b);
         b.widgets.find((w) => w.name === 'backend').value = 'flash';  // a node with a badge: "⚠ flash unavailable"
         b.pos = [a.pos[0] + 40, a.pos[1] + a.size[1] + LiteGraph.NODE_TITLE_HEIGHT + 10];
@@ -599,6 +607,22 @@ def _queue_refused(ui, prompt):
     return errors, shown
 
 
+def _aggregated_by_others(ui, shown) -> bool:
+    """True when the frontend (1.53, 1.58) shows its aggregate "N errors found" because the page holds issues that
+    are not the pack's (a missing model of another workflow on the page): it then quotes no error's sentence, and
+    its details must list node 100's error once, on start_percent. False when it shows a lone error."""
+    if not any(re.match(r"\d+ errors? found", text) for text in shown):
+        return False
+    ui.js("""() => [...document.querySelectorAll('[data-testid=error-overlay] button')]
+        .forEach((b) => { if (b.innerText.includes('View details')) b.click(); })""")
+    ui.page.wait_for_timeout(1000)
+    details = ui.js("() => document.body.innerText.replace(/\\s+/g, ' ')")
+    assert details.count("Set Attention Backend - start_percent") == 1, details[:3000]
+    assert "Set Attention Backend - model" not in details, details[:3000]
+    assert re.search(r"Missing (Models|Nodes|Inputs)", details), details[:3000]  # the others are not the pack's
+    return True
+
+
 def _close_dialogs(ui):
     ui.js("""() => document.querySelectorAll('.p-dialog-close-button, [data-testid=error-overlay-dismiss]')
         .forEach((b) => b.click())""")
@@ -640,7 +664,8 @@ def test_refused_prompt_names_the_widget_at_fault(ui):
     ui.close_menus()
     errors, shown = _queue_refused(ui, _refused_prompt(start_percent=0.8, end_percent=0.2))
     assert errors == [["start_percent", WINDOW_SENTENCE]], errors  # one problem, one error
-    assert any(WINDOW_SENTENCE in text for text in shown), shown  # quoted, not "couldn't validate a connected node"
+    if not _aggregated_by_others(ui, shown):
+        assert any(WINDOW_SENTENCE in text for text in shown), shown  # quoted, not "couldn't validate a connected node"
     assert not any("connected node" in text for text in shown), shown
     _close_dialogs(ui)
     _show_node_100(ui)
