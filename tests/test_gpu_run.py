@@ -440,8 +440,8 @@ def test_the_carried_wheels_are_installed_on_the_items_path(tmp_path):
 
 def test_results_copied_beside_the_readme_name_no_machine_path():
     """What a GPU machine printed names its own folders; the copies in bench/results name none of them."""
-    text = ("python3 at /opt/torch/.venv/bin/python3 ran /work/main/bench/side_by_side.py into /tmp/gpu-run/results/x, "
-            "recorded in /work/main/kernels.lock.json, log /tmp/sage-build.log, tmp /tmp/pytest-of-root/pytest-2/t0")
+    text = ("python3 at /opt/torch/.venv/bin/python3 ran /home/user/pack/bench/side_by_side.py into /tmp/gpu-run/results/x, "
+            "recorded in /home/user/pack/kernels.lock.json, log /tmp/sage-build.log, tmp /tmp/pytest-of-root/pytest-2/t0")
     assert results_table.scrub(text) == (
         "python3 at <venv>/bin/python3 ran bench/side_by_side.py into <gpu_run work>/results/x, recorded in "
         "kernels.lock.json, log <tmp>/sage-build.log, tmp <pytest tmp>/t0")

@@ -35,7 +35,7 @@ ALLOWED_PATHS = {
     "tests/test_sage_build.py": ("/opt/cuda/bin/nvcc",),  # a stand-in nvcc
     # the GPU machine's paths that results_table.scrub replaces, and its test's input
     "bench/results_table.py": ("/tmp/gpu-run", "/opt/torch/", "/tmp/pytest-of-", "/tmp/("),
-    "tests/test_gpu_run.py": ("/opt/torch/.venv/bin/python3", "/work/main/", "/tmp/gpu-run/", "/tmp/sage-build.log",
+    "tests/test_gpu_run.py": ("/opt/torch/.venv/bin/python3", "/home/user/pack/", "/tmp/gpu-run/", "/tmp/sage-build.log",
                               "/tmp/pytest-of-root/"),
 }
 
