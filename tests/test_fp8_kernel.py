@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from dispatcher import quantise, quantise_kernel
+from helpers import triton_interpreter
 
 INTERPRETER_SCRIPT = r"""
 import json, sys, torch
@@ -74,11 +72,6 @@ print(json.dumps(rows))
 """
 
 
-def _triton_or_skip():
-    triton = pytest.importorskip("triton")
-    return triton
-
-
 def test_the_kernel_gives_the_float64_references_numbers_under_the_interpreter():
     """Triton's CPU interpreter (TRITON_INTERPRET=1, in a process of its own: the switch is read when the kernels
     are defined) runs the kernels on bf16/fp16/fp32, grouped query heads, head dims 32-256, lengths that are not a
@@ -86,15 +79,9 @@ def test_the_kernel_gives_the_float64_references_numbers_under_the_interpreter()
     the reference's but where a float32 value lies within rounding of an e4m3 midpoint (one step, in about 1 value
     in 10^5: 3 of 307,200 on noise with Triton 3.9), the descales within float32 rounding, the means within float32
     summation."""
-    triton = _triton_or_skip()
-    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7):
-        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run the kernels' range() over their integer "
-                    "arguments; the kernels themselves run there on a GPU (tests/gpu/test_gpu_fp8.py)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT, str(Path(__file__).resolve().parents[1])],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    stdout = triton_interpreter.run(INTERPRETER_SCRIPT, "the kernels' range() over their integer arguments; the "
+                                    "kernels themselves run there on a GPU (tests/gpu/test_gpu_fp8.py)")
+    rows = json.loads(stdout.strip().splitlines()[-1])
     for row in rows[:-1]:
         assert row["contiguous"] and row["finite"], row
         assert row["differ"] <= max(4, row["values"] // 20_000) and row["most_steps"] <= 1.0, row
@@ -109,7 +96,7 @@ def test_the_kernels_compile_for_the_h100_and_h200(dtype):
     Triton specialises them for a contiguous head dim (stride 1, the other strides and the pointers multiples of
     16): the reads are 16-byte vector loads, and the cast to e4m3 is the hardware's round-to-nearest conversion of
     values already on the e4m3 grid."""
-    triton = _triton_or_skip()
+    triton = pytest.importorskip("triton")
     import inspect
 
     from triton.backends.compiler import GPUTarget

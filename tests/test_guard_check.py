@@ -5,16 +5,13 @@ NaN/Inf test of the whole output, the rotation of the sampled rows, and the Trit
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from dispatcher import guard, guard_check
 from dispatcher.reference import exact_attention
+from helpers import triton_interpreter
 
 # The smallest bound the guard judges: twice an exact kernel's error_bound (native's 1e-2); quantised ones 1e-1.
 SMALLEST_BOUND = 2e-2
@@ -159,15 +156,9 @@ def test_the_triton_kernel_agrees_with_the_torch_path_under_the_interpreter():
     """The Triton kernel, run on the CPU by Triton's interpreter (TRITON_INTERPRET=1; in a process of its own, since
     the switch is read when the kernel is defined): the same error terms as the torch path on bf16/fp16, causal,
     grouped heads, BHSD, head dims 8-128, several key splits; a NaN in the last element of the output is seen."""
-    triton = pytest.importorskip("triton")
-    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7):
-        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot run the kernel's range() over tensor bounds; the "
-                    "kernel itself runs there on a GPU (tests/gpu/test_gpu_guard.py, H200, torch 2.11 + Triton 3.6)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(Path(__file__).resolve().parents[1])],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5, done.stdout
+    stdout = triton_interpreter.run(TRITON_SCRIPT, "the kernel's range() over tensor bounds; the kernel itself runs "
+                                    "there on a GPU (tests/gpu/test_gpu_guard.py, H200, torch 2.11 + Triton 3.6)")
+    assert float(stdout.strip().splitlines()[-1]) < 1e-5, stdout
 
 
 @pytest.mark.parametrize("dtype, causal", [("bf16", False), ("fp16", True)])

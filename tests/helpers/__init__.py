@@ -10,4 +10,5 @@ Imported as `helpers.<module>`: pyproject.toml's `pythonpath` puts tests/ on sys
 - fake_hub: a local stand-in for the Hugging Face Hub
 - install_runner: a script that runs the real install.py in a fresh interpreter
 - gloo_ranks: spawning gloo ranks for the context-parallel tests
+- triton_interpreter: a script run by Triton's CPU interpreter, in a process of its own
 """

@@ -13,6 +13,7 @@ import contextlib
 import glob
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -22,6 +23,30 @@ from helpers import comfyui
 
 # tests/ is on sys.path through pyproject.toml's `pythonpath`.
 from integration.conftest import comfy, main_py, require_comfyui, serve_comfyui  # noqa: F401  (comfy: a fixture)
+
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def _missing(message: str):
+    """A browser test asked for (COMFYUI_PATH set) that cannot run is a failure, not a pass by skipping."""
+    pytest.fail(f"COMFYUI_PATH is set, so the browser tests must run, but {message}", pytrace=False)
+
+
+def playwright_for(frontend):
+    """Playwright's sync API for a page of `frontend`: a failure when Playwright or Chromium is missing, a skip when
+    no ComfyUI was given (`frontend` None)."""
+    try:
+        from playwright import sync_api
+    except ImportError:
+        _missing("the playwright Python package is not installed (pip install playwright; never its browsers)")
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        _missing(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set CHROMIUM)")
+    if frontend is None:
+        pytest.skip(comfyui.SKIP_REASON)
+    return sync_api
+
 
 # The user-visible switch of the Vue node mode; 1.27's setting of that id is hidden (a keybinding toggles it).
 NODES2_NAME = "Modern Node Design (Nodes 2.0)"

@@ -16,9 +16,9 @@ badges-*.png (badges and panels after a run); the tests assert what they show.
 from __future__ import annotations
 
 import json
-import re
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -27,15 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import comfyui
-
-from .conftest import frontend_params
+from .conftest import ARGS, CHROMIUM, frontend_params, playwright_for
 
 pytestmark = pytest.mark.integration
 
-CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SETTINGS = {"policy": "AttentionDispatch.DefaultPolicy", "show": "AttentionDispatch.ShowUnavailableBackends",
             "toast": "AttentionDispatch.FallbackToast"}
 APP = "window.comfyAPI.app.app"
@@ -53,11 +48,6 @@ ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 
 def _screenshot_target() -> Path:
     return Path(os.environ.get("ATTN_DISPATCH_SCREENSHOT") or ARTIFACTS / "web-report.png")
-
-
-def _missing(message: str):
-    """A browser test asked for (COMFYUI_PATH set) that cannot run is a failure, not a pass by skipping."""
-    pytest.fail(f"COMFYUI_PATH is set, so the browser tests must run, but {message}", pytrace=False)
 
 
 def _cond(seed):
@@ -220,14 +210,7 @@ def _post_setting(comfy, key, value):
 @pytest.fixture(scope="module", params=frontend_params())
 def ui(request, tmp_path_factory, frontend_servers):
     frontend, mode = request.param
-    try:
-        from playwright import sync_api
-    except ImportError:
-        _missing("the playwright Python package is not installed (pip install playwright; never its browsers)")
-    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
-        _missing(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set CHROMIUM)")
-    if frontend is None:
-        pytest.skip(comfyui.SKIP_REASON)
+    sync_api = playwright_for(frontend)
     comfy = frontend_servers(frontend)  # after the checks: no ComfyUI start when the browser is missing
     # A fresh user dir opens the "Get Started with a Template" dialog over the canvas: mark it seen. The node mode is
     # a user setting, read when the page loads.

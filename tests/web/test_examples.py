@@ -32,16 +32,13 @@ import pytest
 from helpers import comfyui
 from helpers.tiny_checkpoint import SOURCE as MAKE_CHECKPOINT
 
-from .conftest import frontend_params
+from .conftest import ARGS, CHROMIUM, frontend_params, playwright_for
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "example_workflows"
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts" / "examples"
-CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 APP = "window.comfyAPI.app.app"
 VIEW = (1600, 1000)
 GAP_X, GAP_Y = 60, 50  # between columns; between nodes of a column (under the title bar)
@@ -60,10 +57,6 @@ def models_named() -> dict[str, set[str]]:
             for model in node.get("properties", {}).get("models", []):
                 found.setdefault(model["directory"], set()).add(model["name"])
     return found
-
-
-def _missing(message: str):
-    pytest.fail(f"COMFYUI_PATH is set, so the browser tests must run, but {message}", pytrace=False)
 
 
 MADE: set[str] = set()  # the servers (base folders) that have the tiny checkpoint
@@ -111,14 +104,7 @@ def _newest_version() -> str:
 @pytest.fixture(scope="module", params=frontend_params())
 def page(request, frontend_servers):
     frontend, mode = request.param
-    try:
-        from playwright import sync_api
-    except ImportError:
-        _missing("the playwright Python package is not installed (pip install playwright; never its browsers)")
-    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
-        _missing(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set CHROMIUM)")
-    if frontend is None:
-        pytest.skip(comfyui.SKIP_REASON)
+    sync_api = playwright_for(frontend)
     comfy = frontend_servers(frontend)
     profile = tempfile.mkdtemp(prefix="attn-dispatch-examples-")
     try:
